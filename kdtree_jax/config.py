@@ -1,0 +1,499 @@
+"""Model configuration read from an HF `config.json` (flat DeepSeek-V3 / Kimi K2, or the K2.5/K2.6 wrapper).
+
+One frozen dataclass, `ModelConfig`, carries every architecture field the forward needs; `from_hf_dict` is the
+only place that knows the HF field names and layouts, and every missing or inconsistent field is a
+`ConfigError` that names it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that is missing a field or whose fields disagree; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """DeepSeek YaRN parameters (`rope_scaling` with type/rope_type "yarn"); factor 1 = plain RoPE."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How the checkpoint's linear weights are stored: none (bf16/fp32), fp8 blocks, or INT4 pack-quantized."""
+
+    method: str = "none"  # "none" | "fp8" | "compressed-tensors"
+    weight_block_size: tuple[int, int] = (128, 128)  # fp8
+    num_bits: int = 4  # compressed-tensors
+    group_size: int = 32  # compressed-tensors
+    ignore: tuple[str, ...] = ()  # compressed-tensors: module names / "re:" regexes left unquantized
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None  # None: direct q_proj (DeepSeek-V2-Lite style)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int  # dense-layer SwiGLU width
+    moe_intermediate_size: int  # routed / shared expert width
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    moe_layer_freq: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    quantization: QuantConfig = QuantConfig()
+    tensor_prefix: str = "model."  # "language_model.model." for the K2.5/K2.6 wrapper
+    lm_head_name: str = "lm_head.weight"  # "language_model.lm_head.weight" for the wrapper
+
+    # ---- derived -------------------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token per layer in the absorbed-MLA cache: c_kv (after norm) + k_pe (after rope)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def yarn_mscale(self) -> float:
+        """m = 0.1 * mscale_all_dim * ln(factor) + 1 (1 when factor <= 1 or mscale_all_dim == 0)."""
+        return yarn_get_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
+
+    @property
+    def softmax_scale(self) -> float:
+        """(Dn + Dr)^-0.5 * m^2: belongs to the logical 192-dim head, also in the absorbed form."""
+        return self.qk_head_dim**-0.5 * self.yarn_mscale**2
+
+    @property
+    def rope_amplitude(self) -> float:
+        """cos/sin multiplier mscale(factor, mscale) / mscale(factor, mscale_all_dim); 1.0 for Kimi targets."""
+        rs = self.rope_scaling
+        return yarn_get_mscale(rs.factor, rs.mscale) / yarn_get_mscale(rs.factor, rs.mscale_all_dim)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.eos_token_id
+
+    # ---- HF I/O --------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
+        return _from_hf_dict(raw, source)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: config.json not found")
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return _from_hf_dict(raw, path)
+
+    def to_hf_dict(self, *, wrapped: bool = False) -> dict[str, Any]:
+        """The HF config.json this config reads back from (flat K2 layout, or the K2.5/K2.6 wrapper)."""
+        rs = self.rope_scaling
+        text = {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "kimi_k2",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "n_shared_experts": self.n_shared_experts,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "moe_layer_freq": self.moe_layer_freq,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "topk_method": self.topk_method,
+            "scoring_func": self.scoring_func,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "norm_topk_prob": self.norm_topk_prob,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None
+            if rs.factor == 1.0
+            else {
+                "type": "yarn",
+                "factor": rs.factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+                "beta_fast": rs.beta_fast,
+                "beta_slow": rs.beta_slow,
+                "mscale": rs.mscale,
+                "mscale_all_dim": rs.mscale_all_dim,
+            },
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "num_nextn_predict_layers": 0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id),
+            "torch_dtype": "bfloat16",
+        }
+        quant = _quant_to_hf(self.quantization)
+        if not wrapped:
+            if quant is not None:
+                text["quantization_config"] = quant
+            return text
+        text["model_type"] = "kimi_k2"
+        text.pop("architectures")
+        if quant is not None:
+            text["quantization_config"] = quant
+        return {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": text["eos_token_id"],
+            "pad_token_id": self.vocab_size - 1,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": text,
+            "vision_config": {"hidden_size": 32, "num_hidden_layers": 1},
+        }
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+_REQUIRED_INT = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "intermediate_size",
+)
+_MOE_INT = ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
+
+
+def _from_hf_dict(raw: dict[str, Any], source: str) -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: top level must be a JSON object")
+    wrapped = "text_config" in raw
+    text = raw["text_config"] if wrapped else raw
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: field 'text_config' must be an object")
+    where = f"{source}: {'text_config.' if wrapped else ''}"
+
+    def get(name: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
+        if name not in text or text[name] is None:
+            if default is dataclasses.MISSING:
+                raise ConfigError(f"{where}{name} is missing")
+            return default
+        value = text[name]
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}{name} must be true/false, got {value!r}")
+            return value
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{where}{name} must be a non-negative integer, got {value!r}")
+            return value
+        if kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"{where}{name} must be a number, got {value!r}")
+            return float(value)
+        if kind is str:
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}{name} must be a string, got {value!r}")
+            return value
+        raise TypeError(kind)
+
+    fields: dict[str, Any] = {name: get(name, int) for name in _REQUIRED_INT}
+    n_routed = get("n_routed_experts", int, 0)
+    for name in _MOE_INT:
+        fields[name] = get(name, int) if n_routed else get(name, int, 0)
+    fields["q_lora_rank"] = get("q_lora_rank", int, None)
+    fields["n_shared_experts"] = get("n_shared_experts", int, 0)
+    fields["first_k_dense_replace"] = get("first_k_dense_replace", int, 0)
+    fields["moe_layer_freq"] = get("moe_layer_freq", int, 1)
+    fields["n_group"] = get("n_group", int, 1)
+    fields["topk_group"] = get("topk_group", int, 1)
+    fields["topk_method"] = get("topk_method", str, "noaux_tc")
+    fields["scoring_func"] = get("scoring_func", str, "sigmoid")
+    fields["routed_scaling_factor"] = get("routed_scaling_factor", float, 1.0)
+    fields["norm_topk_prob"] = get("norm_topk_prob", bool, False)
+    fields["rope_theta"] = get("rope_theta", float, 10000.0)
+    fields["max_position_embeddings"] = get("max_position_embeddings", int)
+    fields["rms_norm_eps"] = get("rms_norm_eps", float, 1e-6)
+    fields["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    fields["bos_token_id"] = text.get("bos_token_id", raw.get("bos_token_id"))
+    eos = text.get("eos_token_id", raw.get("eos_token_id"))
+    fields["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    fields["rope_scaling"] = _rope_scaling(text.get("rope_scaling"), where)
+    quant_raw = text.get("quantization_config", raw.get("quantization_config"))
+    fields["quantization"] = _quant_from_hf(quant_raw, where)
+    if wrapped:
+        fields["tensor_prefix"] = "language_model.model."
+        fields["lm_head_name"] = "language_model.lm_head.weight"
+    act = text.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where}hidden_act {act!r} is not supported (only 'silu')")
+    cfg = ModelConfig(**fields)
+    _check_consistent(cfg, where)
+    return cfg
+
+
+def _rope_scaling(rs: Any, where: str) -> RopeScaling:
+    if rs is None:
+        return RopeScaling()
+    if not isinstance(rs, dict):
+        raise ConfigError(f"{where}rope_scaling must be an object or null")
+    kind = rs.get("type", rs.get("rope_type"))
+    if kind not in ("yarn", "deepseek_yarn"):
+        raise ConfigError(f"{where}rope_scaling.type {kind!r} is not supported (only 'yarn')")
+    out = {}
+    for name, default in dataclasses.asdict(RopeScaling()).items():
+        value = rs.get(name, default)
+        if name == "factor" and "factor" not in rs:
+            raise ConfigError(f"{where}rope_scaling.factor is missing")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}rope_scaling.{name} must be a number, got {value!r}")
+        out[name] = int(value) if name == "original_max_position_embeddings" else float(value)
+    if out["factor"] < 1.0:
+        raise ConfigError(f"{where}rope_scaling.factor must be >= 1, got {out['factor']}")
+    return RopeScaling(**out)
+
+
+def _quant_from_hf(q: Any, where: str) -> QuantConfig:
+    if q is None:
+        return QuantConfig()
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where}quantization_config must be an object")
+    method = q.get("quant_method")
+    if method == "fp8":
+        fmt = q.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ConfigError(f"{where}quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+        block = q.get("weight_block_size", [128, 128])
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ConfigError(f"{where}quantization_config.weight_block_size must be [rows, cols], got {block!r}")
+        return QuantConfig(method="fp8", weight_block_size=tuple(block))
+    if method == "compressed-tensors":
+        fmt = q.get("format")
+        if fmt != "pack-quantized":
+            raise ConfigError(f"{where}quantization_config.format {fmt!r} is not supported (only 'pack-quantized')")
+        groups = q.get("config_groups") or {}
+        if len(groups) != 1:
+            raise ConfigError(f"{where}quantization_config.config_groups must hold exactly one group")
+        weights = next(iter(groups.values())).get("weights") or {}
+        bits, gs = weights.get("num_bits"), weights.get("group_size")
+        if bits != 4 or weights.get("type", "int") != "int" or not weights.get("symmetric", True):
+            raise ConfigError(f"{where}quantization_config weights must be symmetric int4, got {weights!r}")
+        if weights.get("strategy", "group") != "group" or not isinstance(gs, int) or gs <= 0 or gs % 8:
+            raise ConfigError(f"{where}quantization_config weights.group_size must be a multiple of 8, got {gs!r}")
+        return QuantConfig(method="compressed-tensors", num_bits=4, group_size=gs, ignore=tuple(q.get("ignore", [])))
+    raise ConfigError(
+        f"{where}quantization_config.quant_method {method!r} is not supported (fp8 or compressed-tensors)"
+    )
+
+
+def _quant_to_hf(q: QuantConfig) -> dict[str, Any] | None:
+    if q.method == "none":
+        return None
+    if q.method == "fp8":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(q.weight_block_size),
+        }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "kv_cache_scheme": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": q.num_bits,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": q.group_size,
+                    "dynamic": False,
+                    "observer": "minmax",
+                    "actorder": None,
+                    "block_structure": None,
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": list(q.ignore),
+    }
+
+
+def _check_consistent(cfg: ModelConfig, where: str) -> None:
+    def bad(field: str, why: str) -> ConfigError:
+        return ConfigError(f"{where}{field} {why}")
+
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                 "qk_rope_head_dim", "v_head_dim"):
+        if getattr(cfg, name) <= 0:
+            raise bad(name, "must be > 0")
+    if cfg.qk_rope_head_dim % 2:
+        raise bad("qk_rope_head_dim", f"must be even (rotated in pairs), got {cfg.qk_rope_head_dim}")
+    if cfg.first_k_dense_replace > cfg.num_hidden_layers:
+        raise bad("first_k_dense_replace", f"({cfg.first_k_dense_replace}) exceeds num_hidden_layers "
+                  f"({cfg.num_hidden_layers})")
+    if cfg.moe_layer_freq < 1:
+        raise bad("moe_layer_freq", "must be >= 1")
+    if cfg.n_routed_experts:
+        if cfg.num_experts_per_tok < 1 or cfg.num_experts_per_tok > cfg.n_routed_experts:
+            raise bad("num_experts_per_tok", f"({cfg.num_experts_per_tok}) must be in 1..n_routed_experts "
+                      f"({cfg.n_routed_experts})")
+        if cfg.n_group < 1 or cfg.n_routed_experts % cfg.n_group:
+            raise bad("n_group", f"({cfg.n_group}) must divide n_routed_experts ({cfg.n_routed_experts})")
+        if not 1 <= cfg.topk_group <= cfg.n_group:
+            raise bad("topk_group", f"({cfg.topk_group}) must be in 1..n_group ({cfg.n_group})")
+        per_group = cfg.n_routed_experts // cfg.n_group
+        if cfg.n_group > 1 and per_group < 2:
+            raise bad("n_group", "leaves fewer than 2 experts per group (group score = sum of top-2)")
+        if cfg.topk_group * per_group < cfg.num_experts_per_tok:
+            raise bad("topk_group", f"({cfg.topk_group}) keeps {cfg.topk_group * per_group} experts, fewer than "
+                      f"num_experts_per_tok ({cfg.num_experts_per_tok})")
+        if cfg.moe_intermediate_size <= 0:
+            raise bad("moe_intermediate_size", "must be > 0")
+        if cfg.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise bad("topk_method", f"{cfg.topk_method!r} is not supported")
+        if cfg.scoring_func not in ("sigmoid", "softmax"):
+            raise bad("scoring_func", f"{cfg.scoring_func!r} is not supported (sigmoid or softmax)")
+    if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
+        raise bad("q_lora_rank", "must be > 0 or null")
+    if cfg.tie_word_embeddings:
+        raise bad("tie_word_embeddings", "is true; DeepSeek-V3/Kimi checkpoints have an untied lm_head")
+    for t in cfg.eos_token_id:
+        if not 0 <= t < cfg.vocab_size:
+            raise bad("eos_token_id", f"{t} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+
+
+def tiny(**overrides: Any) -> ModelConfig:
+    """A small Kimi-shaped config for tests: 1 dense + 2 MoE layers, grouped routing, YaRN."""
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_theta=50000.0,
+        rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                                 mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=(2,),
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def kimi_k2_6() -> ModelConfig:
+    """Kimi K2.6 text-model shapes (for abstract sizing and full-width benchmarks; no weights here)."""
+    return ModelConfig(
+        vocab_size=163840,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=64,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_routed_experts=384,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        norm_topk_prob=True,
+        rope_theta=50000.0,
+        rope_scaling=RopeScaling(factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-5,
+        bos_token_id=163584,
+        eos_token_id=(163586,),
+        quantization=QuantConfig(
+            method="compressed-tensors",
+            ignore=("re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+                    "re:.*lm_head.*", "re:vision_tower.*", "re:mm_projector.*"),
+        ),
+        tensor_prefix="language_model.model.",
+        lm_head_name="language_model.lm_head.weight",
+    )

@@ -1,0 +1,62 @@
+"""Shared test setup: 8 simulated CPU devices, markers, kernel mode (interpret on CPU, compiled on GPU)."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax is imported
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--kernel-mode",
+        choices=("auto", "interpret", "compiled"),
+        default=os.environ.get("KERNEL_MODE", "auto"),
+        help="Pallas kernels: auto = compiled on GPU, interpret on CPU",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    torch_ok = _has_torch()
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(pytest.mark.skip(reason="no GPU backend"))
+        if "multidevice" in item.keywords and jax.device_count() < 8:
+            item.add_marker(pytest.mark.skip(reason="needs 8 devices"))
+        if "torch" in item.keywords and not torch_ok:
+            item.add_marker(pytest.mark.skip(reason="torch/transformers not installed"))
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture
+def interpret(request) -> bool:
+    """True: run Pallas kernels in interpret mode; False: compiled (Triton backend, GPU only)."""
+    mode = request.config.getoption("--kernel-mode")
+    if mode == "auto":
+        mode = "compiled" if ON_GPU else "interpret"
+    if mode == "compiled" and not ON_GPU:
+        pytest.skip("compiled Pallas needs a GPU")
+    return mode == "interpret"
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data every run; the seed is printed on failure so a case can be replayed."""
+    import numpy as np
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
