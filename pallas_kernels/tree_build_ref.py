@@ -1,0 +1,76 @@
+"""Numpy reference for `tree_build`: the paper's best-first heap (DDTree Alg. 1) with Python `heapq`, per request.
+
+Written independently of the kernel (a real heap keyed on `(-score, rank path)` instead of the kernel's
+argmax-over-frontier with order keys) so agreement is evidence, not a tautology. The tie rule and the float32
+score arithmetic are the ones documented in `pallas_kernels/tree_build.py`:
+  - equal score -> lexicographically smaller 0-based rank path first; a prefix before its extensions;
+  - score(entry) = parent_score + lp[depth-1][rank], one float32 add, root score 0.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import NamedTuple
+
+import numpy as np
+
+
+class TreeNp(NamedTuple):
+    """Host-side tree, same fields and padding as `tree_build.Tree`."""
+
+    tokens: np.ndarray  # [Bt, N] int32; slot 0 = root token, pads 0
+    parents: np.ndarray  # [Bt, N] int32; root and pads -1
+    depths: np.ndarray  # [Bt, N] int32; root and pads 0
+    n_nodes: np.ndarray  # [Bt] int32; non-root real nodes
+    vis: np.ndarray  # [Bt, N, N] bool; ancestor-or-self, pad rows see only themselves
+
+
+def build_one(lp: np.ndarray, ids: np.ndarray, root: int, budget: int):
+    """One request. lp, ids: [D, K]. Returns (tokens [N], parents [N], depths [N], n_nodes, vis [N, N])."""
+    lp = np.asarray(lp, np.float32)
+    depth_cap, k = lp.shape
+    n = 1 + budget
+    tokens = np.zeros(n, np.int32)
+    parents = np.full(n, -1, np.int32)
+    depths = np.zeros(n, np.int32)
+    tokens[0] = root
+    heap = []
+    if budget > 0 and depth_cap > 0 and k > 0:
+        s0 = np.float32(0.0) + lp[0, 0]
+        # (-score, rank path, depth, rank, parent slot, parent score); rank paths are unique, so the compare
+        # never looks past the path.
+        heap.append((-float(s0), (0,), 1, 0, 0, np.float32(0.0)))
+    count = 0
+    while heap and count < budget:
+        neg, path, depth, rank, parent, pscore = heapq.heappop(heap)
+        score = np.float32(-neg)
+        count += 1
+        tokens[count] = ids[depth - 1, rank]
+        parents[count] = parent
+        depths[count] = depth
+        if rank + 1 < k:
+            s = np.float32(pscore + lp[depth - 1, rank + 1])
+            heapq.heappush(heap, (-float(s), path[:-1] + (rank + 1,), depth, rank + 1, parent, pscore))
+        if depth < depth_cap:
+            s = np.float32(score + lp[depth, 0])
+            heapq.heappush(heap, (-float(s), path + (0,), depth + 1, 0, count, score))
+    vis = np.eye(n, dtype=bool)
+    for i in range(1, count + 1):  # parent < child, so one pass in slot order closes it
+        vis[i] |= vis[parents[i]]
+    return tokens, parents, depths, count, vis
+
+
+def tree_build_ref(lp, ids, root, *, budget: int) -> TreeNp:
+    """Batched reference. lp [Bt, D, K] f32, ids [Bt, D, K] int, root [Bt] int."""
+    lp, ids, root = np.asarray(lp, np.float32), np.asarray(ids), np.asarray(root)
+    outs = [build_one(lp[b], ids[b], int(root[b]), budget) for b in range(lp.shape[0])]
+    tokens, parents, depths, n_nodes, vis = (np.stack(x) for x in zip(*outs))
+    return TreeNp(tokens, parents, depths, n_nodes.astype(np.int32), vis)
+
+
+def topk_logprobs_ref(logits, k: int):
+    """float64 log-softmax over the full vocab, top-k with lower index first on ties (as `jax.lax.top_k`)."""
+    x = np.asarray(logits, np.float64)
+    m = x.max(-1, keepdims=True)
+    logz = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    return np.take_along_axis(x, order, -1) - logz, order.astype(np.int32)
