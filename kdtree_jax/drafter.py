@@ -1,0 +1,432 @@
+"""DFlash block-diffusion drafter (Flax NNX): one non-causal pass over [bonus, MASK x (L-1)] conditioned on target
+features injected as extra K/V in every layer (ddtree_algorithm.md §6.1).
+
+Layout of one `draft` call for request b (positions = cache rows):
+    context rows  [0, length[b])                    cached K/V (post k_norm, post rope)
+    new context   [length[b], length[b] + n_ctx[b]) K/V from hidden_norm(fc(ctx_hidden)), written to the cache
+    block         length_new[b] + arange(L)         queries; their K/V are used and thrown away
+The token embedding and lm_head belong to the target and are passed in. z-lab HF layout load/save at the end.
+
+Axes: Bt batch, C new context rows, S cache capacity, L block, H hidden, F feature width, Hq / Hk query / kv
+heads, G = Hq / Hk, Dh head dim, V vocab.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from kdtree_jax.drafter_config import DrafterConfig
+
+Embed = jax.Array | Callable[[jax.Array], jax.Array]  # [V, H] table or tokens -> [..., H]
+Head = jax.Array | Callable[[jax.Array], jax.Array]  # [H, V] matrix or [..., H] -> [..., V]
+_F32 = jnp.float32
+_NEG = float(np.finfo(np.float32).min)
+
+
+# ---- modules -------------------------------------------------------------------------------------------------
+class Linear(nnx.Module):
+    """y = x @ kernel, kernel [in, out] (HF stores weight [out, in]); fp32 accumulation."""
+
+    def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs, param_dtype: Any, compute_dtype: Any):
+        init = jax.random.normal(rngs.params(), (d_in, d_out), _F32) * d_in**-0.5
+        self.kernel = nnx.Param(init.astype(param_dtype))
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,io->...o", x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype),
+                       preferred_element_type=_F32)
+        return y.astype(self.compute_dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Qwen3RMSNorm: normalise in fp32, cast back, scale by weight."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: Any):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(_F32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * self.weight[...].astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, param_dtype: Any, compute_dtype: Any):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        hq, hk, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, hq * dh, **kw)
+        self.k_proj = Linear(cfg.hidden_size, hk * dh, **kw)
+        self.v_proj = Linear(cfg.hidden_size, hk * dh, **kw)
+        self.o_proj = Linear(hq * dh, cfg.hidden_size, **kw)
+        self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.n_heads, self.n_kv, self.head_dim = hq, hk, dh
+
+    def kv(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """x [Bt, T, H] -> K (k_norm, rope) and V, each [Bt, T, Hk, Dh]."""
+        k = self.k_proj(x).reshape(*x.shape[:-1], self.n_kv, self.head_dim)
+        v = self.v_proj(x).reshape(*x.shape[:-1], self.n_kv, self.head_dim)
+        return apply_rope(self.k_norm(k), *rope), v
+
+    def __call__(self, h: jax.Array, rope_q: tuple[jax.Array, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
+                 visible: jax.Array) -> jax.Array:
+        """h [Bt, Lq, H] block rows; ctx_k/v [Bt, S, Hk, Dh]; visible [Bt, Lq, S + Lq] over [ctx ; block] keys."""
+        bt, lq, _ = h.shape
+        q = apply_rope(self.q_norm(self.q_proj(h).reshape(bt, lq, self.n_heads, self.head_dim)), *rope_q)
+        kb, vb = self.kv(h, rope_q)
+        k = jnp.concatenate([ctx_k.astype(kb.dtype), kb], axis=1)  # [Bt, S+Lq, Hk, Dh]
+        v = jnp.concatenate([ctx_v.astype(vb.dtype), vb], axis=1)
+        q = q.reshape(bt, lq, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [Bt, Lq, Hk, G, Dh]
+        s = jnp.einsum("bqhgd,bshd->bhgqs", q, k, preferred_element_type=_F32) * self.head_dim**-0.5
+        s = jnp.where(visible[:, None, None], s, _NEG)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bhgqs,bshd->bqhgd", p.astype(v.dtype), v, preferred_element_type=_F32)
+        return self.o_proj(o.reshape(bt, lq, self.n_heads * self.head_dim).astype(h.dtype))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, param_dtype: Any, compute_dtype: Any):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, param_dtype: Any, compute_dtype: Any):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.self_attn = Attention(cfg, **kw)
+        self.mlp = MLP(cfg, **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+
+    def __call__(self, x, rope_q, ctx_k, ctx_v, visible):
+        x = x + self.self_attn(self.input_layernorm(x), rope_q, ctx_k, ctx_v, visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nnx.Module):
+    """Own weights of a z-lab `DFlashDraftModel`; attribute names mirror the HF tensor names."""
+
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
+                 compute_dtype: Any = jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        self.fc = Linear(cfg.feature_dim, cfg.hidden_size, **kw)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, **kw) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+
+    def context(self, target_hidden: jax.Array) -> jax.Array:
+        """[..., F] target features -> [..., H] injected context, shared by all layers."""
+        return self.hidden_norm(self.fc(target_hidden.astype(self.compute_dtype)))
+
+    def embed_block(self, tokens: jax.Array, embed: Embed) -> jax.Array:
+        x = embed(tokens) if callable(embed) else jnp.take(embed, tokens, axis=0)
+        return (x.astype(_F32) * self.cfg.input_embedding_scale).astype(self.compute_dtype)
+
+    def logits(self, h: jax.Array, lm_head: Head) -> jax.Array:
+        """Final norm + the target's lm_head (+ optional multiplier / softcap from dflash_config), fp32."""
+        h = self.norm(h)
+        if callable(lm_head):
+            out = lm_head(h).astype(_F32)
+        else:
+            out = jnp.einsum("...h,hv->...v", h, lm_head.astype(h.dtype), preferred_element_type=_F32)
+        out = out * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        return jnp.tanh(out / cap) * cap if cap else out
+
+
+# ---- rotary --------------------------------------------------------------------------------------------------
+def rope_tables(cfg: DrafterConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [...] int -> cos, sin [..., Dh] fp32 (NeoX halves, YaRN amplitude folded in)."""
+    inv_freq = jnp.asarray(cfg.inv_freq, _F32)  # [Dh/2]
+    angles = positions.astype(_F32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles) * cfg.rope_amplitude, jnp.sin(angles) * cfg.rope_amplitude
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [Bt, T, heads, Dh]; cos/sin [Bt, T, Dh]. HF `rotate_half` convention."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(_F32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
+
+
+def _window_mask(cfg: DrafterConfig, layer: int, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array | None:
+    """Per-layer position rule, q_pos [Bt, Lq], k_pos [Bt, K] -> [Bt, Lq, K] or None (all visible).
+
+    Sliding layer with window W: key visible iff q - W < k < q + W (flash-attn window (W-1, W-1), which is what
+    the reference drafter runs; the upper bound only bites inside the block when W < L). Causal layers add k <= q.
+    """
+    window, causal = cfg.window(layer), cfg.layer_causal(layer)
+    if window is None and not causal:
+        return None
+    q, k = q_pos[:, :, None], k_pos[:, None, :]
+    ok = jnp.ones(jnp.broadcast_shapes(q.shape, k.shape), bool)
+    if window is not None:
+        ok &= k > q - window
+        if not causal:
+            ok &= k < q + window
+    if causal:
+        ok &= k <= q
+    return ok
+
+
+def _run_layers(drafter: DFlashDrafter, x: jax.Array, q_pos: jax.Array, base_visible: jax.Array,
+                k_pos: jax.Array, ctx_kv: Callable[[int], tuple[jax.Array, jax.Array]]) -> jax.Array:
+    """The decoder stack over block rows x [Bt, Lq, H]. base_visible [Bt, Lq, S+Lq] is the layer-independent mask;
+    k_pos [Bt, S+Lq] the key positions; ctx_kv(i) gives layer i's context K/V [Bt, S, Hk, Dh]."""
+    rope_q = rope_tables(drafter.cfg, q_pos)
+    for i, layer in enumerate(drafter.layers):
+        rule = _window_mask(drafter.cfg, i, q_pos, k_pos)
+        visible = base_visible if rule is None else base_visible & rule
+        ctx_k, ctx_v = ctx_kv(i)
+        x = layer(x, rope_q, ctx_k, ctx_v, visible)
+    return x
+
+
+# ---- inference: context cache + one block ---------------------------------------------------------------------
+@flax.struct.dataclass
+class DrafterCache:
+    k: jax.Array  # [n_layers, Bt, S, Hk, Dh] context keys after k_norm and rope; row = position
+    v: jax.Array  # [n_layers, Bt, S, Hk, Dh] context values
+    length: jax.Array  # [Bt] int32 committed context rows (= committed tokens, bonus excluded)
+
+    @classmethod
+    def zeros(cls, cfg: DrafterConfig, batch: int, capacity: int, dtype: Any = jnp.bfloat16) -> "DrafterCache":
+        shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+def draft(drafter: DFlashDrafter, cache: DrafterCache, ctx_hidden: jax.Array, n_ctx: jax.Array, bonus: jax.Array,
+          embed: Embed, lm_head: Head, *, mask_token_id: int | None = None) -> tuple[jax.Array, DrafterCache]:
+    """One drafter pass: commit n_ctx[b] new context rows, draft depths 1..L-1.
+
+    ctx_hidden [Bt, C, F] (rows >= n_ctx[b] are padding: never written, never seen), n_ctx [Bt], bonus [Bt].
+    Returns logits [Bt, L-1, V] fp32 and the cache with length + n_ctx (block K/V are not stored). Rows that would
+    land at or past the cache capacity are dropped, so the engine must keep length + n_ctx <= capacity.
+    """
+    cfg = drafter.cfg
+    mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
+    bt, c, _ = ctx_hidden.shape
+    L, cap = cfg.block_size, cache.capacity
+    n_ctx = n_ctx.astype(jnp.int32)
+    length_new = cache.length + n_ctx  # [Bt]
+
+    offs = jnp.arange(c, dtype=jnp.int32)
+    ctx_pos = cache.length[:, None] + offs  # [Bt, C]
+    rows = jnp.where(offs < n_ctx[:, None], ctx_pos, cap)  # padding rows -> out of range -> dropped
+    batch_idx = jnp.arange(bt)[:, None]
+    ctx = drafter.context(ctx_hidden)  # [Bt, C, H]
+    rope_ctx = rope_tables(cfg, ctx_pos)
+
+    new_k, new_v = [], []
+    for layer in drafter.layers:
+        k, v = layer.self_attn.kv(ctx, rope_ctx)  # [Bt, C, Hk, Dh]
+        new_k.append(k)
+        new_v.append(v)
+    # [n_layers, Bt, C, Hk, Dh] scattered to rows length[b] + j; padding rows are dropped
+    ks = cache.k.at[:, batch_idx, rows].set(jnp.stack(new_k).astype(cache.k.dtype), mode="drop")
+    vs = cache.v.at[:, batch_idx, rows].set(jnp.stack(new_v).astype(cache.v.dtype), mode="drop")
+
+    block_pos = length_new[:, None] + jnp.arange(L, dtype=jnp.int32)  # [Bt, L]
+    cache_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (bt, cap))
+    k_pos = jnp.concatenate([cache_pos, block_pos], axis=1)  # [Bt, S+L]
+    ctx_ok = cache_pos < length_new[:, None]  # [Bt, S]
+    base_visible = jnp.concatenate([jnp.broadcast_to(ctx_ok[:, None], (bt, L, cap)), jnp.ones((bt, L, L), bool)],
+                                   axis=-1)  # [Bt, L, S+L]
+    tokens = jnp.concatenate([bonus.astype(jnp.int32)[:, None], jnp.full((bt, L - 1), mask_id, jnp.int32)], 1)
+    x = drafter.embed_block(tokens, embed)
+    h = _run_layers(drafter, x, block_pos, base_visible, k_pos, lambda i: (ks[i], vs[i]))
+    return drafter.logits(h[:, 1:], lm_head), DrafterCache(k=ks, v=vs, length=length_new)
+
+
+# ---- training forward -----------------------------------------------------------------------------------------
+def train_logits(drafter: DFlashDrafter, target_hidden: jax.Array, tokens: jax.Array, anchors: jax.Array,
+                 embed: Embed, lm_head: Head, mask_token_id: int | None = None) -> jax.Array:
+    """All blocks of a sequence in one pass: target_hidden [Bt, T, F], tokens [Bt, T], anchors [Bt, n] ->
+    logits [Bt, n, L-1, V] fp32. Block j = [tokens[a_j], MASK x (L-1)] at positions a_j..a_j+L-1; it sees context
+    features at positions < a_j and its own rows, never other blocks (equal to `draft` with a cache of [0, a_j))."""
+    cfg = drafter.cfg
+    mask_id = cfg.mask_token_id if mask_token_id is None else mask_token_id
+    bt, t, _ = target_hidden.shape
+    n, L = anchors.shape[1], cfg.block_size
+    anchors = anchors.astype(jnp.int32)
+
+    block_tok = jnp.concatenate([jnp.take_along_axis(tokens.astype(jnp.int32), anchors, axis=1)[..., None],
+                                 jnp.full((bt, n, L - 1), mask_id, jnp.int32)], axis=-1).reshape(bt, n * L)
+    block_pos = (anchors[..., None] + jnp.arange(L, dtype=jnp.int32)).reshape(bt, n * L)
+    block_id = jnp.repeat(jnp.arange(n), L)  # [n*L]
+    ctx_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bt, t))
+    row_anchor = jnp.repeat(anchors, L, axis=1)  # [Bt, n*L]
+    ctx_ok = ctx_pos[:, None, :] < row_anchor[:, :, None]  # [Bt, n*L, T]
+    same_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (bt, n * L, n * L))
+    base_visible = jnp.concatenate([ctx_ok, same_block], axis=-1)  # [Bt, n*L, T+n*L]
+    k_pos = jnp.concatenate([ctx_pos, block_pos], axis=1)
+
+    ctx = drafter.context(target_hidden)
+    rope_ctx = rope_tables(cfg, ctx_pos)
+    x = drafter.embed_block(block_tok, embed)
+    h = _run_layers(drafter, x, block_pos, base_visible, k_pos,
+                    lambda i: drafter.layers[i].self_attn.kv(ctx, rope_ctx))
+    h = h.reshape(bt, n, L, -1)[:, :, 1:]
+    return drafter.logits(h, lm_head)
+
+
+# ---- z-lab HF layout ----------------------------------------------------------------------------------------------
+def hf_param_names(cfg: DrafterConfig) -> Iterator[tuple[str, tuple[str | int, ...], bool]]:
+    """(HF tensor name, module path, is_linear) for every drafter weight; linear weights are [out, in] in HF."""
+    yield "fc.weight", ("fc",), True
+    yield "hidden_norm.weight", ("hidden_norm",), False
+    for i in range(cfg.num_hidden_layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            yield f"layers.{i}.self_attn.{proj}.weight", ("layers", i, "self_attn", proj), True
+        for norm in ("q_norm", "k_norm"):
+            yield f"layers.{i}.self_attn.{norm}.weight", ("layers", i, "self_attn", norm), False
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield f"layers.{i}.{norm}.weight", ("layers", i, norm), False
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            yield f"layers.{i}.mlp.{proj}.weight", ("layers", i, "mlp", proj), True
+    yield "norm.weight", ("norm",), False
+
+
+def _module_at(drafter: DFlashDrafter, path: tuple[str | int, ...]) -> nnx.Module:
+    mod: Any = drafter
+    for part in path:
+        mod = mod[part] if isinstance(part, int) else getattr(mod, part)
+    return mod
+
+
+def _param(mod: nnx.Module, is_linear: bool) -> nnx.Param:
+    return mod.kernel if is_linear else mod.weight
+
+
+def hf_tensors(drafter: DFlashDrafter) -> dict[str, np.ndarray]:
+    """Drafter weights as z-lab HF tensors ([out, in]), in the parameter dtype."""
+    out = {}
+    for name, path, is_linear in hf_param_names(drafter.cfg):
+        value = np.asarray(_param(_module_at(drafter, path), is_linear)[...])
+        out[name] = np.ascontiguousarray(value.T) if is_linear else value
+    return out
+
+
+def set_hf_tensors(drafter: DFlashDrafter, tensors: dict[str, np.ndarray], *, source: str = "tensors",
+                   files: dict[str, str] | None = None) -> None:
+    """Load z-lab HF tensors into `drafter` in place; missing / unexpected / mis-shaped tensors raise naming them
+    (and the file each came from, when `files` maps tensor name -> file)."""
+    files = files or {}
+    expected = {name for name, _, _ in hf_param_names(drafter.cfg)}
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected:
+        raise ValueError(f"{files.get(unexpected[0], source)}: unexpected drafter tensors {unexpected[:8]} "
+                         "(not a plain DFlashDraftModel?)")
+    for name, path, is_linear in hf_param_names(drafter.cfg):
+        if name not in tensors:
+            raise ValueError(f"{source}: drafter tensor {name!r} is missing")
+        param = _param(_module_at(drafter, path), is_linear)
+        want = param.shape[::-1] if is_linear else param.shape
+        value = tensors[name]
+        if tuple(value.shape) != tuple(want):
+            raise ValueError(f"{files.get(name, source)}: drafter tensor {name!r} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(want)} (from config.json)")
+        value = np.asarray(value)
+        if value.dtype != param.dtype:
+            value = value.astype(np.float32)
+        param.set_value(jnp.asarray(value.T if is_linear else value, dtype=param.dtype))
+
+
+def _read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """All tensors of an HF safetensors dir (single file or sharded with model.safetensors.index.json), and the file
+    each came from. Plain safetensors suffices: drafters are never quantized."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .safetensors files")
+    tensors: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    for fname in files:
+        fpath = os.path.join(path, fname)
+        if not os.path.isfile(fpath):
+            raise FileNotFoundError(f"{fpath}: listed in the index but missing")
+        with safe_open(fpath, framework="np") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+                origin[name] = fpath
+    return tensors, origin
+
+
+def load_drafter(path: str | os.PathLike, dtype: Any = jnp.bfloat16, *, compute_dtype: Any = None,
+                 yarn_amplitude: str = "hf", sliding_causal: bool = False) -> DFlashDrafter:
+    """A z-lab drafter dir (config.json + safetensors) -> DFlashDrafter with params in `dtype`."""
+    path = os.fspath(path)
+    cfg = DrafterConfig.from_json(path, yarn_amplitude=yarn_amplitude, sliding_causal=sliding_causal)
+    tensors, files = _read_safetensors(path)
+    return drafter_from_hf_tensors(cfg, tensors, dtype, compute_dtype=compute_dtype, source=path, files=files)
+
+
+def drafter_from_hf_tensors(cfg: DrafterConfig, tensors: dict[str, np.ndarray], dtype: Any = jnp.bfloat16, *,
+                            compute_dtype: Any = None, source: str = "tensors",
+                            files: dict[str, str] | None = None) -> DFlashDrafter:
+    """Build the module abstractly (no random init) and fill it from z-lab HF tensors."""
+    drafter = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0), param_dtype=dtype,
+                                                   compute_dtype=compute_dtype or dtype))
+    set_hf_tensors(drafter, tensors, source=source, files=files)
+    return drafter
+
+
+def save_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, path: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors in z-lab layout; atomic (temp dir in the same parent, then rename)."""
+    from safetensors.numpy import save_file
+
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp", dir=parent)
+    try:
+        tensors = {}
+        for name, value in hf_tensors(drafter).items():
+            keep = value.dtype in (np.float32, np.float16) or value.dtype == ml_dtypes.bfloat16
+            tensors[name] = np.ascontiguousarray(value if keep else value.astype(np.float32))
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        hf = cfg.to_hf_dict()
+        hf["torch_dtype"] = "bfloat16" if any(t.dtype == ml_dtypes.bfloat16 for t in tensors.values()) else "float32"
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        old = None
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old", dir=parent)
+            os.rename(path, os.path.join(old, "d"))
+        os.rename(tmp, path)
+        if old:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
