@@ -1,0 +1,293 @@
+"""Absorbed-MLA tree attention for DDTree verify as a Pallas Triton kernel (flash-style, split-K).
+
+Every query row (node n, head h) attends to the request's latent cache rows [0, prefix_len) and to the tree rows
+its mask row allows. The KV side is one shared 576-wide latent head (MQA: c_kv | k_pe), so the (N, H) query rows
+are flattened to R_q = N*H rows and processed as 2-D tiles of `block_q` rows; each KV block of `block_k` latents
+is loaded once per tile and feeds both dots: scores = q_lat·c_kv + q_pe·k_pe (two power-of-two dots, 512 + 64),
+values = c_kv itself (see kimi_k2_format.md §3.6).
+
+Grid (query tiles, splits, Bt), tiles fastest: the programs resident at once are mostly tiles of one request and
+split, so they share its KV blocks through L2 (what makes large trees compute-bound, not HBM-bound). Split j
+walks its share of the prefix blocks (a dynamic trip count from prefix_len, so a short prefix in a long cache costs
+only its own blocks); the last split with work also walks the tree blocks. With one split the kernel normalises
+and writes the output; with several (chosen when Bt * tiles alone would leave SMs idle) each active split writes
+(normalised output, log-sum-exp) and a second small kernel merges the active ones (flash-decoding). Splits read
+>= MIN_SPLIT_ROWS cache rows each, so a short prefix uses few of them and idle splits neither compute nor write.
+
+Triton constraints and how they are met (jax_stack.md §2.3):
+  - power-of-two tiles only: R and rope dims are padded to powers of two >= 16 in the wrapper only when they are not
+    already (never for K2's 512 + 64); row counts need no padding because the last query tile / KV block is
+    shifted back to end at the array's end (the overlap is masked for KV and written twice with equal values
+    for queries), so no load ever leaves its array.
+  - no value gathers: the tree mask of a tile's rows (node = row // H) is fetched as a one-hot [block_q, M] x
+    [M, block_k] dot over the M mask rows the tile can touch (0/1 values are exact in bf16).
+  - masked scores never produce NaN: probabilities of masked keys are selected to 0, and a row that sees nothing
+    keeps l = 0 and writes 0. Cache rows past prefix_len must be finite (they are multiplied by p = 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
+
+NEG = -1e30  # finite "minus infinity" for the running max: NEG - NEG = 0, never inf - inf
+MIN_DOT = 16  # smallest dot dimension Triton handles well
+DEFAULT_BLOCK_Q = 64  # query rows per tile (one node x 64 heads for K2)
+DEFAULT_BLOCK_K = 32  # latent rows per KV block: q (64x576) + 2 pipelined K tiles fit the 227 KiB of SMEM
+SM_COUNT = 132  # H200; splits aim for about one program per SM
+MIN_SPLIT_ROWS = 1024  # a split reads at least this many cache rows, so partial outputs stay small vs the cache
+COMBINE_ROWS = 16  # query rows per program of the split combine (keeps its fp32 tile in registers)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static tiling of one call (all sizes in elements)."""
+
+    r: int  # value width (padded kv_lora_rank)
+    dr: int  # rope width (padded)
+    heads: int  # H: query rows n*H .. n*H+H-1 belong to node n
+    rows: int  # flattened query rows (N*H, or 16 when smaller)
+    seq: int  # cache rows (S, or 16 when smaller)
+    tree: int  # tree rows padded to a multiple of block_k
+    mask_rows: int  # tree-mask rows after padding (every tile can read `sel` rows from its first node)
+    sel: int  # mask rows one query tile can touch, padded to a power of two >= 16
+    block_q: int
+    block_k: int
+    n_q: int  # query tiles
+    n_splits: int
+    min_split_blocks: int  # prefix blocks an active split reads at least
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1)
+
+
+def _online_update(carry, q_lat, q_pe, k_lat, k_pe, valid, *, scale, precision):
+    """One flash step: fold a KV block (k_lat [bk, r], k_pe [bk, dr], valid [bq or 1, bk]) into (o, m, l)."""
+    o, m, l = carry  # [bq, r] f32, [bq] f32, [bq] f32
+    nt = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
+    s = lax.dot_general(q_lat, k_lat, nt, precision=precision, preferred_element_type=jnp.float32)
+    s += lax.dot_general(q_pe, k_pe, nt, precision=precision, preferred_element_type=jnp.float32)
+    s = jnp.where(valid, s * scale, NEG)  # [bq, bk]
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)  # [bq, bk]
+    corr = jnp.exp(m - m_new)
+    pv = jnp.dot(p.astype(k_lat.dtype), k_lat, precision=precision, preferred_element_type=jnp.float32)
+    return o * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
+
+
+def _split_range(prefix, j, plan: _Plan):
+    """Prefix blocks [lo, hi) of split j, and how many splits have work (>= 1: the last active one owns the tree).
+
+    Each active split reads at least `min_split_blocks` blocks, so a short prefix in a long cache uses few splits
+    and idle splits write nothing (the combine reads only the active ones).
+    """
+    n_blocks = pl.cdiv(prefix, plan.block_k)
+    per_split = jnp.maximum(pl.cdiv(n_blocks, plan.n_splits), plan.min_split_blocks)
+    n_active = jnp.maximum(pl.cdiv(n_blocks, per_split), 1)
+    lo = j * per_split
+    return lo, jnp.minimum(n_blocks, lo + per_split), n_active
+
+
+def _kernel(plen_ref, q_ref, cache_ref, tree_ref, mask_ref, *out_refs, plan: _Plan, scale: float, precision):
+    # plen_ref [Bt] i32 | q_ref [rows, r+dr] | cache_ref [seq, r+dr] | tree_ref [tree, r+dr]
+    # mask_ref [mask_rows, tree] int8
+    # out_refs: (out [rows, r]) with one split, else (o [rows, r] f32, lse [rows] f32) of this split
+    i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    prefix = plen_ref[b]
+    lo, hi, n_active = _split_range(prefix, j, plan)
+    attend = functools.partial(_attend, q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi,
+                               j == n_active - 1, plan=plan, scale=scale, precision=precision)
+    if plan.n_splits == 1:
+        attend()
+    else:
+        pl.when(j < n_active)(attend)
+
+
+def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi, with_tree, *, plan: _Plan,
+            scale: float, precision):
+    """Query tile i over prefix blocks [lo, hi) (+ the tree blocks if with_tree); writes this split's result."""
+    bq, bk, r, dr = plan.block_q, plan.block_k, plan.r, plan.dr
+    r0 = jnp.minimum(i * bq, plan.rows - bq)  # the last tile ends at the last row
+    q_lat = q_ref[pl.ds(r0, bq), pl.ds(0, r)]  # [bq, r]
+    q_pe = q_ref[pl.ds(r0, bq), pl.ds(r, dr)]  # [bq, dr]
+    step = functools.partial(_online_update, q_lat=q_lat, q_pe=q_pe, scale=scale, precision=precision)
+    carry = (jnp.zeros((bq, r), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
+
+    def prefix_block(blk, carry):
+        start = jnp.minimum(blk * bk, plan.seq - bk)  # the last block ends at the last row; overlap masked below
+        k_lat = cache_ref[pl.ds(start, bk), pl.ds(0, r)]  # [bk, r]
+        k_pe = cache_ref[pl.ds(start, bk), pl.ds(r, dr)]  # [bk, dr]
+        idx = start + jnp.arange(bk, dtype=jnp.int32)
+        valid = ((idx >= blk * bk) & (idx < prefix))[None, :]  # [1, bk]
+        return step(carry, k_lat=k_lat, k_pe=k_pe, valid=valid)
+
+    carry = lax.fori_loop(lo, hi, prefix_block, carry)
+
+    n0 = r0 // plan.heads  # first node of the tile
+    node = (r0 + jnp.arange(bq, dtype=jnp.int32)) // plan.heads - n0  # [bq] in 0..sel-1
+    one_hot = (node[:, None] == jnp.arange(plan.sel, dtype=jnp.int32)[None, :]).astype(jnp.bfloat16)  # [bq, sel]
+
+    def tree_block(t, carry):
+        k_lat = tree_ref[pl.ds(t * bk, bk), pl.ds(0, r)]  # [bk, r]
+        k_pe = tree_ref[pl.ds(t * bk, bk), pl.ds(r, dr)]  # [bk, dr]
+        mask = mask_ref[pl.ds(n0, plan.sel), pl.ds(t * bk, bk)].astype(jnp.bfloat16)  # [sel, bk] 0/1
+        valid = jnp.dot(one_hot, mask, preferred_element_type=jnp.float32) > 0.5  # [bq, bk]: row's node mask
+        return step(carry, k_lat=k_lat, k_pe=k_pe, valid=valid)
+
+    o, m, l = lax.fori_loop(0, jnp.where(with_tree, plan.tree // bk, 0), tree_block, carry)
+
+    seen = l > 0.0
+    o = o / jnp.where(seen, l, 1.0)[:, None]  # rows that saw nothing have o = 0
+    if plan.n_splits == 1:
+        (out_ref,) = out_refs
+        out_ref[pl.ds(r0, bq), :] = o.astype(out_ref.dtype)
+    else:
+        o_ref, lse_ref = out_refs
+        o_ref[pl.ds(r0, bq), :] = o
+        lse_ref[pl.ds(r0, bq)] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)
+
+
+def _combine_kernel(plen_ref, o_ref, lse_ref, out_ref, *, plan: _Plan):
+    # plen_ref [Bt] i32 | o_ref [n_splits, rows, r] f32 | lse_ref [n_splits, rows] f32 | out_ref [rows, r]
+    """Merge the active splits' normalised outputs by their log-sum-exps (flash-decoding reduction)."""
+    i, b = pl.program_id(0), pl.program_id(1)
+    bq = COMBINE_ROWS
+    r0 = jnp.minimum(i * bq, plan.rows - bq)
+    _, _, n_active = _split_range(plen_ref[b], 0, plan)
+
+    def split(j, carry):
+        acc, m, l = carry  # [bq, r], [bq], [bq]: sum_j exp(lse_j - m) o_j and sum_j exp(lse_j - m)
+        lse = lse_ref[j, pl.ds(r0, bq)]
+        m_new = jnp.maximum(m, lse)
+        corr, w = jnp.exp(m - m_new), jnp.exp(lse - m_new)  # a split that saw nothing has o = 0
+        return acc * corr[:, None] + w[:, None] * o_ref[j, pl.ds(r0, bq), :], m_new, l * corr + w
+
+    init = (jnp.zeros((bq, plan.r), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, n_active, split, init)
+    out_ref[pl.ds(r0, bq), :] = (acc / l[:, None]).astype(out_ref.dtype)  # l >= 1: the top split has weight 1
+
+
+def _pad_latent(x, r, r_pad, dr_pad):
+    """[..., r + dr] -> [..., r_pad + dr_pad]: zero-pad the value part and the rope part separately."""
+    widths = [(0, 0)] * (x.ndim - 1)
+    lat = jnp.pad(x[..., :r], widths + [(0, r_pad - r)])
+    pe = jnp.pad(x[..., r:], widths + [(0, dr_pad - (x.shape[-1] - r))])
+    return jnp.concatenate([lat, pe], axis=-1)
+
+
+def _pad_axis(x, axis, size):
+    """Zero-pad one axis to `size`; returns x itself when nothing is missing (never copies the cache for K2)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank):
+    if q.ndim != 4:
+        raise ValueError(f"verify_attn: q must be [Bt, N, H, A], got shape {q.shape}")
+    bt, n, _, a = q.shape
+    expect = {"cache": (cache, (bt, None, a)), "prefix_len": (prefix_len, (bt,)),
+              "tree_kv": (tree_kv, (bt, n, a)), "tree_mask": (tree_mask, (bt, n, n))}
+    for name, (x, shape) in expect.items():
+        if x.ndim != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape)):
+            raise ValueError(f"verify_attn: {name} must have shape {shape} (None = any) for q {q.shape}, "
+                             f"got {x.shape}")
+    if not 0 < kv_lora_rank < a:
+        raise ValueError(f"verify_attn: kv_lora_rank={kv_lora_rank} must be in 1..A-1 (A={a}, the rest is rope)")
+    if cache.dtype != q.dtype:
+        raise ValueError(f"verify_attn: cache dtype {cache.dtype} must equal q dtype {q.dtype} (no cache copy)")
+    if q.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
+        raise ValueError(f"verify_attn: q dtype {q.dtype} must be bfloat16, float16 or float32")
+    if not jnp.issubdtype(prefix_len.dtype, jnp.integer):
+        raise ValueError(f"verify_attn: prefix_len must be integer, got {prefix_len.dtype}")
+
+
+def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits) -> _Plan:
+    rows, seq = max(n * h, MIN_DOT), max(s, MIN_DOT)
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk is not None and (blk < MIN_DOT or blk != next_pow2(blk)):
+            raise ValueError(f"verify_attn: {name}={blk} must be a power of two >= {MIN_DOT}")
+    bq = min(block_q or DEFAULT_BLOCK_Q, _prev_pow2(rows))
+    bk = min(block_k or DEFAULT_BLOCK_K, _prev_pow2(seq))
+    n_q = pl.cdiv(rows, bq)
+    min_split_blocks = 1  # an explicit num_splits divides any prefix over all of them (tests, tuning)
+    if num_splits is None:
+        num_splits = min(pl.cdiv(SM_COUNT, bt * n_q), max(1, s // MIN_SPLIT_ROWS))
+        min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, bk)
+    if num_splits < 1:
+        raise ValueError(f"verify_attn: num_splits={num_splits} must be >= 1")
+    sel = next_pow2(max(MIN_DOT, (bq - 1) // h + 2))  # nodes a tile of bq rows starting anywhere can span
+    tree = pl.cdiv(n, bk) * bk
+    return _Plan(r=r_pad, dr=dr_pad, heads=h, rows=rows, seq=seq, tree=tree, mask_rows=pl.cdiv(rows, h) + sel,
+                 sel=sel, block_q=bq, block_k=bk, n_q=n_q, n_splits=num_splits,
+                 min_split_blocks=min_split_blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "block_k", "block_q", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
+def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int,
+                block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
+                num_warps: int | None = None, num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
+    """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
+
+    q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
+    [0, prefix_len[b]) (clipped to S); tree_kv [Bt, N, A] the tree's own latents; tree_mask [Bt, N, N] bool.
+    Tuning knobs (all optional): block_k / block_q (powers of two >= 16); num_splits (split-K programs per query
+    tile; default: enough to fill ~one wave of SMs, each reading >= MIN_SPLIT_ROWS rows; an explicit value divides
+    every prefix over all of them); num_warps / num_stages (Triton).
+    """
+    _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank)
+    interpret = resolve_interpret(interpret)
+    bt, n, h, a = q.shape
+    s, r, dr = cache.shape[1], kv_lora_rank, a - kv_lora_rank
+    r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
+    plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits)
+
+    tree_kv = tree_kv.astype(q.dtype)
+    q2 = q.reshape(bt, n * h, a)  # [Bt, N*H, A]: row n*H + h
+    if (r_pad, dr_pad) != (r, dr):  # tiny configs only; K2's 512 + 64 needs no copy
+        q2, cache, tree_kv = (_pad_latent(x, r, r_pad, dr_pad) for x in (q2, cache, tree_kv))
+    q2 = _pad_axis(q2, 1, plan.rows)  # [Bt, rows, A']
+    cache = _pad_axis(cache, 1, plan.seq)  # [Bt, seq, A']
+    tree_kv = _pad_axis(tree_kv, 1, plan.tree)  # [Bt, tree, A']
+    mask = _pad_axis(_pad_axis(tree_mask.astype(jnp.int8), 2, plan.tree), 1, plan.mask_rows)  # [Bt, mask_rows, tree]
+    prefix_len = jnp.clip(prefix_len.astype(jnp.int32), 0, s)
+
+    ap = r_pad + dr_pad
+    full = lambda *shape: pl.BlockSpec((None, *shape), lambda i, j, b: (b,) + (0,) * len(shape))  # noqa: E731
+    in_specs = [pl.BlockSpec((bt,), lambda i, j, b: (0,)), full(plan.rows, ap), full(plan.seq, ap),
+                full(plan.tree, ap), full(plan.mask_rows, plan.tree)]
+    if plan.n_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((bt, plan.rows, r_pad), q.dtype)
+        out_specs = full(plan.rows, r_pad)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((bt, plan.n_splits, plan.rows, r_pad), jnp.float32),
+                     jax.ShapeDtypeStruct((bt, plan.n_splits, plan.rows), jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, plan.rows, r_pad), lambda i, j, b: (b, j, 0, 0)),
+                     pl.BlockSpec((None, None, plan.rows), lambda i, j, b: (b, j, 0)))
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+    if num_warps is None:
+        num_warps = 8 if plan.block_q * plan.r >= 64 * 256 else 4  # big fp32 accumulators need more registers
+    kernel = functools.partial(_kernel, plan=plan, scale=float(scale), precision=precision)
+    res = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                      grid=(plan.n_q, plan.n_splits, bt), in_specs=in_specs, out_specs=out_specs,
+                      out_shape=out_shape, name="verify_attn")(prefix_len, q2, cache, tree_kv, mask)
+    if plan.n_splits > 1:  # -> [Bt, rows, r_pad]
+        res = pallas_call(functools.partial(_combine_kernel, plan=plan), interpret=interpret, num_warps=4,
+                          num_stages=num_stages, grid=(pl.cdiv(plan.rows, COMBINE_ROWS), bt),
+                          in_specs=[pl.BlockSpec((bt,), lambda i, b: (0,)),
+                                    pl.BlockSpec((None, plan.n_splits, plan.rows, r_pad), lambda i, b: (b, 0, 0, 0)),
+                                    pl.BlockSpec((None, plan.n_splits, plan.rows), lambda i, b: (b, 0, 0))],
+                          out_specs=pl.BlockSpec((None, plan.rows, r_pad), lambda i, b: (b, 0, 0)),
+                          out_shape=jax.ShapeDtypeStruct((bt, plan.rows, r_pad), q.dtype),
+                          name="verify_attn_combine")(prefix_len, *res)
+    return res[:, : n * h, :r].reshape(bt, n, h, r)

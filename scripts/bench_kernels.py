@@ -1,0 +1,272 @@
+"""Kernel benchmark on one GPU: verify_attn at Kimi K2 sizes against ceilings measured in the same run, then the
+tree kernels (`scripts/bench_tree_kernels.py`, when present).
+
+    python scripts/bench_kernels.py [--quick] [--out results.json] [--heads 64 8] [--tune]
+
+verify_attn: bf16, H heads, A = 512 + 64, N = 1 (AR) and 1 + B tree slots, batch 1/8/64, prefix 1k..32k; the
+cache capacity is fixed per (batch, N) and the prefix length is a runtime value, as in the engine, so one compile
+serves every prefix. Bytes moved = the cache prefix read once per request + q + out + tree latents/mask;
+FLOPs = 2 * N*H * (prefix + N) * (A + R). Ceilings: a 2 GiB elementwise copy (read + write bytes) and an 8192^3
+bf16 matmul. "% copy" = achieved bandwidth / copy bandwidth (the target is >= 60% where the call is memory-bound,
+i.e. AR); "% roofline" = max(bytes / copy bw, FLOPs / matmul peak) / time, the fair figure for trees, which are
+compute-bound (intensity ~ 2*N*H flop per cache byte, far above the ~190 flop/byte machine balance).
+`--tune` times a few (block_q, block_k, warps, stages) choices on representative shapes instead.
+On a CPU backend it runs a tiny smoke sweep in the Pallas interpreter (numbers meaningless; checks the script).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import inspect
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.verify_attn import verify_attn  # noqa: E402
+
+SCALE = 0.1446796  # K2.6 softmax scale (kimi_k2_format.md §1)
+MIN_BENCH_S = 0.3  # keep timing a shape until this much time is spent (after at least MIN_REPS calls)
+MIN_REPS, MAX_REPS = 3, 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    batches: tuple[int, ...]
+    nodes: tuple[int, ...]  # N = 1 (AR) or 1 + B
+    prefixes: tuple[int, ...]
+    r: int = 512
+    dr: int = 64
+    dtype: str = "bfloat16"
+    copy_bytes: int = 2 << 30
+    matmul_n: int = 8192
+
+
+FULL = Sweep(batches=(1, 8, 64), nodes=(1, 17, 65, 257), prefixes=(1024, 2048, 4096, 8192, 16384, 32768))
+QUICK = Sweep(batches=(1, 8), nodes=(1, 17), prefixes=(1024, 8192))
+CPU_SMOKE = Sweep(batches=(1, 2), nodes=(1, 5), prefixes=(40, 100), r=32, dr=8, dtype="float32",
+                  copy_bytes=16 << 20, matmul_n=256)
+TUNE_SHAPES = ((64, 1, 8192), (8, 17, 8192), (1, 257, 8192))  # (batch, N, prefix)
+TUNE_CONFIGS = (  # (block_q, block_k, num_warps, num_stages)
+    (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 4, 2), (64, 64, 8, 2), (64, 16, 8, 3), (32, 32, 4, 2),
+    (32, 64, 4, 3), (128, 16, 8, 2),
+)
+
+
+def median_s(fn) -> float:
+    """Median wall time of fn() after warm-up, each call synchronised with block_until_ready."""
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    times = []
+    while len(times) < MIN_REPS or (sum(times) < MIN_BENCH_S and len(times) < MAX_REPS):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_ceiling(nbytes: int) -> float:
+    """Bytes/s of a large device-to-device elementwise copy (x * s, s a runtime 1): read + write counted."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    one = jnp.asarray(1.0, jnp.bfloat16)
+    f = jax.jit(lambda x, s: x * s)
+    return 2 * x.nbytes / median_s(lambda: f(x, one))
+
+
+def matmul_peak(n: int) -> float:
+    """FLOP/s of an n^3 bf16 matmul through XLA."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / median_s(lambda: f(a))
+
+
+def ancestor_masks(rng, bt: int, n: int) -> np.ndarray:
+    """[bt, n, n] ancestor-or-self masks of random trees (parent slot < child slot)."""
+    vis = np.broadcast_to(np.eye(n, dtype=bool), (bt, n, n)).copy()
+    for i in range(1, n):
+        parents = rng.integers(0, i, bt)
+        vis[:, i] |= vis[np.arange(bt), parents]
+    return vis
+
+
+def make_inputs(sweep: Sweep, bt: int, n: int, h: int, capacity: int, seed: int):
+    dtype = jnp.dtype(sweep.dtype)
+    a = sweep.r + sweep.dr
+    kq, kc, kt = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (bt, n, h, a), dtype)  # [Bt, N, H, A]
+    cache = jax.random.normal(kc, (bt, capacity, a), dtype)  # [Bt, S, A]
+    tree_kv = jax.random.normal(kt, (bt, n, a), dtype)  # [Bt, N, A]
+    mask = jnp.asarray(ancestor_masks(np.random.default_rng(seed), bt, n))  # [Bt, N, N]
+    return q, cache, tree_kv, mask
+
+
+def reference_row0(q, cache, prefix: int, tree_kv, mask, r: int) -> jax.Array:
+    """fp32 jnp attention for request 0 only (cheap enough at every size): -> [N, H, R]."""
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    keys = jnp.concatenate([cache[0, :prefix], tree_kv[0]], axis=0).astype(f32)  # [P + N, A]
+    vis = jnp.concatenate([jnp.ones((q.shape[1], prefix), bool), mask[0]], axis=1)  # [N, P + N]
+    s = jnp.einsum("nha,ka->nhk", q[0].astype(f32), keys, precision=hi) * SCALE
+    p = jax.nn.softmax(jnp.where(vis[:, None, :], s, -jnp.inf), axis=-1)
+    return jnp.einsum("nhk,kr->nhr", p, keys[:, :r], precision=hi)
+
+
+def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool) -> list[dict]:
+    rows = []
+    a, r = sweep.r + sweep.dr, sweep.r
+    for h in heads:
+        for n in sweep.nodes:
+            for bt in sweep.batches:
+                capacity = max(sweep.prefixes) + n
+                q, cache, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n)
+                call = jax.jit(lambda q, c, p, t, m: verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r,
+                                                                 interpret=interpret))
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(call(q, cache, jnp.full((bt,), sweep.prefixes[0], jnp.int32), tree_kv,
+                                                 mask))
+                compile_s = time.perf_counter() - t0
+                err = 0.0  # request 0 vs an fp32 jnp reference at the shortest and the longest prefix
+                for prefix in (min(sweep.prefixes), max(sweep.prefixes)):
+                    got = call(q, cache, jnp.full((bt,), prefix, jnp.int32), tree_kv, mask)[0].astype(jnp.float32)
+                    want = reference_row0(q, cache, prefix, tree_kv, mask, r)
+                    err = max(err, float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)))
+                for prefix in sweep.prefixes:
+                    plen = jnp.full((bt,), prefix, jnp.int32)
+                    sec = median_s(lambda: call(q, cache, plen, tree_kv, mask))
+                    itemsize = jnp.dtype(sweep.dtype).itemsize
+                    nbytes = (bt * prefix * a * itemsize + q.nbytes + out.nbytes + tree_kv.nbytes + mask.nbytes)
+                    flops = 2 * bt * n * h * (prefix + n) * (a + r)
+                    rows.append(dict(kernel="verify_attn", batch=bt, nodes=n, heads=h, prefix=prefix, ms=sec * 1e3,
+                                     bytes=nbytes, flops=flops, gbps=nbytes / sec / 1e9, tflops=flops / sec / 1e12,
+                                     rel_err_row0=err, first_call_s=compile_s))
+                del q, cache, tree_kv, mask, out
+    return rows
+
+
+def tune(sweep: Sweep, heads: int, interpret: bool) -> list[dict]:
+    rows = []
+    r = sweep.r
+    for bt, n, prefix in TUNE_SHAPES:
+        q, cache, tree_kv, mask = make_inputs(sweep, bt, n, heads, prefix + n, seed=7)
+        plen = jnp.full((bt,), prefix, jnp.int32)
+        want = reference_row0(q, cache, prefix, tree_kv, mask, r)
+        for bq, bk, warps, stages in TUNE_CONFIGS:
+            row = dict(batch=bt, nodes=n, heads=heads, prefix=prefix, block_q=bq, block_k=bk, num_warps=warps,
+                       num_stages=stages)
+            call = jax.jit(lambda q, c, p, t, m, bq=bq, bk=bk, w=warps, st=stages: verify_attn(
+                q, c, p, t, m, scale=SCALE, kv_lora_rank=r, block_q=bq, block_k=bk, num_warps=w, num_stages=st,
+                interpret=interpret))
+            try:
+                out = jax.block_until_ready(call(q, cache, plen, tree_kv, mask))
+                row["rel_err_row0"] = float(jnp.linalg.norm(out[0].astype(jnp.float32) - want) / jnp.linalg.norm(want))
+                row["ms"] = median_s(lambda: call(q, cache, plen, tree_kv, mask)) * 1e3
+            except Exception as e:  # a config that does not compile (e.g. shared memory) is a result, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def tune_table(rows: list[dict]) -> str:
+    lines = ["| batch | N | H | prefix | block_q | block_k | warps | stages | ms | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in rows:
+        res = f"{x['ms']:.3f} | {x['rel_err_row0']:.1e}" if "ms" in x else f"{x['error']} | -"
+        lines.append(f"| {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | {x['block_q']} | "
+                     f"{x['block_k']} | {x['num_warps']} | {x['num_stages']} | {res} |")
+    return "\n".join(lines)
+
+
+def verify_table(rows: list[dict], copy_bw: float, peak: float) -> str:
+    lines = ["| batch | N | H | prefix | ms | GB/s | % copy | TFLOP/s | % roofline | bound | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in rows:
+        t_mem, t_mma = x["bytes"] / copy_bw, x["flops"] / peak
+        roof = max(t_mem, t_mma) / (x["ms"] / 1e3)
+        lines.append(f"| {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | {x['ms']:.3f} | "
+                     f"{x['gbps']:.1f} | {100 * x['gbps'] * 1e9 / copy_bw:.0f}% | {x['tflops']:.1f} | "
+                     f"{100 * roof:.0f}% | {'mem' if t_mem >= t_mma else 'mma'} | {x['rel_err_row0']:.1e} |")
+    return "\n".join(lines)
+
+
+def bandwidth_summary(rows: list[dict], copy_bw: float, peak: float, min_prefix: int = 8192) -> str:
+    """The >= 60%-of-copy target, checked where it is physically reachable (memory-bound rows, prefix >= 8k)."""
+    mem = [x for x in rows if x["prefix"] >= min_prefix and x["bytes"] / copy_bw >= x["flops"] / peak]
+    if not mem:
+        return f"no memory-bound row with prefix >= {min_prefix}"
+    pct = [100 * x["gbps"] * 1e9 / copy_bw for x in mem]
+    return (f"memory-bound rows with prefix >= {min_prefix}: {len(mem)}, % of copy bandwidth min {min(pct):.0f}% / "
+            f"median {statistics.median(pct):.0f}% / max {max(pct):.0f}% (target >= 60%)")
+
+
+def run_tree_bench(out_rows: list, quick: bool) -> str:
+    path = os.path.join(ROOT, "scripts", "bench_tree_kernels.py")
+    if not os.path.exists(path):
+        return "note: scripts/bench_tree_kernels.py not found; tree kernel benchmark skipped"
+    spec = importlib.util.spec_from_file_location("bench_tree_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    params = inspect.signature(mod.run).parameters
+    kw = {k: v for k, v in dict(batches=(1, 8), budgets=(16, 64)).items() if k in params} if quick else {}
+    mod.run(out_rows, **kw)
+    if hasattr(mod, "markdown"):
+        return mod.markdown(out_rows)
+    return "\n".join(json.dumps(x) for x in out_rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="reduced sweep")
+    parser.add_argument("--out", help="write all results as JSON to this path")
+    parser.add_argument("--heads", type=int, nargs="+", default=None, help="query heads per GPU (default 64)")
+    parser.add_argument("--tune", action="store_true", help="time block / warp choices instead of the sweep")
+    parser.add_argument("--skip-tree", action="store_true", help="do not run the tree kernel benchmark")
+    args = parser.parse_args(argv)
+
+    on_gpu = jax.default_backend() == "gpu"
+    sweep = (QUICK if args.quick else FULL) if on_gpu else CPU_SMOKE
+    heads = tuple(args.heads or ((64,) if on_gpu else (4,)))
+    interpret = not on_gpu
+    if not on_gpu:
+        print(f"warning: backend {jax.default_backend()}: tiny smoke sweep in the Pallas interpreter", file=sys.stderr)
+    device = jax.devices()[0].device_kind
+    t_start = time.perf_counter()
+    copy_bw, peak = copy_ceiling(sweep.copy_bytes), matmul_peak(sweep.matmul_n)
+    result = dict(device=device, copy_gbps=copy_bw / 1e9, matmul_tflops=peak / 1e12)
+    print(f"## Ceilings on {device}\ncopy (read+write) {copy_bw / 1e9:.0f} GB/s, bf16 matmul {peak / 1e12:.0f} "
+          f"TFLOP/s\n", flush=True)
+
+    if args.tune:
+        if not on_gpu:
+            parser.error("--tune times compiled kernels at K2 sizes and needs a GPU backend")
+        result["tune"] = tune(sweep, heads[0], interpret)
+        print(f"## verify_attn tuning\n{tune_table(result['tune'])}\n", flush=True)
+    else:
+        rows = bench_verify_attn(sweep, heads, interpret)
+        result["verify_attn"] = rows
+        summary = bandwidth_summary(rows, copy_bw, peak)
+        result["verify_attn_summary"] = summary
+        print(f"## verify_attn ({sweep.dtype}, A = {sweep.r} + {sweep.dr})\n{verify_table(rows, copy_bw, peak)}\n\n"
+              f"{summary}\n", flush=True)
+        if not args.skip_tree:
+            tree_rows = []
+            print(f"## tree kernels\n{run_tree_bench(tree_rows, args.quick)}\n", flush=True)
+            result["tree_kernels"] = tree_rows
+    result["total_s"] = time.perf_counter() - t_start
+    print(f"total {result['total_s']:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

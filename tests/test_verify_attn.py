@@ -1,0 +1,206 @@
+"""verify_attn kernel vs the float64 numpy reference (interpret on CPU, compiled on GPU); Triton lowering for H200."""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from pallas_kernels._pallas import lower_for_h200
+from pallas_kernels.verify_attn import verify_attn
+from pallas_kernels.verify_attn_ref import verify_attn_ref
+
+TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
+GARBAGE = 1e4  # scale of the junk in cache rows past each prefix; any leak would dominate the output
+
+
+def ancestor_mask(rng, n):
+    """Random tree over n slots (parent slot < child slot): row i sees i and its ancestors."""
+    vis = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        vis[i] |= vis[rng.integers(0, i)]
+    return vis
+
+
+def make_case(rng, *, prefix, n, h, r, dr, s, mask="ancestor", dtype=np.float32):
+    """Fresh random inputs; cache rows past prefix_len[b] hold large finite junk."""
+    bt, a = len(prefix), r + dr
+    q = rng.standard_normal((bt, n, h, a))
+    cache = rng.standard_normal((bt, s, a))
+    for b, p in enumerate(prefix):
+        cache[b, p:] = GARBAGE * rng.standard_normal((s - p, a))
+    tree_kv = rng.standard_normal((bt, n, a))
+    if mask == "ancestor":
+        tree_mask = np.stack([ancestor_mask(rng, n) for _ in range(bt)])
+    elif mask == "causal":
+        tree_mask = np.broadcast_to(np.tril(np.ones((n, n), bool)), (bt, n, n)).copy()
+    else:
+        raise ValueError(mask)
+    cast = lambda x: np.array(jnp.asarray(x, dtype))  # noqa: E731  (inputs as the kernel sees them)
+    return dict(q=cast(q), cache=cast(cache), prefix_len=np.asarray(prefix, np.int32), tree_kv=cast(tree_kv),
+                tree_mask=tree_mask)
+
+
+def run(case, *, interpret, r, **kw):
+    scale = 1.5 / math.sqrt(case["q"].shape[-1])
+    args = [jnp.asarray(case[k]) for k in ("q", "cache", "prefix_len", "tree_kv", "tree_mask")]
+    out = verify_attn(*args, scale=scale, kv_lora_rank=r, interpret=interpret, **kw)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape[:3] + (r,)
+    ref = verify_attn_ref(*(case[k] for k in ("q", "cache", "prefix_len", "tree_kv", "tree_mask")), scale=scale,
+                          kv_lora_rank=r)
+    return np.asarray(out.astype(jnp.float32), np.float64), ref
+
+
+def assert_close(out, ref, tol, what=""):
+    assert not np.isnan(out).any(), f"{what}: NaN in output"
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    max_abs = np.abs(out - ref).max() / np.abs(ref).max()
+    assert rel <= tol and max_abs <= tol, f"{what}: rel err {rel:.2e}, max-abs/max|ref| {max_abs:.2e} > {tol}"
+
+
+# (prefix per request, N, H, R, Dr, S, mask, num_splits): AR row, chain, trees; tiny-engine A = 40 (not a power of
+# two), K2's 512 + 64; N*H not a multiple of the query tile; prefixes 0, partial blocks, and the whole cache.
+CASES = [
+    ([50, 96], 1, 4, 32, 8, 96, "causal", None),
+    ([77, 0], 5, 4, 32, 8, 200, "ancestor", 3),
+    ([129], 17, 4, 32, 8, 130, "ancestor", None),
+    ([0, 150, 300], 17, 8, 64, 16, 300, "causal", 2),
+    ([100, 37], 5, 4, 512, 64, 160, "ancestor", None),
+    ([40, 5], 5, 4, 32, 8, 300, "ancestor", 4),  # short prefixes: idle splits write nothing, the combine skips them
+]
+
+
+@pytest.mark.parametrize("prefix,n,h,r,dr,s,mask,splits", CASES)
+def test_matches_reference_fp32(rng, interpret, prefix, n, h, r, dr, s, mask, splits):
+    case = make_case(rng, prefix=prefix, n=n, h=h, r=r, dr=dr, s=s, mask=mask)
+    out, ref = run(case, interpret=interpret, r=r, num_splits=splits)
+    assert_close(out, ref, TOL[np.float32], f"prefix={prefix} N={n} H={h}")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_matches_reference_bf16(rng, interpret, splits):
+    case = make_case(rng, prefix=[200, 33], n=17, h=8, r=64, dr=16, s=256, dtype=jnp.bfloat16)
+    out, ref = run(case, interpret=interpret, r=64, num_splits=splits)
+    assert_close(out, ref, TOL[jnp.bfloat16], f"bf16 splits={splits}")
+
+
+def test_long_prefix(rng, interpret):
+    """A 2047-row prefix (not a block multiple) in a 2100-row cache, with the default (size-driven) split count."""
+    case = make_case(rng, prefix=[2047], n=5, h=4, r=32, dr=8, s=2100)
+    out, ref = run(case, interpret=interpret, r=32)
+    assert_close(out, ref, TOL[np.float32], "prefix 2047")
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_rows_that_see_nothing_are_zero(rng, interpret, splits):
+    """Padding slots (mask rows all false) see only the prefix; with prefix 0 they see nothing and must be 0.
+
+    Interpret mode starts Pallas outputs as NaN (see test_interpret_outputs_start_poisoned), so an unwritten row
+    would fail here rather than pass as zeros.
+    """
+    n, n_real = 8, 5
+    case = make_case(rng, prefix=[0, 40], n=n, h=4, r=32, dr=8, s=64)
+    case["tree_mask"][:, n_real:, :] = False
+    out, ref = run(case, interpret=interpret, r=32, num_splits=splits)
+    assert not np.isnan(out).any()
+    assert np.all(out[0, n_real:] == 0.0), "request 0 (prefix 0): padding rows must be exactly 0"
+    assert np.abs(out[1, n_real:]).min() > 0.0, "request 1: padding rows still see the prefix"
+    assert_close(out, ref, TOL[np.float32], "padding rows")
+
+
+def test_garbage_past_prefix_does_not_leak(rng, interpret):
+    """Changing every cache row past prefix_len (incl. the rows the tree will overwrite) leaves out bit-identical."""
+    case = make_case(rng, prefix=[30, 3], n=8, h=4, r=32, dr=8, s=64)  # shapes of the test above: no recompile
+    out1, _ = run(case, interpret=interpret, r=32, num_splits=2)
+    for b, p in enumerate(case["prefix_len"]):
+        case["cache"][b, p:] = -3 * GARBAGE * rng.random(case["cache"][b, p:].shape)
+    out2, _ = run(case, interpret=interpret, r=32, num_splits=2)
+    np.testing.assert_array_equal(out1, out2)
+
+
+def test_interpret_outputs_start_poisoned():
+    """The premise of the zero-row tests: an output element the kernel never writes reads back as NaN."""
+    def body(x_ref, o_ref):
+        o_ref[pl.ds(0, 8)] = x_ref[pl.ds(0, 8)]
+
+    x = jnp.arange(16, dtype=jnp.float32) + 1.0
+    out = np.asarray(pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), interpret=True)(x))
+    np.testing.assert_array_equal(out[:8], np.arange(8) + 1.0)
+    assert np.isnan(out[8:]).all()
+
+
+def test_reference_matches_direct_softmax(rng):
+    """The float64 reference against a per-row loop over an explicit key list (guards the golden model itself)."""
+    case = make_case(rng, prefix=[6, 0], n=3, h=2, r=4, dr=2, s=8)
+    case["tree_mask"][1, 2, :] = False
+    scale, r = 0.7, 4
+    ref = verify_attn_ref(**case, scale=scale, kv_lora_rank=r)
+    case = {k: np.asarray(v, np.float64) if v.dtype == np.float32 else v for k, v in case.items()}
+    bt, n, h, _ = case["q"].shape
+    for b in range(bt):
+        p = int(case["prefix_len"][b])
+        for i in range(n):
+            keys = list(case["cache"][b, :p]) + [case["tree_kv"][b, j] for j in range(n) if case["tree_mask"][b, i, j]]
+            for hh in range(h):
+                if not keys:
+                    np.testing.assert_array_equal(ref[b, i, hh], 0.0)
+                    continue
+                logits = np.array([float(case["q"][b, i, hh] @ k) * scale for k in keys])
+                w = np.exp(logits - logits.max())
+                want = sum(wk * k[:r] for wk, k in zip(w / w.sum(), keys))
+                np.testing.assert_allclose(ref[b, i, hh], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bt,n,h,r,dr,s,dtype,splits,kernels", [
+    (1, 17, 64, 512, 64, 4096, jnp.bfloat16, None, 2),  # engine sizes; few tiles -> split-K + combine kernel
+    (1, 65, 64, 512, 64, 4096, jnp.bfloat16, None, 2),
+    (2, 257, 64, 512, 64, 4096, jnp.bfloat16, None, 1),  # many tiles -> one split, no combine
+    (2, 17, 4, 32, 8, 100, jnp.float32, None, 1),  # tiny engine config: A = 40, padded internally
+    (2, 17, 4, 32, 8, 100, jnp.bfloat16, 3, 2),
+    (1, 1, 4, 32, 8, 7, jnp.bfloat16, None, 1),  # AR, fewer cache rows than one dot tile
+])
+def test_lowers_for_h200(bt, n, h, r, dr, s, dtype, splits, kernels):
+    a = r + dr
+    spec = jax.ShapeDtypeStruct
+    fn = functools.partial(verify_attn, scale=0.1, kv_lora_rank=r, num_splits=splits, interpret=False)
+    lowered = lower_for_h200(fn, spec((bt, n, h, a), dtype), spec((bt, s, a), dtype), spec((bt,), jnp.int32),
+                             spec((bt, n, a), dtype), spec((bt, n, n), jnp.bool_))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == kernels
+
+
+def valid_args():
+    return dict(q=jnp.ones((2, 3, 4, 40)), cache=jnp.ones((2, 16, 40)), prefix_len=jnp.ones((2,), jnp.int32),
+                tree_kv=jnp.ones((2, 3, 40)), tree_mask=jnp.ones((2, 3, 3), bool))
+
+
+@pytest.mark.parametrize("field,shape", [("cache", (2, 16, 41)), ("tree_kv", (2, 4, 40)), ("tree_mask", (2, 3, 4)),
+                                         ("prefix_len", (3,))])
+def test_bad_shapes_name_the_tensor(field, shape):
+    args = valid_args()
+    args[field] = jnp.ones(shape, args[field].dtype)
+    with pytest.raises(ValueError, match=f"{field} must have shape"):
+        verify_attn(**args, scale=0.1, kv_lora_rank=32, interpret=True)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(kv_lora_rank=40), "kv_lora_rank"),
+                                      (dict(kv_lora_rank=32, block_k=24), "block_k"),
+                                      (dict(kv_lora_rank=32, num_splits=0), "num_splits")])
+def test_bad_arguments_name_the_argument(kw, match):
+    with pytest.raises(ValueError, match=match):
+        verify_attn(**valid_args(), scale=0.1, interpret=True, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix,n,h,dtype", [
+    ([4000, 1234], 17, 64, jnp.bfloat16),  # split-K + combine
+    ([4096], 65, 64, jnp.bfloat16),
+    ([2500], 257, 64, jnp.bfloat16),  # one split
+    ([3001, 0], 17, 8, np.float32),  # IEEE fp32 dots: 1e-5
+])
+def test_compiled_engine_sizes(rng, prefix, n, h, dtype):
+    """Compiled Triton kernel at K2 sizes (A 576, S 4096) against the float64 reference."""
+    case = make_case(rng, prefix=prefix, n=n, h=h, r=512, dr=64, s=4096, dtype=dtype)
+    out, ref = run(case, interpret=False, r=512)
+    assert_close(out, ref, TOL[dtype], f"compiled prefix={prefix} N={n} H={h}")
