@@ -1,0 +1,343 @@
+"""INT4 grouped expert matmul (Pallas, Triton backend) and the fused routed-expert SwiGLU FFN built on it.
+
+Why a kernel: at decode / verify sizes (1..512 tokens, top-8 of 384 experts) an MoE layer is bound by reading the
+touched experts' weights. XLA's `ragged_dot` costs ~8 ms per layer even for one token and gathering weights copies
+them (jax_stack.md §3.1). Here each touched expert's packed INT4 words are read once per row block, unpacked in
+registers and fed to the tensor cores; untouched experts cost nothing.
+
+Weight layout (kimi_k2_format.md §2.3, the model's stacked INT4 experts): packed int32 [E, N, K/8] — nibble k of
+word j is input column 8j+k, offset 8 — and scale bf16 [E, N, K/G]: W[e, n, i] = (nib - 8) * scale[e, n, i // G].
+
+Routing layout (XLA, outside the kernel): the P (token, expert) pairs are sorted by expert; each touched expert
+gets a *slot* whose rows start at a multiple of `block_m` (padded with zero rows), so every row block belongs to
+exactly one expert and the kernel never needs a masked store. Slots = min(E, P) (static); unused slots have
+count 0 and their programs exit at once.
+
+Kernel grid (N tiles, slots), N tiles fastest so the programs running together share their slot's activation rows
+through L2. A program loops over its slot's row blocks (dynamic trip count) and, inside, over K tiles of
+`block_w` packed words: it loads the [block_n, block_w] int32 tile once and, for each nibble position k, forms
+W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates
+x_k @ W_k^T in fp32. x_k are the input columns {8j + k}: the wrapper stores the activations nibble-major
+(`_nibble_major`: column k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile and no
+value is ever gathered or reshaped across the nibble axis (jax_stack.md §2.3).
+
+With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly.
+
+Axes: M tokens, k experts per token, P = M*k pairs, E experts, D hidden, I expert width, K input dim, N output dim,
+R padded routed rows, S slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kdtree_jax.quant import INT4_OFFSET, NIBBLES_PER_WORD, dequant_int4_jnp
+from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
+
+MIN_DOT = 16  # smallest dot dimension Triton handles well (and the smallest row block)
+MAX_BLOCK_M = 64  # row-block cap: larger blocks waste rows on experts with few tokens
+DEFAULT_BLOCK_N = 64  # output columns per program
+DEFAULT_BLOCK_W = 64  # packed words per K tile (= 512 input columns)
+NIBBLE_BITS = 4
+NIBBLE_MASK = 0xF
+
+
+# ---- routing layout (XLA) ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RouteLayout:
+    """Where each (token, expert) pair lives in the expert-grouped, block-padded row space (a pytree).
+
+    slot_expert [S] expert of each slot (ascending; unused slots 0), slot_start [S] first padded row (a multiple of
+    block_m), slot_count [S] rows of the slot (0 = unused), dest [P] padded row of pair p. `rows` R (static) bounds
+    the padded row space; `block_m` is the row block the layout was built for.
+    """
+
+    slot_expert: jax.Array
+    slot_start: jax.Array
+    slot_count: jax.Array
+    dest: jax.Array
+    rows: int
+    block_m: int
+
+
+jax.tree_util.register_dataclass(RouteLayout, data_fields=["slot_expert", "slot_start", "slot_count", "dest"],
+                                 meta_fields=["rows", "block_m"])
+
+
+def default_block_m(n_pairs: int, n_experts: int) -> int:
+    """Row block ~ twice the mean rows per expert (power of two in [16, 64]): few re-reads, little padding."""
+    mean = -(-2 * n_pairs // max(n_experts, 1))
+    return int(min(max(next_pow2(mean), MIN_DOT), MAX_BLOCK_M))
+
+
+def route_layout(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLayout:
+    """expert_ids [P] int32 (each in 0..E-1) -> RouteLayout with min(E, P) slots (jit-friendly, static sizes)."""
+    if expert_ids.ndim != 1:
+        raise ValueError(f"route_layout: expert_ids must be 1-D [P], got shape {expert_ids.shape}")
+    if block_m < MIN_DOT or block_m != next_pow2(block_m):
+        raise ValueError(f"route_layout: block_m={block_m} must be a power of two >= {MIN_DOT}")
+    p = expert_ids.shape[0]
+    s = min(n_experts, p)
+    ids = expert_ids.astype(jnp.int32)
+    counts = jnp.zeros((n_experts,), jnp.int32).at[ids].add(1)  # [E]
+    touched = counts > 0
+    (slot_expert,) = jnp.nonzero(touched, size=s, fill_value=0)  # [S] ascending
+    slot_expert = slot_expert.astype(jnp.int32)
+    slot_count = jnp.where(jnp.arange(s) < touched.sum(), counts[slot_expert], 0)  # [S]
+    slot_rows = (slot_count + block_m - 1) // block_m * block_m
+    slot_start = jnp.cumsum(slot_rows) - slot_rows  # [S] exclusive prefix sum
+    expert_slot = jnp.cumsum(touched.astype(jnp.int32)) - 1  # [E] slot of each touched expert
+    order = jnp.argsort(ids, stable=True)  # [P] pairs grouped by expert
+    sorted_e = ids[order]
+    first = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
+    dest_sorted = slot_start[expert_slot[sorted_e]] + jnp.arange(p, dtype=jnp.int32) - first[sorted_e]
+    dest = jnp.zeros((p,), jnp.int32).at[order].set(dest_sorted.astype(jnp.int32))  # [P]
+    rows = -(-(p + s * (block_m - 1)) // block_m) * block_m  # sum of padded slot rows never exceeds this
+    return RouteLayout(slot_expert, slot_start.astype(jnp.int32), slot_count.astype(jnp.int32), dest, rows, block_m)
+
+
+def scatter_rows(x: jax.Array, layout: RouteLayout) -> jax.Array:
+    """x [P, K] pair rows -> [R, K] in the padded layout (padding rows are zero)."""
+    return jnp.zeros((layout.rows, x.shape[-1]), x.dtype).at[layout.dest].set(x)
+
+
+def _nibble_major(x: jax.Array, words: int) -> jax.Array:
+    """x [R, K] -> [R, 8*words]: column k*words + j holds input column 8j + k (zero past K)."""
+    r, k = x.shape
+    x = jnp.pad(x, ((0, 0), (0, words * NIBBLES_PER_WORD - k)))
+    return x.reshape(r, words, NIBBLES_PER_WORD).swapaxes(1, 2).reshape(r, words * NIBBLES_PER_WORD)
+
+
+# ---- kernel -------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static tiling of one call."""
+
+    rows: int  # R padded routed rows
+    words: int  # packed words per weight row after padding (multiple of block_w)
+    n_out: int  # output columns after padding (multiple of block_n)
+    group_words: int  # words per scale group (G / 8)
+    block_m: int
+    block_n: int
+    block_w: int
+    slots: int
+
+
+def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan: _Plan, swiglu: bool, precision):
+    # slot_* [S] i32 | x_ref [R, 8*words] nibble-major | refs: (packed [E, N, words] i32, scale [E, N, words/gw])
+    # for each weight set, then out_ref [R, N]
+    *w_refs, out_ref = refs
+    weights = [(w_refs[i], w_refs[i + 1]) for i in range(0, len(w_refs), 2)]
+    j, s = pl.program_id(0), pl.program_id(1)
+    bm, bn, bw, gw = plan.block_m, plan.block_n, plan.block_w, plan.group_words
+    e = slot_expert_ref[s]
+    row0 = slot_start_ref[s]
+    n_blocks = (slot_count_ref[s] + bm - 1) // bm  # 0 for unused slots: the program exits at once
+    n0 = pl.multiple_of(j * bn, bn)
+    cdt = x_ref.dtype
+    nt = (((1,), (1,)), ((), ()))  # a @ b.T
+
+    def row_block(rb, carry):
+        r0 = pl.multiple_of(row0 + rb * bm, bm)
+
+        def k_tile(t, accs):
+            w0 = pl.multiple_of(t * bw, bw)
+            xs = [x_ref[pl.ds(r0, bm), pl.ds(k * plan.words + w0, bw)] for k in range(NIBBLES_PER_WORD)]  # [bm, bw]
+            new = []
+            for (p_ref, s_ref), acc in zip(weights, accs):
+                words = p_ref[e, pl.ds(n0, bn), pl.ds(w0, bw)]  # [bn, bw] int32
+                sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)].astype(jnp.float32)  # [bn, bw/gw]
+                sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
+                for k in range(NIBBLES_PER_WORD):
+                    q = ((words >> (NIBBLE_BITS * k)) & NIBBLE_MASK) - INT4_OFFSET  # [bn, bw] in -8..7
+                    w = (q.astype(jnp.float32) * sc).astype(cdt)
+                    acc = acc + lax.dot_general(xs[k], w, nt, precision=precision,
+                                                preferred_element_type=jnp.float32)  # [bm, bn]
+                new.append(acc)
+            return tuple(new)
+
+        zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in weights)
+        accs = lax.fori_loop(0, plan.words // bw, k_tile, zeros)
+        if swiglu:
+            g, u = accs
+            y = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u in fp32
+        else:
+            (y,) = accs
+        out_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = y.astype(out_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, n_blocks, row_block, 0)
+
+
+def _pad_weights(packed, scale, plan: _Plan):
+    """Pad [E, N, words] / [E, N, words/gw] to the plan (tiny shapes only: K2.6 needs no copy)."""
+    e, n, w = packed.shape
+    if (n, w) == (plan.n_out, plan.words):
+        return packed, scale
+    packed = jnp.pad(packed, ((0, 0), (0, plan.n_out - n), (0, plan.words - w)))
+    scale = jnp.pad(scale, ((0, 0), (0, plan.n_out - n), (0, plan.words // plan.group_words - scale.shape[-1])))
+    return packed, scale  # zero scales: padded weights are exactly 0
+
+
+def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots) -> _Plan:
+    if group_size % NIBBLES_PER_WORD:
+        raise ValueError(f"int4 matmul: group_size {group_size} must be a multiple of 8")
+    gw = group_size // NIBBLES_PER_WORD
+    if gw != next_pow2(gw):
+        raise ValueError(f"int4 matmul: group_size {group_size} must be 8 times a power of two")
+    for name, blk in (("block_n", block_n), ("block_w", block_w)):
+        if blk is not None and (blk < MIN_DOT or blk != next_pow2(blk)):
+            raise ValueError(f"int4 matmul: {name}={blk} must be a power of two >= {MIN_DOT}")
+    words = k_in // NIBBLES_PER_WORD
+    bw = block_w or min(DEFAULT_BLOCK_W, max(MIN_DOT, next_pow2(words)))
+    while bw > MIN_DOT and words % bw:  # largest tile that divides K (K2.6: 896 and 256 words -> 64)
+        bw //= 2
+    bw = max(bw, gw)
+    bn = block_n or min(DEFAULT_BLOCK_N, max(MIN_DOT, next_pow2(n_out)))
+    return _Plan(rows=rows, words=-(-words // bw) * bw, n_out=-(-n_out // bn) * bn, group_words=gw, block_m=block_m,
+                 block_n=bn, block_w=bw, slots=slots)
+
+
+def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: bool = False, out_dtype=None,
+                        block_n: int | None = None, block_w: int | None = None, num_warps: int = 4,
+                        num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
+    """Rows of x [R, K] (padded layout) times their slot's expert: -> [R, N] (fp32 accumulation).
+
+    weights: ((packed [E, N, K/8] i32, scale [E, N, K/G]),) or two such pairs (gate, up) with swiglu=True, which
+    returns silu(x Wg^T) * (x Wu^T). Rows outside every slot's blocks are left unwritten (garbage).
+    """
+    interpret = resolve_interpret(interpret)
+    if len(weights) != (2 if swiglu else 1):
+        raise ValueError(f"grouped_int4_matmul: swiglu={swiglu} needs {2 if swiglu else 1} weight sets, "
+                         f"got {len(weights)}")
+    r, k_in = x.shape
+    if r != layout.rows:
+        raise ValueError(f"grouped_int4_matmul: x has {r} rows, layout has {layout.rows}")
+    e, n_out, words = weights[0][0].shape
+    for i, (p, sc) in enumerate(weights):
+        if p.shape != (e, n_out, words) or p.dtype != jnp.int32:
+            raise ValueError(f"grouped_int4_matmul: packed weight {i} must be int32 [{e}, {n_out}, {words}], got "
+                             f"{p.dtype} {p.shape}")
+        if sc.ndim != 3 or sc.shape[:2] != (e, n_out) or (words * NIBBLES_PER_WORD) % sc.shape[-1]:
+            raise ValueError(f"grouped_int4_matmul: scale {i} must be [{e}, {n_out}, K/G], got {sc.shape}")
+    if words * NIBBLES_PER_WORD != k_in:
+        raise ValueError(f"grouped_int4_matmul: x has K={k_in} columns, packed weights hold {words * 8}")
+    group_size = words * NIBBLES_PER_WORD // weights[0][1].shape[-1]
+    plan = _make_plan(r, k_in, n_out, group_size, layout.block_m, block_n, block_w, layout.slot_expert.shape[0])
+    xp = _nibble_major(x, plan.words)  # [R, 8*words']
+    flat = [a for p, sc in weights for a in _pad_weights(p, sc, plan)]
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    kernel = functools.partial(_kernel, plan=plan, swiglu=swiglu, precision=precision)
+    any_spec = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)
+    args = (layout.slot_expert, layout.slot_start, layout.slot_count, xp, *flat)
+    out = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                      grid=(plan.n_out // plan.block_n, plan.slots), in_specs=[any_spec(a) for a in args],
+                      out_specs=pl.BlockSpec((r, plan.n_out), lambda j, s: (0, 0)),
+                      out_shape=jax.ShapeDtypeStruct((r, plan.n_out), out_dtype or x.dtype),
+                      name="int4_swiglu" if swiglu else "int4_matmul")(*args)
+    return out[:, :n_out]
+
+
+def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert_ids: jax.Array, *,
+                       block_m: int | None = None, block_n: int | None = None, block_w: int | None = None,
+                       num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+    """y[p] = x[p] @ W[expert_ids[p]]^T for P routed rows: x [P, K], packed [E, N, K/8], scale [E, N, K/G] -> [P, N].
+
+    Output in x's dtype, fp32 accumulation; every expert id must lie in 0..E-1.
+    """
+    if x.ndim != 2 or expert_ids.shape != (x.shape[0],):
+        raise ValueError(f"int4_expert_matmul: x must be [P, K] and expert_ids [P], got {x.shape} and "
+                         f"{expert_ids.shape}")
+    n_exp = packed.shape[0]
+    layout = route_layout(expert_ids, n_exp, block_m or default_block_m(x.shape[0], n_exp))
+    y = grouped_int4_matmul(scatter_rows(x, layout), ((packed, scale),), layout, block_n=block_n, block_w=block_w,
+                            num_warps=num_warps, interpret=interpret)
+    return y[layout.dest]
+
+
+def _check_ffn(x, idx, weights, gate, up, down):
+    m, d = x.shape
+    if idx.shape != weights.shape or idx.ndim != 2 or idx.shape[0] != m:
+        raise ValueError(f"int4_moe_ffn: idx {idx.shape} and weights {weights.shape} must both be [M={m}, k]")
+    e, inter, d_words = gate[0].shape
+    if d_words * NIBBLES_PER_WORD != d or up[0].shape != gate[0].shape:
+        raise ValueError(f"int4_moe_ffn: gate/up packed must be [E, I, D/8] with D={d}, got {gate[0].shape} and "
+                         f"{up[0].shape}")
+    if down[0].shape != (e, d, inter // NIBBLES_PER_WORD):
+        raise ValueError(f"int4_moe_ffn: down packed must be [E={e}, D={d}, I/8={inter // NIBBLES_PER_WORD}], got "
+                         f"{down[0].shape}")
+    for name, (p, sc) in (("gate", gate), ("up", up), ("down", down)):
+        if sc.shape[:2] != p.shape[:2] or (p.shape[-1] * NIBBLES_PER_WORD) % sc.shape[-1]:
+            raise ValueError(f"int4_moe_ffn: {name} scale {sc.shape} does not fit packed {p.shape}")
+
+
+def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, gate_scale, up_packed, up_scale,
+                 down_packed, down_scale, *, block_m: int | None = None, block_n: int | None = None,
+                 block_w: int | None = None, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+    """Routed SwiGLU experts + weighted combine: x [M, D], idx / weights [M, k] -> [M, D] in x's dtype.
+
+    Gate/up run as one fused kernel call (silu(g) * u written directly, h in x's dtype), down as a second call over
+    the same routing layout; the k expert outputs of a token are combined in fp32.
+    """
+    m, d = x.shape
+    _check_ffn(x, idx, weights, (gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))
+    top_k = idx.shape[1]
+    n_exp = gate_packed.shape[0]
+    kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, interpret=interpret)
+    layout = route_layout(idx.reshape(-1), n_exp, block_m or default_block_m(m * top_k, n_exp))
+    x_rows = scatter_rows(jnp.repeat(x, top_k, axis=0), layout)  # [R, D]; pair p = token p // k
+    h = grouped_int4_matmul(x_rows, ((gate_packed, gate_scale), (up_packed, up_scale)), layout, swiglu=True, **kw)
+    y = grouped_int4_matmul(h, ((down_packed, down_scale),), layout, **kw)  # [R, D]
+    y = y[layout.dest].reshape(m, top_k, d).astype(jnp.float32)
+    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), y).astype(x.dtype)
+
+
+# ---- XLA baselines (benchmarks) ---------------------------------------------------------------------------------
+def dequant_then_matmul_ffn(x, idx, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale):
+    """Baseline: dequantize the touched experts (min(E, P) slots) with `dequant_int4_jnp`, then dense einsums of every
+    token through every touched expert, combined with the (mostly zero) routing weights. Same math as the kernel."""
+    m, d = x.shape
+    n_exp, dt = gate_packed.shape[0], x.dtype
+    group = d // gate_scale.shape[-1]
+    slots = min(n_exp, idx.size)
+    touched = jnp.zeros((n_exp,), bool).at[idx.reshape(-1)].set(True)
+    (slot_expert,) = jnp.nonzero(touched, size=slots, fill_value=0)  # [S]
+
+    def deq(p, s, g):
+        return dequant_int4_jnp(p[slot_expert], s[slot_expert], g, dt)  # [S, out, in]
+
+    wg, wu = deq(gate_packed, gate_scale, group), deq(up_packed, up_scale, group)
+    wd = deq(down_packed, down_scale, down_packed.shape[-1] * NIBBLES_PER_WORD // down_scale.shape[-1])
+    h = jax.nn.silu(jnp.einsum("md,sid->smi", x, wg)) * jnp.einsum("md,sid->smi", x, wu)  # [S, M, I]
+    y = jnp.einsum("smi,sdi->smd", h, wd)  # [S, M, D]
+    expert_slot = jnp.cumsum(touched.astype(jnp.int32)) - 1  # [E]
+    combine = jnp.zeros((m, slots), jnp.float32).at[jnp.arange(m)[:, None], expert_slot[idx]].add(weights)
+    return jnp.einsum("ms,smd->md", combine, y.astype(jnp.float32)).astype(dt)
+
+
+def bf16_ragged_dot_ffn(x, idx, weights, w_gate, w_up, w_down):
+    """Baseline with float experts [E, D, I] / [E, I, D]: sort pairs by expert, `jax.lax.ragged_dot` for gate, up and
+    down (XLA's grouped GEMM), un-sort, combine."""
+    m, d = x.shape
+    top_k, n_exp = idx.shape[1], w_gate.shape[0]
+    ids = idx.reshape(-1)
+    order = jnp.argsort(ids, stable=True)
+    xs = x[order // top_k]  # [P, D] pair rows grouped by expert
+    sizes = jnp.zeros((n_exp,), jnp.int32).at[ids].add(1)
+    h = jax.nn.silu(lax.ragged_dot(xs, w_gate, sizes)) * lax.ragged_dot(xs, w_up, sizes)  # [P, I]
+    ys = lax.ragged_dot(h, w_down, sizes)  # [P, D]
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(m, top_k, d).astype(jnp.float32)
+    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), y).astype(x.dtype)
+
+
+def bf16_gather_ffn(x, idx, weights, w_gate, w_up, w_down):
+    """Baseline with float experts: gather each pair's expert weights (`w[idx]`, a copy), then batched einsums."""
+    wg, wu, wd = w_gate[idx], w_up[idx], w_down[idx]  # [M, k, D, I], [M, k, D, I], [M, k, I, D]
+    h = jax.nn.silu(jnp.einsum("md,mkdi->mki", x, wg)) * jnp.einsum("md,mkdi->mki", x, wu)
+    y = jnp.einsum("mki,mkid->mkd", h, wd)
+    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), y.astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,258 @@
+"""INT4 routed-expert FFN on one GPU: the Pallas grouped kernel vs dequantize-then-matmul in XLA vs bf16 experts.
+
+    python scripts/bench_int4_moe.py [--quick] [--out results.json] [--tune]
+
+K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
+routing is uniform random (distinct experts per token), with several input sets (x and routing) cycled so that L2
+never holds the previous call's experts. Bytes = the distinct touched experts' packed words + scales (gate, up,
+down); "% copy" = achieved bandwidth / a device copy measured in the same run. The bf16 column runs the same routed
+shape with bf16 experts through XLA (`ragged_dot`, and `gather` for small counts). Every config is guarded: an OOM or
+compile failure is recorded and the sweep goes on. On a CPU backend it runs a tiny smoke sweep (numbers meaningless).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,  # noqa: E402
+                                     int4_moe_ffn)
+
+MIN_BENCH_S = 0.2  # keep timing until this much time is spent (after MIN_REPS calls)
+MIN_REPS, MAX_REPS = 5, 30
+N_SETS = 4  # input sets cycled per timing (defeats L2 reuse of the previous call's experts)
+GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    d: int = 7168
+    inter: int = 2048
+    experts: int = 384
+    top_k: int = 8
+    group: int = 32
+    tokens: tuple[int, ...] = (1, 8, 16, 64, 256, 512)
+    copy_bytes: int = 2 << 30
+
+
+FULL = Shape()
+QUICK = dataclasses.replace(FULL, tokens=(1, 16, 256))
+CPU_SMOKE = Shape(d=256, inter=128, experts=16, top_k=2, tokens=(1, 5), copy_bytes=16 << 20)
+TUNE = ((64, 64, 4), (32, 64, 4), (128, 64, 8), (64, 32, 4), (64, 128, 8), (32, 128, 4))  # block_n, block_w, warps
+
+
+# ---- timing helpers (also used by bench_kimi_layer.py) -----------------------------------------------------------
+def median_s(fn, min_reps: int = MIN_REPS, max_reps: int = MAX_REPS, min_total_s: float = MIN_BENCH_S) -> float:
+    """Median wall time of fn() after two warm-up calls, each call synchronised with block_until_ready."""
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    times = []
+    while len(times) < min_reps or (sum(times) < min_total_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_ceiling(nbytes: int) -> float:
+    """Bytes/s of a large device elementwise copy (x * s with a runtime s = 1): read + write counted."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x, s: x * s)
+    bw = 2 * x.nbytes / median_s(lambda: f(x, jnp.asarray(1.0, jnp.bfloat16)))
+    del x
+    return bw
+
+
+def matmul_peak(n: int) -> float:
+    """FLOP/s of an n^3 bf16 matmul through XLA."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / median_s(lambda: f(a))
+
+
+def short_error(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+
+
+def is_oom(e: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+
+
+def cycling(fn, sets):
+    """A no-argument callable that runs fn on the next input set each call."""
+    state = {"i": 0}
+
+    def call():
+        args = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        return fn(*args)
+
+    return call
+
+
+# ---- weights and inputs ------------------------------------------------------------------------------------------
+def random_int4(key, e: int, n_out: int, n_in: int, group: int):
+    """Random packed words and bf16 scales made on the device (magnitude of a 1/sqrt(fan_in) init)."""
+    kb, ks = jax.random.split(key)
+    bits = jax.random.bits(kb, (e, n_out, n_in // 8), jnp.uint32)
+    scale = jax.random.uniform(ks, (e, n_out, n_in // group), jnp.float32, 0.5, 1.5) / (4.0 * n_in**0.5)
+    return jax.lax.bitcast_convert_type(bits, jnp.int32), scale.astype(jnp.bfloat16)
+
+
+def int4_expert_bytes(shape: Shape) -> int:
+    """Packed words + bf16 scales of one expert's gate, up and down."""
+    per_matrix = shape.d * shape.inter
+    return 3 * (per_matrix // 2 + per_matrix // shape.group * 2)
+
+
+def make_sets(shape: Shape, tokens: int, dtype, seed: int):
+    """N_SETS (x [M, D], idx [M, k] distinct uniform experts, weights [M, k]) made on the device."""
+    sets = []
+    for i in range(N_SETS):
+        kx, kr, kw = jax.random.split(jax.random.key(seed * 100 + i), 3)
+        x = jax.random.normal(kx, (tokens, shape.d), dtype)
+        _, idx = jax.lax.top_k(jax.random.uniform(kr, (tokens, shape.experts)), shape.top_k)
+        w = jax.random.uniform(kw, (tokens, shape.top_k), jnp.float32, 0.2, 1.0)
+        sets.append((x, idx.astype(jnp.int32), w))
+    return sets
+
+
+def distinct_experts(sets) -> float:
+    return float(np.mean([len(np.unique(np.asarray(idx))) for _, idx, _ in sets]))
+
+
+# ---- sweep ---------------------------------------------------------------------------------------------------------
+def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool) -> None:
+    """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    w4 = []
+    for key, (n_out, n_in) in zip(keys, ((shape.inter, shape.d), (shape.inter, shape.d), (shape.d, shape.inter))):
+        w4 += list(random_int4(key, shape.experts, n_out, n_in, shape.group))
+    kernel = jax.jit(lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret))
+    deq = jax.jit(dequant_then_matmul_ffn)
+    for tokens in shape.tokens:
+        sets = make_sets(shape, tokens, dtype, seed=tokens)
+        n_dist = distinct_experts(sets)
+        row = dict(tokens=tokens, pairs=tokens * shape.top_k, distinct_experts=n_dist,
+                   bytes=n_dist * int4_expert_bytes(shape))
+        variants = {"pallas_int4": lambda x, i, w: kernel(x, i, w, *w4),
+                    "xla_dequant": lambda x, i, w: deq(x, i, w, *w4)}
+        if tune:
+            for bn, bw, warps in TUNE:
+                f = jax.jit(lambda x, i, w, *ws, bn=bn, bw=bw, nw=warps: int4_moe_ffn(
+                    x, i, w, *ws, block_n=bn, block_w=bw, num_warps=nw, interpret=interpret))
+                variants[f"pallas_bn{bn}_bw{bw}_w{warps}"] = lambda x, i, w, f=f: f(x, i, w, *w4)
+        for name, fn in variants.items():
+            try:
+                row[f"{name}_ms"] = median_s(cycling(fn, sets)) * 1e3
+            except Exception as e:  # noqa: BLE001  (an OOM or failed compile is a result; keep sweeping)
+                row[f"{name}_error"] = short_error(e)
+        try:  # the kernel against the XLA baseline on one input set (both bf16: loose, catches wrong experts)
+            got = np.asarray(kernel(*sets[0], *w4).astype(jnp.float32))
+            want = np.asarray(deq(*sets[0], *w4).astype(jnp.float32))
+            row["rel_diff_vs_xla"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        except Exception as e:  # noqa: BLE001
+            row["check_error"] = short_error(e)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del w4
+    bf16_sweep(shape, rows, dtype)
+
+
+def bf16_sweep(shape: Shape, rows: list[dict], dtype):
+    """Same routed shapes with bf16 experts [E, in, out] (XLA): built after the INT4 weights are freed."""
+    try:
+        keys = jax.random.split(jax.random.key(1), 3)
+        mk = jax.jit(lambda k, s, fan: (jax.random.normal(k, s, jnp.float32) / fan**0.5).astype(jnp.bfloat16),
+                     static_argnums=(1, 2))
+        wg = mk(keys[0], (shape.experts, shape.d, shape.inter), shape.d)
+        wu = mk(keys[1], (shape.experts, shape.d, shape.inter), shape.d)
+        wd = mk(keys[2], (shape.experts, shape.inter, shape.d), shape.inter)
+    except Exception as e:  # noqa: BLE001
+        for row in rows:
+            row["bf16_error"] = short_error(e)
+        return
+    ragged, gather = jax.jit(bf16_ragged_dot_ffn), jax.jit(bf16_gather_ffn)
+    for row in rows:
+        sets = make_sets(shape, row["tokens"], dtype, seed=row["tokens"])
+        row["bf16_bytes"] = row["distinct_experts"] * 3 * shape.d * shape.inter * 2
+        todo = {"bf16_ragged_dot": ragged}
+        if row["tokens"] <= GATHER_MAX_TOKENS:
+            todo["bf16_gather"] = gather
+        for name, f in todo.items():
+            try:
+                row[f"{name}_ms"] = median_s(cycling(lambda x, i, w, f=f: f(x, i, w, wg, wu, wd), sets)) * 1e3
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = short_error(e)
+        print(json.dumps({k: v for k, v in row.items() if k.startswith(("tokens", "bf16"))}), flush=True)
+
+
+def markdown(rows: list[dict], copy_bw: float) -> str:
+    def ms(row, name):
+        return f"{row[name + '_ms']:.3f}" if name + "_ms" in row else ("OOM" if "RESOURCE" in row.get(
+            name + "_error", "") else ("err" if name + "_error" in row else "—"))
+
+    lines = ["| tokens | distinct experts | INT4 MB | roofline ms | pallas ms | GB/s | % copy | xla dequant ms | "
+             "bf16 ragged_dot ms | bf16 gather ms | bf16 roofline ms | rel diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        roof = r["bytes"] / copy_bw * 1e3
+        if "pallas_int4_ms" in r:
+            gbps = r["bytes"] / (r["pallas_int4_ms"] / 1e3) / 1e9
+            bw = f"{gbps:.0f} | {100 * gbps * 1e9 / copy_bw:.0f}%"
+        else:
+            bw = "— | —"
+        bf16_roof = f"{r['bf16_bytes'] / copy_bw * 1e3:.3f}" if "bf16_bytes" in r else "—"
+        diff = f"{r['rel_diff_vs_xla']:.1e}" if "rel_diff_vs_xla" in r else "—"
+        lines.append(f"| {r['tokens']} | {r['distinct_experts']:.1f} | {r['bytes'] / 1e6:.0f} | {roof:.3f} | "
+                     f"{ms(r, 'pallas_int4')} | {bw} | {ms(r, 'xla_dequant')} | {ms(r, 'bf16_ragged_dot')} | "
+                     f"{ms(r, 'bf16_gather')} | {bf16_roof} | {diff} |")
+    tuned = sorted({k[:-3] for r in rows for k in r if k.startswith("pallas_bn") and k.endswith("_ms")})
+    if tuned:
+        lines += ["", "| tokens | " + " | ".join(tuned) + " |", "|---|" + "---|" * len(tuned)]
+        lines += [f"| {r['tokens']} | " + " | ".join(ms(r, t) for t in tuned) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 256 only")
+    parser.add_argument("--out", help="write all results as JSON to this path")
+    parser.add_argument("--tune", action="store_true", help="also time a few (block_n, block_w, warps) choices")
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    shape = (QUICK if args.quick else FULL) if on_gpu else CPU_SMOKE
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    if not on_gpu:
+        print(f"warning: backend {jax.default_backend()}: tiny smoke sweep in the Pallas interpreter", file=sys.stderr)
+    t0 = time.perf_counter()
+    device = jax.devices()[0].device_kind
+    copy_bw = copy_ceiling(shape.copy_bytes)
+    print(f"## INT4 MoE FFN on {device}: D {shape.d}, I {shape.inter}, E {shape.experts}, top-{shape.top_k}, group "
+          f"{shape.group}; copy (read+write) {copy_bw / 1e9:.0f} GB/s\n", flush=True)
+    rows = []
+    try:
+        run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune)
+    finally:  # print whatever finished, even after an unexpected failure
+        result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
+                      int4_bytes_per_expert=int4_expert_bytes(shape), total_s=time.perf_counter() - t0)
+        print(markdown(rows, copy_bw) + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

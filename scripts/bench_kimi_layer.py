@@ -1,0 +1,404 @@
+"""Full-width Kimi K2.6 layers on one GPU: forward_verify / forward_prefill time against the bytes they must move.
+
+    python scripts/bench_kimi_layer.py [--layers 2] [--quick] [--out results.json] [--no-pallas-attn]
+                                       [--as-is-max-tokens 65] [--budget-s 270]
+
+K2.6 shapes from `kimi_k2_6()` with `--layers` decoder layers (layer 0 dense, the rest MoE with INT4 experts), bf16
+weights and cache, random weights made on the GPU leaf by leaf from an abstract model (`nnx.eval_shape`), so nothing
+model-sized ever exists on the host.
+
+Measured (median, warm-up, block_until_ready; cache donated and fed back):
+  - forward_verify (absorbed MLA, verify_attn Pallas kernel unless --no-pallas-attn): N = 1 (AR) and N = 1 + B for
+    B in {16, 64, 256} (random ancestor-mask trees), batch 1 and 8, cache prefix 4k and 32k (the prefix is a
+    runtime value: one compile per (batch, N, MoE)).
+  - forward_prefill: 4k tokens at start 0, batch 1 and 8.
+  - MoE two ways: "kernel" = the model's expert path swapped (locally, by patching kdtree_jax.moe's expert functions
+    while tracing) for `pallas_kernels.int4_moe.int4_moe_ffn`; "as_is" = the model's own path (gather / dense, which
+    dequantizes every gathered or every expert), tried only up to --as-is-max-tokens routed tokens.
+Bytes that must move = every non-routed weight (attention, dense MLP, shared expert, router, norms, lm_head) + the
+distinct experts each MoE layer touched (INT4 words + scales, counted inside the same jitted call) + the latent
+cache prefix read. Roofline = bytes / copy bandwidth measured in the same run. A least-squares cost model
+t = a + b * attn_bytes + c * expert_bytes (attn_bytes = attention weights + cache read) is fitted over the verify
+points of the kernel MoE, with the fit error per point. Every config is guarded (OOM / compile failure recorded,
+sweep continues) and the whole run stops starting new configs after --budget-s seconds. On a CPU backend it runs a
+tiny-config smoke sweep (numbers meaningless).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import kdtree_jax.moe as moe_mod  # noqa: E402
+from bench_int4_moe import copy_ceiling, cycling, is_oom, matmul_peak, median_s, short_error  # noqa: E402
+from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
+from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
+from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
+
+N_SETS = 2  # token sets cycled per timing (different routing each call)
+ROUTED = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    batches: tuple[int, ...] = (1, 8)
+    nodes: tuple[int, ...] = (1, 17, 65, 257)  # N = 1 (AR) or 1 + B
+    prefixes: tuple[int, ...] = (4096, 32768)
+    prefill_tokens: int = 4096
+    copy_bytes: int = 2 << 30
+    matmul_n: int = 8192
+
+
+FULL = Sweep()
+QUICK = Sweep(batches=(1, 8), nodes=(1, 65), prefixes=(4096, 32768))
+CPU_SMOKE = Sweep(batches=(1, 2), nodes=(1, 5), prefixes=(20, 40), prefill_tokens=16, copy_bytes=16 << 20,
+                  matmul_n=256)
+
+
+# ---- model with random weights made on the device -----------------------------------------------------------------
+def _init_leaf(key, shape, dtype, kind: str, group: int):
+    if kind == "bits":
+        return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
+    if kind == "scale":  # INT4 group scales: magnitude of a 1/sqrt(fan_in) init
+        fan_in = shape[-1] * group
+        return (jax.random.uniform(key, shape, jnp.float32, 0.5, 1.5) / (4.0 * fan_in**0.5)).astype(dtype)
+    if kind == "norm":
+        return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    if kind == "bias":
+        return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    fan_in = int(np.prod(shape[:-1])) if kind == "matrix" else 1
+    return (jax.random.normal(key, shape, jnp.float32) / fan_in**0.5).astype(dtype)
+
+
+def _leaf_kind(name: str, sds) -> str:
+    if sds.dtype == jnp.int32:
+        return "bits"
+    if name.endswith("_scale"):
+        return "scale"
+    if name == "bias":
+        return "bias"
+    if len(sds.shape) == 1:
+        return "norm"
+    return "embed" if name == "embed" else "matrix"
+
+
+def build_model(cfg, dtype):
+    """(graphdef, state) of a KimiModel with INT4 experts; each leaf is filled by its own jitted init on device."""
+    abstract = nnx.eval_shape(lambda: KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=dtype,
+                                                cache_dtype=dtype, expert_format="int4", moe_impl="auto"))
+    graphdef, state = nnx.split(abstract)
+    init = jax.jit(_init_leaf, static_argnums=(1, 2, 3, 4))
+    counter = iter(range(1 << 30))
+
+    def fill(path, sds):
+        name = next((str(getattr(p, "key", "")) for p in reversed(path) if str(getattr(p, "key", "")) != "value"),
+                    "")
+        key = jax.random.fold_in(jax.random.key(0), next(counter))
+        return init(key, tuple(sds.shape), sds.dtype, _leaf_kind(name, sds), cfg.quantization.group_size)
+
+    return graphdef, jax.tree_util.tree_map_with_path(fill, state)
+
+
+def weight_bytes(state) -> dict:
+    """nbytes by class: routed experts (all), attention, embed, other non-routed (dense MLP, shared, router, norms,
+    lm_head)."""
+    out = dict(routed=0, attention=0, embed=0, other=0)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        keys = [str(getattr(p, "key", "")) for p in path]
+        kind = ("routed" if any(k in ROUTED for k in keys) else "attention" if "attn" in keys
+                else "embed" if keys[0] == "embed" else "other")
+        out[kind] += leaf.nbytes
+    return out
+
+
+def int4_expert_bytes(cfg) -> int:
+    per = cfg.hidden_size * cfg.moe_intermediate_size
+    return 3 * (per // 2 + per // cfg.quantization.group_size * 2)
+
+
+# ---- MoE swap (local wrapper, active only while tracing) ---------------------------------------------------------
+@contextlib.contextmanager
+def moe_experts(mode: str, record: list, interpret: bool):
+    """Route the model's MoE expert computation through `mode` ("kernel" | "as_is"), recording each layer's idx."""
+    orig = moe_mod._experts_gather, moe_mod._experts_dense
+
+    def kernel(moe, x, weights, idx):
+        record.append(idx)
+        ws = [getattr(moe, n)[...] for n in ROUTED]
+        return int4_moe_ffn(x, idx, weights, *ws, interpret=interpret).astype(x.dtype)
+
+    def wrap(fn):
+        def experts(moe, x, weights, idx):
+            record.append(idx)
+            return fn(moe, x, weights, idx)
+        return experts
+
+    if mode == "kernel":
+        moe_mod._experts_gather = moe_mod._experts_dense = kernel
+    else:
+        moe_mod._experts_gather, moe_mod._experts_dense = wrap(orig[0]), wrap(orig[1])
+    try:
+        yield
+    finally:
+        moe_mod._experts_gather, moe_mod._experts_dense = orig
+
+
+def _distinct(record: list, n_experts: int) -> jax.Array:
+    """[n MoE layers] distinct experts touched per layer."""
+    if not record:
+        return jnp.zeros((0,), jnp.int32)
+    return jnp.stack([jnp.zeros((n_experts,), jnp.int32).at[i.reshape(-1)].set(1).sum() for i in record])
+
+
+def make_verify(graphdef, n_experts: int, mode: str, use_pallas: bool, interpret: bool):
+    def fn(state, tokens, positions, start, mask, cache):
+        record = []
+        with moe_experts(mode, record, interpret):
+            out = forward_verify(nnx.merge(graphdef, state), tokens, positions, start, mask, cache,
+                                 use_pallas=use_pallas, interpret=interpret)
+        return out.logits, out.cache, _distinct(record, n_experts)
+    return jax.jit(fn, donate_argnums=(5,))
+
+
+def make_prefill(graphdef, n_experts: int, mode: str, interpret: bool):
+    def fn(state, tokens, cache):
+        record = []
+        with moe_experts(mode, record, interpret):
+            out = forward_prefill(nnx.merge(graphdef, state), tokens, 0, cache)
+        return out.logits, out.cache, _distinct(record, n_experts)
+    return jax.jit(fn, donate_argnums=(2,))
+
+
+def ancestor_mask(rng, bt: int, n: int) -> np.ndarray:
+    """[bt, n, n] ancestor-or-self masks of random trees (parent slot < child slot) and depths [bt, n]."""
+    vis = np.broadcast_to(np.eye(n, dtype=bool), (bt, n, n)).copy()
+    for i in range(1, n):
+        vis[np.arange(bt), i] |= vis[np.arange(bt), rng.integers(0, i, bt)]
+    return vis
+
+
+# ---- sweep ----------------------------------------------------------------------------------------------------------
+class Runner:
+    def __init__(self, cfg, sweep: Sweep, args, interpret: bool, dtype):
+        self.cfg, self.sweep, self.args, self.interpret, self.dtype = cfg, sweep, args, interpret, dtype
+        self.t0 = time.perf_counter()
+        self.graphdef, self.state = build_model(cfg, dtype)
+        self.wbytes = weight_bytes(self.state)
+        self.expert_bytes = int4_expert_bytes(cfg)
+        self.rows: list[dict] = []
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.t0 > self.args.budget_s
+
+    def record(self, row: dict):
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def bytes_of(self, row: dict, distinct: np.ndarray, cache_rows: int) -> None:
+        cache = cache_rows * self.cfg.latent_dim * jnp.dtype(self.dtype).itemsize * self.cfg.num_hidden_layers
+        row["distinct_experts"] = [round(float(d), 1) for d in distinct]
+        row["expert_bytes"] = int(np.sum(distinct)) * self.expert_bytes
+        row["attn_bytes"] = self.wbytes["attention"] + cache
+        row["cache_bytes"] = cache
+        row["bytes"] = row["expert_bytes"] + row["attn_bytes"] + self.wbytes["other"]
+
+    def verify_configs(self):
+        cfg, sw = self.cfg, self.sweep
+        capacity = max(sw.prefixes) + max(sw.nodes)
+        modes = ["kernel", "as_is"]
+        for mode in modes:
+            for bt in sw.batches:
+                for n in sw.nodes:
+                    base = dict(kind="verify", moe=mode, batch=bt, nodes=n, pallas_attn=not self.args.no_pallas_attn)
+                    if mode == "as_is" and bt * n > self.args.as_is_max_tokens:
+                        self.record({**base, "skipped": f"as-is MoE above {self.args.as_is_max_tokens} tokens "
+                                                        "(dequantizes every gathered / every expert)"})
+                        continue
+                    if self.out_of_time():
+                        self.record({**base, "skipped": "time budget"})
+                        continue
+                    self.verify_one(base, bt, n, capacity, mode)
+
+    def verify_one(self, base, bt, n, capacity, mode):
+        cfg, rng = self.cfg, np.random.default_rng(bt * 1000 + n)
+        try:
+            t_c = time.perf_counter()
+            fn = make_verify(self.graphdef, cfg.n_routed_experts, mode, not self.args.no_pallas_attn, self.interpret)
+            cache = LatentCache(latent=jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, bt, capacity,
+                                                                             cfg.latent_dim), self.dtype))
+            mask = ancestor_mask(rng, bt, n)
+            depth = mask.sum(-1) - 1  # [bt, n]
+            token_sets = [jnp.asarray(rng.integers(0, cfg.vocab_size, (bt, n)), jnp.int32) for _ in range(N_SETS)]
+            holder = {"cache": cache}
+            first = True
+            for prefix in self.sweep.prefixes:
+                row = dict(base, prefix=prefix)
+                start = jnp.full((bt,), prefix, jnp.int32)
+                pos = jnp.asarray(prefix + depth, jnp.int32)
+                m = jnp.asarray(mask)
+                distinct = []
+
+                def call(tokens):
+                    logits, holder["cache"], d = fn(self.state, tokens, pos, start, m, holder["cache"])
+                    distinct.append(d)
+                    return logits
+
+                if first:
+                    jax.block_until_ready(call(token_sets[0]))
+                    row["first_call_s"] = time.perf_counter() - t_c
+                    first = False
+                row["ms"] = median_s(cycling(call, [(t,) for t in token_sets]), min_reps=3, max_reps=10,
+                                     min_total_s=0.1) * 1e3
+                self.bytes_of(row, np.mean(np.stack([np.asarray(d) for d in distinct]), axis=0), bt * prefix)
+                self.record(row)
+        except Exception as e:  # noqa: BLE001  (OOM / compile failure: record and go on)
+            self.record({**base, "error": short_error(e), "oom": is_oom(e)})
+
+    def prefill_configs(self):
+        cfg, t = self.cfg, self.sweep.prefill_tokens
+        for mode in ("kernel", "as_is"):
+            for bt in self.sweep.batches:
+                base = dict(kind="prefill", moe=mode, batch=bt, tokens=t)
+                if mode == "as_is" and bt * t > self.args.as_is_max_tokens:
+                    self.record({**base, "skipped": f"as-is MoE above {self.args.as_is_max_tokens} tokens"})
+                    continue
+                if self.out_of_time():
+                    self.record({**base, "skipped": "time budget"})
+                    continue
+                try:
+                    t_c = time.perf_counter()
+                    fn = make_prefill(self.graphdef, cfg.n_routed_experts, mode, self.interpret)
+                    rng = np.random.default_rng(bt)
+                    token_sets = [(jnp.asarray(rng.integers(0, cfg.vocab_size, (bt, t)), jnp.int32),)
+                                  for _ in range(N_SETS)]
+                    holder = {"cache": LatentCache.zeros(cfg, bt, t, self.dtype)}
+                    distinct = []
+
+                    def call(tokens):
+                        logits, holder["cache"], d = fn(self.state, tokens, holder["cache"])
+                        distinct.append(d)
+                        return logits
+
+                    jax.block_until_ready(call(token_sets[0][0]))
+                    row = dict(base, first_call_s=time.perf_counter() - t_c)
+                    row["ms"] = median_s(cycling(call, token_sets), min_reps=3, max_reps=5, min_total_s=0.1) * 1e3
+                    self.bytes_of(row, np.mean(np.stack([np.asarray(d) for d in distinct]), axis=0), bt * t)
+                    row["flops"] = prefill_flops(cfg, bt, t, self.wbytes)
+                    self.record(row)
+                except Exception as e:  # noqa: BLE001
+                    self.record({**base, "error": short_error(e), "oom": is_oom(e)})
+
+
+def prefill_flops(cfg, bt: int, t: int, wbytes: dict) -> float:
+    """2 * tokens * active params (non-routed weights incl. lm_head + k experts) + plain-MLA attention (full T x T)."""
+    active = (wbytes["attention"] + wbytes["other"]) / 2  # bf16 params
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    active += moe_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    attn = 2 * t * t * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * cfg.num_hidden_layers
+    return float(bt * (2 * t * active + attn))
+
+
+def fit_cost_model(rows: list[dict]) -> dict:
+    """Least squares t = a + b * attn_bytes + c * expert_bytes over the kernel-MoE verify points."""
+    pts = [r for r in rows if r.get("kind") == "verify" and r.get("moe") == "kernel" and "ms" in r]
+    if len(pts) < 4:
+        return dict(error=f"only {len(pts)} points")
+    a = np.array([[1.0, r["attn_bytes"], r["expert_bytes"]] for r in pts])
+    t = np.array([r["ms"] / 1e3 for r in pts])
+    coef, *_ = np.linalg.lstsq(a, t, rcond=None)
+    pred = a @ coef
+    for r, p in zip(pts, pred):
+        r["fit_ms"] = float(p * 1e3)
+        r["fit_rel_err"] = float((p - r["ms"] / 1e3) / (r["ms"] / 1e3))
+    return dict(a_ms=float(coef[0] * 1e3), b_s_per_GB=float(coef[1] * 1e9), c_s_per_GB=float(coef[2] * 1e9),
+                attn_GBps=float(1 / coef[1] / 1e9) if coef[1] > 0 else None,
+                expert_GBps=float(1 / coef[2] / 1e9) if coef[2] > 0 else None,
+                max_abs_rel_err=float(np.max(np.abs(pred - t) / t)))
+
+
+def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
+    lines = ["| kind | MoE | batch | N / T | prefix | ms | distinct experts / layer | GB moved | roofline ms | "
+             "× roofline | fit ms (err) | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        n = r.get("nodes", r.get("tokens"))
+        if "ms" not in r:
+            note = r.get("skipped") or ("OOM" if r.get("oom") else r.get("error", ""))
+            empty = " — |" * 7
+            lines.append(f"| {r['kind']} | {r['moe']} | {r['batch']} | {n} |{empty} {note} |")
+            continue
+        roof = r["bytes"] / copy_bw
+        if "flops" in r:
+            roof = max(roof, r["flops"] / peak)
+        fit = f"{r['fit_ms']:.2f} ({100 * r['fit_rel_err']:+.0f}%)" if "fit_ms" in r else "—"
+        dist = "/".join(f"{d}" for d in r["distinct_experts"])
+        lines.append(f"| {r['kind']} | {r['moe']} | {r['batch']} | {n} | {r.get('prefix', 0)} | {r['ms']:.2f} | "
+                     f"{dist} | {r['bytes'] / 1e9:.2f} | {roof * 1e3:.2f} | {r['ms'] / 1e3 / roof:.2f} | {fit} | "
+                     f"{'compute' if 'flops' in r and r['flops'] / peak > r['bytes'] / copy_bw else ''} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (layer 0 dense, the rest MoE)")
+    parser.add_argument("--quick", action="store_true", help="N 1 and 65 only")
+    parser.add_argument("--out", help="write all results as JSON to this path")
+    parser.add_argument("--no-pallas-attn", action="store_true", help="verify attention in jnp instead of Pallas")
+    parser.add_argument("--as-is-max-tokens", type=int, default=65,
+                        help="measure the model's own MoE path only up to this many routed tokens")
+    parser.add_argument("--budget-s", type=float, default=270.0, help="start no new config after this many seconds")
+    parser.add_argument("--skip-prefill", action="store_true")
+    args = parser.parse_args(argv)
+
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu:
+        cfg, sweep, dtype = dataclasses.replace(kimi_k2_6(), num_hidden_layers=args.layers), (
+            QUICK if args.quick else FULL), jnp.bfloat16
+    else:
+        print(f"warning: backend {jax.default_backend()}: tiny-config smoke sweep", file=sys.stderr)
+        cfg, sweep, dtype = dataclasses.replace(tiny(), num_hidden_layers=args.layers), CPU_SMOKE, jnp.float32
+    if args.layers <= cfg.first_k_dense_replace:
+        print(f"note: --layers {args.layers} gives no MoE layer (first_k_dense_replace {cfg.first_k_dense_replace})")
+    t0 = time.perf_counter()
+    device = jax.devices()[0].device_kind
+    copy_bw, peak = copy_ceiling(sweep.copy_bytes), matmul_peak(sweep.matmul_n)
+    print(f"## Kimi K2.6 layers on {device}: {args.layers} layers, copy {copy_bw / 1e9:.0f} GB/s, bf16 matmul "
+          f"{peak / 1e12:.0f} TFLOP/s\n", flush=True)
+    runner, result = None, dict(device=device, copy_gbps=copy_bw / 1e9, matmul_tflops=peak / 1e12,
+                                layers=args.layers)
+    try:
+        runner = Runner(cfg, sweep, args, interpret=not on_gpu, dtype=dtype)
+        result["weight_bytes"] = runner.wbytes
+        result["int4_bytes_per_expert"] = runner.expert_bytes
+        print(f"weights on device: {json.dumps(runner.wbytes)} (build {time.perf_counter() - t0:.0f} s)", flush=True)
+        runner.verify_configs()
+        if not args.skip_prefill:
+            runner.prefill_configs()
+    finally:  # partial tables on any failure
+        rows = runner.rows if runner else []
+        result["fit"] = fit_cost_model(rows)
+        result["rows"] = rows
+        result["total_s"] = time.perf_counter() - t0
+        print("\n" + markdown(rows, copy_bw, peak), flush=True)
+        print(f"\ncost model t = a + b*attn_bytes + c*expert_bytes (kernel-MoE verify points): "
+              f"{json.dumps(result['fit'])}")
+        print(f"total {result['total_s']:.0f} s")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""INT4 grouped expert matmul / fused MoE FFN vs the float64 numpy reference (interpret on CPU, compiled on GPU),
+the routing layout's invariants, the XLA baselines, and Triton lowering for an abstract H200."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax.quant import quant_int4
+from pallas_kernels._pallas import lower_for_h200
+from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
+                                     int4_expert_matmul, int4_moe_ffn, route_layout)
+from pallas_kernels.int4_moe_ref import int4_expert_matmul_ref, int4_moe_ffn_ref
+
+TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
+GROUP = 32
+E, TOP_K = 8, 2
+
+
+def random_int4(rng, e, n_out, n_in):
+    """Quantize fresh N(0, 1/n_in) weights: (packed int32 [e, out, in/8], scale bf16 [e, out, in/32])."""
+    return quant_int4(rng.standard_normal((e, n_out, n_in)) / np.sqrt(n_in), GROUP)
+
+
+def random_routing(rng, m, e=E, k=TOP_K, experts=None):
+    """Distinct experts per token drawn from `experts` (default all), positive weights."""
+    pool = np.arange(e) if experts is None else np.asarray(experts)
+    idx = np.stack([rng.choice(pool, k, replace=False) for _ in range(m)]).astype(np.int32)
+    return idx, rng.uniform(0.2, 1.5, (m, k)).astype(np.float32)
+
+
+def as_input(x, dtype):
+    """What the kernel sees, as a float32 numpy array (bf16 inputs rounded first so the reference sees them too)."""
+    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+
+
+def assert_close(out, ref, tol, what=""):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    assert np.isfinite(out).all(), f"{what}: non-finite output (an unwritten row stays NaN in interpret mode)"
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    max_abs = np.abs(out - ref).max() / np.abs(ref).max()
+    assert rel <= tol and max_abs <= 4 * tol, f"{what}: rel err {rel:.2e}, max-abs/max|ref| {max_abs:.2e} (tol {tol})"
+
+
+# ---- grouped matmul ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens,k_in,n_out,dtype", [(1, 64, 32, np.float32), (5, 256, 128, jnp.bfloat16),
+                                                    (33, 128, 48, np.float32)])
+def test_expert_matmul_matches_reference(rng, interpret, dtype, tokens, k_in, n_out):
+    packed, scale = random_int4(rng, E, n_out, k_in)
+    idx, _ = random_routing(rng, tokens)
+    ids = idx.reshape(-1)
+    x = as_input(rng.standard_normal((ids.size, k_in)), dtype)
+    out = int4_expert_matmul(jnp.asarray(x, dtype), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids),
+                             interpret=interpret)
+    assert out.shape == (ids.size, n_out) and out.dtype == dtype
+    assert_close(out, int4_expert_matmul_ref(x, packed, scale, ids), TOL[dtype], f"tokens {tokens}")
+
+
+def test_all_rows_to_one_expert_spans_row_blocks(rng, interpret):
+    """70 rows on one expert (5 blocks of 16, the last partial) and nothing elsewhere."""
+    packed, scale = random_int4(rng, E, 32, 128)
+    ids = np.full(70, 5, np.int32)
+    x = rng.standard_normal((70, 128)).astype(np.float32)
+    out = int4_expert_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids), block_m=16,
+                             interpret=interpret)
+    assert_close(out, int4_expert_matmul_ref(x, packed, scale, ids), TOL[np.float32], "one expert")
+
+
+def test_untouched_experts_are_never_read(rng, interpret):
+    """Experts without rows are skipped: NaN scales there (which would poison any product) leave y unchanged."""
+    packed, scale = random_int4(rng, E, 32, 128)
+    ids = rng.choice([2, 6], 12).astype(np.int32)
+    x = rng.standard_normal((12, 128)).astype(np.float32)
+    scale_nan = scale.copy()
+    scale_nan[[0, 1, 3, 4, 5, 7]] = np.nan
+    out = int4_expert_matmul(jnp.asarray(x), jnp.asarray(packed), jnp.asarray(scale_nan), jnp.asarray(ids),
+                             interpret=interpret)
+    assert_close(out, int4_expert_matmul_ref(x, packed, scale, ids), TOL[np.float32], "skipped experts")
+
+
+# ---- routing layout -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,e,block_m", [(1, 8, 16), (37, 8, 16), (200, 384, 32), (64, 4, 16)])
+def test_route_layout_invariants(rng, p, e, block_m):
+    ids = rng.integers(0, e, p).astype(np.int32)
+    layout = jax.jit(route_layout, static_argnums=(1, 2))(jnp.asarray(ids), e, block_m)
+    lay = jax.tree.map(np.asarray, layout)
+    counts = np.bincount(ids, minlength=e)
+    used = lay.slot_count > 0
+    np.testing.assert_array_equal(lay.slot_expert[used], np.nonzero(counts)[0])  # touched experts, ascending
+    np.testing.assert_array_equal(lay.slot_count[used], counts[counts > 0])
+    assert (lay.slot_start % block_m == 0).all()
+    ends = lay.slot_start + -(-lay.slot_count // block_m) * block_m
+    assert ends.max() <= lay.rows and (lay.slot_start[1:] >= ends[:-1]).all(), "slots overlap or leave the rows"
+    assert len(set(lay.dest.tolist())) == p, "two pairs share a row"
+    slot_of = {int(x): s for s, x in enumerate(lay.slot_expert) if lay.slot_count[s] > 0}
+    for row, ex in zip(lay.dest, ids):
+        s = slot_of[int(ex)]
+        assert lay.slot_start[s] <= row < lay.slot_start[s] + lay.slot_count[s]
+
+
+# ---- fused FFN --------------------------------------------------------------------------------------------------
+def make_ffn(rng, d, inter, e=E):
+    gate, up = random_int4(rng, e, inter, d), random_int4(rng, e, inter, d)
+    return (*gate, *up, *random_int4(rng, e, d, inter))
+
+
+@pytest.mark.parametrize("tokens,d,inter,dtype", [(1, 64, 32, jnp.bfloat16), (5, 256, 128, np.float32),
+                                                 (33, 128, 64, jnp.bfloat16)])
+def test_ffn_matches_reference(rng, interpret, dtype, tokens, d, inter):
+    w = make_ffn(rng, d, inter)
+    idx, weights = random_routing(rng, tokens)
+    x = as_input(rng.standard_normal((tokens, d)), dtype)
+    out = int4_moe_ffn(jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w),
+                       interpret=interpret)
+    assert out.shape == (tokens, d) and out.dtype == dtype
+    assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[dtype], f"ffn tokens {tokens}")
+
+
+def test_ffn_all_tokens_one_expert_and_idle_experts(rng, interpret):
+    """Every token's first expert is 3 (20 rows: two blocks), the second comes from {1, 6}; 5 experts idle."""
+    d, inter, m = 128, 64, 20
+    w = make_ffn(rng, d, inter)
+    idx = np.stack([np.full(m, 3), rng.choice([1, 6], m)], axis=1).astype(np.int32)
+    weights = rng.uniform(0.2, 1.5, (m, 2)).astype(np.float32)
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    out = int4_moe_ffn(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w), block_m=16,
+                       interpret=interpret)
+    assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[np.float32], "one expert")
+
+
+def test_xla_baselines_match_reference(rng):
+    """The benchmark's baselines compute the same FFN (so their timings compare like with like)."""
+    d, inter, m = 64, 32, 6
+    w = make_ffn(rng, d, inter)
+    idx, weights = random_routing(rng, m)
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    ref = int4_moe_ffn_ref(x, idx, weights, *w)
+    args = (jnp.asarray(x), jnp.asarray(idx), jnp.asarray(weights))
+    assert_close(dequant_then_matmul_ffn(*args, *map(jnp.asarray, w)), ref, 1e-5, "dequant_then_matmul")
+    from kdtree_jax.quant import dequant_int4
+    dense = [jnp.asarray(np.swapaxes(dequant_int4(w[i], w[i + 1], GROUP), -1, -2)) for i in (0, 2, 4)]  # [E, in, out]
+    assert_close(bf16_ragged_dot_ffn(*args, *dense), ref, 1e-5, "ragged_dot")
+    assert_close(bf16_gather_ffn(*args, *dense), ref, 1e-5, "gather")
+
+
+def test_bad_shapes_name_the_tensor(rng):
+    w = list(map(jnp.asarray, make_ffn(rng, 64, 32)))
+    x, idx, weights = jnp.ones((3, 64)), jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2))
+    with pytest.raises(ValueError, match="down packed"):
+        int4_moe_ffn(x, idx, weights, *w[:4], w[0], w[5])
+    with pytest.raises(ValueError, match="idx"):
+        int4_moe_ffn(x, idx[:2], weights, *w)
+    with pytest.raises(ValueError, match="block_m"):
+        int4_expert_matmul(jnp.ones((4, 64)), w[4][:, :, :4], w[5][:, :, :1], jnp.zeros(4, jnp.int32), block_m=24)
+
+
+# ---- Triton lowering for H200 -------------------------------------------------------------------------------------
+def ffn_specs(m, d, inter, e, k, dtype):
+    spec = jax.ShapeDtypeStruct
+    return (spec((m, d), dtype), spec((m, k), jnp.int32), spec((m, k), jnp.float32),
+            spec((e, inter, d // 8), jnp.int32), spec((e, inter, d // GROUP), jnp.bfloat16),
+            spec((e, inter, d // 8), jnp.int32), spec((e, inter, d // GROUP), jnp.bfloat16),
+            spec((e, d, inter // 8), jnp.int32), spec((e, d, inter // GROUP), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("m,d,inter,e,k,dtype", [
+    (1, 7168, 2048, 384, 8, jnp.bfloat16), (64, 7168, 2048, 384, 8, jnp.bfloat16),
+    (512, 7168, 2048, 384, 8, jnp.bfloat16), (5, 64, 32, 8, 2, jnp.float32), (33, 256, 128, 8, 2, jnp.bfloat16),
+])
+def test_lowers_for_h200(m, d, inter, e, k, dtype):
+    lowered = lower_for_h200(functools.partial(int4_moe_ffn, interpret=False), *ffn_specs(m, d, inter, e, k, dtype))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2  # fused gate/up + down
+
+
+@pytest.mark.gpu
+def test_k26_shape_on_gpu(rng):
+    """K2.6 expert shapes (D 7168, I 2048, 384 experts, top-8), bf16, 4 tokens, vs the float64 reference."""
+    d, inter, e, k, m = 7168, 2048, 384, 8, 4
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    w = []
+    for i, (n_out, n_in) in enumerate(((inter, d), (inter, d), (d, inter))):
+        kb, ks = jax.random.split(jax.random.fold_in(key, i))
+        bits = jax.random.bits(kb, (e, n_out, n_in // 8), jnp.uint32)
+        scale = jax.random.uniform(ks, (e, n_out, n_in // GROUP), jnp.float32, 0.5, 1.5) / (4.0 * n_in**0.5)
+        w += [jax.lax.bitcast_convert_type(bits, jnp.int32), scale.astype(jnp.bfloat16)]
+    idx, weights = random_routing(rng, m, e, k)
+    x = as_input(rng.standard_normal((m, d)), jnp.bfloat16)
+    out = int4_moe_ffn(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights), *w)
+    assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], "K2.6 shape")
