@@ -1,0 +1,45 @@
+"""After acceptance: move the accepted path's latents to contiguous rows and commit the emitted tokens.
+
+Accepted node at depth d was verified at position start + d and lands at row start + d, so its cached k_pe
+needs no re-rotation (ddtree_algorithm.md §5). Everything is gathered before anything is written.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """Per-request `buffer[b, start[b] : start[b] + R] = rows[b]`.  buffer: [Bt, S, ...], rows: [Bt, R, ...]."""
+
+    def one(buf, new, s):
+        index = (s,) + (0,) * (buf.ndim - 1)
+        return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), index)
+
+    return jax.vmap(one)(buffer, rows, start)
+
+
+def compact_latents(latent: jax.Array, start: jax.Array, src_slot: jax.Array) -> jax.Array:
+    """Row start+j takes row start+src_slot[j] in every layer.
+
+    latent: [n_layers, Bt, S, A], start: [Bt], src_slot: [Bt, P] (identity past the accepted length).
+    """
+    rows = start[:, None] + src_slot  # [Bt, P]
+    gathered = jnp.take_along_axis(latent, rows[None, :, :, None], axis=2)  # [n_layers, Bt, P, A]
+    return jax.vmap(write_rows, in_axes=(0, 0, None))(latent, gathered, start)
+
+
+def emitted_tokens(tree_tokens: jax.Array, path: jax.Array, n_accepted: jax.Array, bonus: jax.Array) -> jax.Array:
+    """Tokens committed this round, starting with the root: path tokens, then the new bonus, then padding.
+
+    tree_tokens: [Bt, N], path: [Bt, P] (pads -1), n_accepted: [Bt], bonus: [Bt] -> [Bt, P + 1].
+    """
+    path_tokens = jnp.take_along_axis(tree_tokens, jnp.maximum(path, 0), axis=1)  # [Bt, P]
+    padded = jnp.concatenate([path_tokens, jnp.zeros_like(path_tokens[:, :1])], axis=1)
+    j = jnp.arange(padded.shape[1])[None, :]
+    return jnp.where(j == n_accepted[:, None], bonus[:, None], padded)
+
+
+def gather_slots(values: jax.Array, slots: jax.Array) -> jax.Array:
+    """values: [Bt, N, F], slots: [Bt, P] (pads -1 read slot 0) -> [Bt, P, F]."""
+    return jnp.take_along_axis(values, jnp.maximum(slots, 0)[:, :, None], axis=1)

@@ -1,0 +1,267 @@
+"""Converted checkpoints (orbax) and the one entry point that loads a target from either format.
+
+A converted checkpoint is a directory:
+    config.json          the HF config it came from (the ModelConfig source of truth)
+    params/              orbax StandardCheckpointer tree of the model's parameters (INT4 experts stay packed)
+    tokenizer files      copied from the source when present
+    kdtree_meta.json     format tag, expert format, dtypes and the sha256 of every other file (written last)
+It is written into a hidden temp directory next to the destination and renamed into place only when complete,
+so a failed or killed conversion leaves nothing that loads. Loading reads only data files (never pickles or
+code) and checks every file's hash before restoring.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+FORMAT = "kdtree-jax/orbax-v1"
+META = "kdtree_meta.json"
+PARAMS = "params"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class CheckpointIntegrityError(ValueError):
+    """A converted checkpoint that is incomplete, altered or of the wrong format; the message names the file."""
+
+
+def is_converted(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(path, META))
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    path = os.fspath(path)
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith(".safetensors") for f in os.listdir(path)
+    )
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), root)
+            if rel != META:
+                out.append(rel)
+    return sorted(out)
+
+
+def dtype_name(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return name
+
+
+def save_converted(model, dst: str | os.PathLike, *, config_json: dict, extra_files: list[str] = (),
+                   expert_format: str = "float", overwrite: bool = False, before_commit: Callable | None = None) -> str:
+    """Write `model` as a converted checkpoint at `dst`, atomically."""
+    import orbax.checkpoint as ocp
+
+    dst = os.path.abspath(os.fspath(dst))
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"{dst}: already exists (pass overwrite/--force to replace it)")
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    _remove_stale_partials(parent, os.path.basename(dst))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.partial-", dir=parent)
+    os.chmod(tmp, 0o755)
+    try:
+        state = nnx.to_pure_dict(nnx.state(model))
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(tmp, PARAMS), state)
+        ckptr.wait_until_finished()
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config_json, f, indent=2)
+        for src in extra_files:
+            shutil.copy2(src, os.path.join(tmp, os.path.basename(src)))
+        leaves = jax.tree.leaves(state)
+        meta = {
+            "format": FORMAT,
+            "expert_format": expert_format,
+            "param_dtype": _float_dtype(leaves),
+            "n_params": int(sum(np.prod(x.shape) for x in leaves)),
+            "sha256": {rel: _sha256(os.path.join(tmp, rel)) for rel in _files(tmp)},
+        }
+        if before_commit is not None:
+            before_commit(tmp)
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=2)
+        if os.path.exists(dst):
+            shutil.rmtree(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _float_dtype(leaves) -> str:
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2:
+            return jnp.dtype(x.dtype).name
+    return "float32"
+
+
+def _remove_stale_partials(parent: str, base: str) -> None:
+    """Leftovers of a killed conversion into the same destination."""
+    for name in os.listdir(parent):
+        if name.startswith(f".{base}.partial-"):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def read_meta(path: str, *, verify: bool = True) -> dict:
+    meta_path = os.path.join(path, META)
+    if not os.path.isfile(meta_path):
+        raise CheckpointIntegrityError(f"{meta_path}: missing; {path} is not a complete converted checkpoint")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointIntegrityError(f"{meta_path}: not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointIntegrityError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if verify:
+        expected = meta.get("sha256", {})
+        present = set(_files(path))
+        for rel in sorted(set(expected) - present):
+            raise CheckpointIntegrityError(f"{os.path.join(path, rel)}: missing from the checkpoint")
+        for rel in sorted(present - set(expected)):
+            raise CheckpointIntegrityError(f"{os.path.join(path, rel)}: not part of the checkpoint (unexpected file)")
+        for rel, digest in sorted(expected.items()):
+            if _sha256(os.path.join(path, rel)) != digest:
+                raise CheckpointIntegrityError(f"{os.path.join(path, rel)}: contents changed (sha256 mismatch)")
+    return meta
+
+
+def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=None, verify: bool = True):
+    """Restore a converted target; with a mesh, each parameter is restored straight into its sharded layout."""
+    import orbax.checkpoint as ocp
+
+    from kdtree_jax.config import ModelConfig
+    from kdtree_jax.model import KimiModel
+
+    path = os.path.abspath(os.fspath(path))
+    meta = read_meta(path, verify=verify)
+    cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
+    param_dtype = DTYPES[meta["param_dtype"]]
+    compute = DTYPES[dtype] if dtype else param_dtype
+
+    def build():
+        return KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=compute,
+                         expert_format=meta["expert_format"])
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    target = nnx.to_pure_dict(abstract)
+    if mesh is not None:
+        from kdtree_jax.sharding import state_shardings
+
+        shardings = nnx.to_pure_dict(state_shardings(abstract, mesh))
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
+    else:
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
+    try:
+        restored = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS), target)
+    except Exception as e:  # orbax/tensorstore raise many types; name the directory
+        raise CheckpointIntegrityError(f"{os.path.join(path, PARAMS)}: cannot restore ({type(e).__name__}: {e})") from e
+    nnx.replace_by_pure_dict(abstract, restored)
+    model = nnx.merge(graphdef, abstract)
+    if dtype and DTYPES[dtype] != param_dtype:
+        model = cast_params(model, DTYPES[dtype])
+    return model
+
+
+def cast_params(model, dtype):
+    """Float parameters to `dtype` (packed INT4 words and their bf16 scales are left as they are)."""
+    graphdef, state = nnx.split(model)
+
+    def cast(path, x):
+        name = str(getattr(path[-1], "key", path[-1]))
+        keep = name == "bias" or name.endswith("_scale")  # selection bias stays f32; INT4 scales stay bf16
+        return x if keep or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+    state = jax.tree_util.tree_map_with_path(cast, state)
+    return nnx.merge(graphdef, state)
+
+
+def load_target_any(path: str | os.PathLike, *, dtype: str = "float32", mesh=None, progress: bool = False):
+    """A target from an HF safetensors directory (read directly) or a converted checkpoint."""
+    from kdtree_jax.hf_checkpoint import HFCheckpoint
+    from kdtree_jax.weights import load_model
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    if is_converted(path):
+        model = load_converted(path, dtype=dtype, mesh=mesh)
+    elif is_hf_dir(path):
+        with HFCheckpoint.open(path) as ckpt:
+            ckpt.validate()
+            source = _with_progress(ckpt, progress)
+            model = load_model(source, param_dtype=DTYPES[dtype], dtype=DTYPES[dtype])
+    else:
+        raise FileNotFoundError(f"{path}: neither an HF safetensors checkpoint (config.json + *.safetensors) nor a "
+                                f"converted one ({META})")
+    if mesh is not None:
+        from kdtree_jax.sharding import shard_model
+
+        model = shard_model(model, mesh)
+    return model
+
+
+class _with_progress:
+    """An HFCheckpoint view whose `get` advances a progress bar (one step per tensor)."""
+
+    def __init__(self, ckpt, enabled: bool):
+        self._ckpt = ckpt
+        self.config = ckpt.config
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=len(ckpt.names()), desc="loading tensors", unit="tensor", leave=False)
+
+    def get(self, name: str):
+        value = self._ckpt.get(name)
+        if self._bar is not None:
+            self._bar.update(1)
+        return value
+
+    def __getattr__(self, item):
+        return getattr(self._ckpt, item)
+
+
+def load_drafter_any(path: str | os.PathLike, *, dtype: str = "float32"):
+    from kdtree_jax.drafter import load_drafter
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such drafter directory")
+    return load_drafter(path, DTYPES[dtype])
+
+
+def load_tokenizer_any(path: str | os.PathLike):
+    """The tokenizer shipped with a checkpoint (its own files or a `tokenizer/` folder), or None."""
+    from kdtree_jax.tokenizer import KimiTokenizer
+
+    path = os.fspath(path)
+    for cand in (path, os.path.join(path, "tokenizer")):
+        if os.path.isfile(os.path.join(cand, "tiktoken.model")):
+            return KimiTokenizer.from_dir(cand)
+    return None

@@ -1,0 +1,350 @@
+"""Prefill, the on-device decode loop, and the public `Engine` API.
+
+A whole generation is one compiled computation: chunked prefill, then `lax.while_loop` over speculative rounds
+until every request has hit a stop token or `max_new_tokens`. The streaming variant runs the same loop body
+`stream_every` rounds per call and hands the new tokens back in between.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdtree_jax import sampling
+from kdtree_jax.speculative import (
+    FINISH_LENGTH,
+    FINISH_NONFINITE,
+    FINISH_REASONS,
+    FINISH_STOP,
+    RUNNING,
+    DecodeSpec,
+    DecodeState,
+    drafter_pass,
+    speculative_round,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device side: prefill and the round loop (pure functions of modules + state)
+# ---------------------------------------------------------------------------------------------------------------
+def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: jax.Array, keys: jax.Array) -> DecodeState:
+    """Fill the target (and drafter) caches from right-padded prompts and pick the first token.
+
+    prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys.
+    """
+    from kdtree_jax.drafter import DrafterCache
+    from kdtree_jax.model import LatentCache, forward_prefill
+
+    bt, cap = prompts.shape
+    chunk = spec.prefill_chunk
+    cache = LatentCache.zeros(target.cfg, bt, spec.capacity, target.cache_dtype)
+    draft_cache = None if drafter is None else DrafterCache.zeros(drafter.cfg, bt, spec.capacity, drafter.compute_dtype)
+    dummy_bonus = jnp.zeros((bt,), jnp.int32)
+
+    def one_chunk(carry, c):
+        cache, draft_cache, last = carry
+        start = c * chunk
+        tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
+        out = forward_prefill(target, tokens, start, cache, taps=spec.taps)
+        row = prompt_len - 1 - start  # [Bt] the prompt's last row, if it is in this chunk
+        here = (row >= 0) & (row < chunk)
+        logits = jnp.take_along_axis(out.logits, jnp.clip(row, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        last = jnp.where(here[:, None], logits, last)
+        if draft_cache is not None:
+            n_ctx = jnp.clip(prompt_len - start, 0, chunk)
+            _, _, draft_cache = drafter_pass(spec, drafter, target, draft_cache, out.hidden, n_ctx, dummy_bonus)
+        return (out.cache, draft_cache, last), None
+
+    last0 = jnp.zeros((bt, target.cfg.vocab_size), jnp.float32)
+    (cache, draft_cache, last), _ = jax.lax.scan(one_chunk, (cache, draft_cache, last0), jnp.arange(cap // chunk))
+
+    slot_keys = sampling.slot_keys(jax.random.wrap_key_data(keys), jnp.int32(0), 1)
+    first = sampling.choose(last[:, None, :], spec.sampling, slot_keys)[:, 0]
+    tokens = jnp.zeros((bt, spec.capacity), jnp.int32).at[:, :cap].set(prompts)
+    tokens = jax.vmap(lambda t, i, v: t.at[i].set(v))(tokens, prompt_len, first)
+    is_stop = jnp.isin(first, jnp.asarray(spec.stop_ids or (-1,), jnp.int32))
+    nonfinite = ~jnp.all(jnp.isfinite(last), axis=-1)
+    finish = jnp.where(nonfinite, FINISH_NONFINITE, jnp.where(
+        is_stop, FINISH_STOP, jnp.where(spec.max_new_tokens <= 1, FINISH_LENGTH, RUNNING)))
+
+    depth, k = max(spec.depth, 1), spec.top_k
+    lp = jnp.zeros((bt, depth, k), jnp.float32)
+    ids = jnp.zeros((bt, depth, k), jnp.int32)
+    if drafter is not None:
+        feat = jnp.zeros((bt, 1, drafter.cfg.feature_dim), cache.latent.dtype)
+        lp, ids, draft_cache = drafter_pass(spec, drafter, target, draft_cache, feat, jnp.zeros((bt,), jnp.int32), first)
+    return DecodeState(
+        tokens=tokens,
+        length=prompt_len.astype(jnp.int32),
+        prompt_len=prompt_len.astype(jnp.int32),
+        n_generated=jnp.where(nonfinite, 0, 1).astype(jnp.int32),
+        finish=finish.astype(jnp.int32),
+        cache=cache,
+        draft_cache=draft_cache,
+        draft_lp=lp,
+        draft_ids=ids,
+        keys=keys,
+        round=jnp.int32(0),
+        accept_len=jnp.zeros((bt, spec.max_rounds), jnp.int32),
+    )
+
+
+def decode_loop(spec: DecodeSpec, target, drafter, state: DecodeState, round_limit: jax.Array) -> DecodeState:
+    """Rounds on the device until every request is done or `round_limit` rounds have run in total."""
+
+    def cond(s: DecodeState):
+        return (s.round < jnp.minimum(round_limit, spec.max_rounds)) & jnp.any(~s.done)
+
+    return jax.lax.while_loop(cond, functools.partial(speculative_round, spec, target, drafter), state)
+
+
+def generate_device(spec, target, drafter, prompts, prompt_len, keys) -> DecodeState:
+    """Prefill + every round: one compiled computation."""
+    state = prefill(spec, target, drafter, prompts, prompt_len, keys)
+    return decode_loop(spec, target, drafter, state, jnp.int32(spec.max_rounds))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side: the public API
+# ---------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class GenerationStats:
+    rounds: int  # rounds run (max over the batch)
+    mean_acceptance_length: float  # tokens committed per target forward, over all requests' rounds
+    generated_tokens: int
+    tokens_per_s: float  # decode throughput (compile excluded)
+    wall_s: float  # prefill + decode, compile excluded
+    compile_s: float
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    rounds: int
+    mean_acceptance_length: float
+    accept_lengths: list[int]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    outputs: list[RequestOutput]
+    stats: GenerationStats
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [o.token_ids for o in self.outputs]
+
+    @property
+    def texts(self) -> list[str | None]:
+        return [o.text for o in self.outputs]
+
+
+class ContextTooLongError(ValueError):
+    """A prompt plus max_new_tokens does not fit the model's context."""
+
+
+class Engine:
+    """Target (+ optional drafter) with jit-compiled generation in three modes: ar, chain, ddtree."""
+
+    def __init__(self, target, drafter=None, tokenizer=None, *, mesh=None, use_pallas: bool | None = None,
+                 prefill_chunk: int = 256):
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.mesh = mesh
+        self.use_pallas = True if use_pallas is None else use_pallas
+        self.prefill_chunk = prefill_chunk
+        if drafter is not None:
+            drafter.cfg.check_compatible(target.cfg)
+        self._target_graph, self._target_state = nnx.split(target)
+        if drafter is not None:
+            self._drafter_graph, self._drafter_state = nnx.split(drafter)
+        else:
+            self._drafter_graph, self._drafter_state = None, None
+        self._compiled: dict = {}
+
+    # ---- loading ------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, mesh=None,
+             dtype: str = "float32", use_pallas: bool | None = None, progress: bool = False) -> "Engine":
+        from kdtree_jax.checkpoint_io import load_drafter_any, load_target_any, load_tokenizer_any
+
+        model = load_target_any(target, dtype=dtype, mesh=mesh, progress=progress)
+        draft_model = None if drafter is None else load_drafter_any(drafter, dtype=dtype)
+        return cls(model, draft_model, load_tokenizer_any(target), mesh=mesh, use_pallas=use_pallas)
+
+    # ---- compile ------------------------------------------------------------------------------------------
+    def spec_for(self, *, mode: str, batch: int, prompt_len: int, max_new_tokens: int, budget: int,
+                 params: sampling.SamplingParams) -> DecodeSpec:
+        cfg = self.target.cfg
+        if mode != "ar" and self.drafter is None:
+            raise ValueError(f"mode {mode!r} needs a drafter; load one or use mode='ar'")
+        chunk = min(self.prefill_chunk, _pow2_at_least(prompt_len))
+        prompt_cap = chunk * math.ceil(prompt_len / chunk)
+        stop = tuple(self.tokenizer.stop_token_ids) if self.tokenizer is not None else tuple(cfg.eos_token_id)
+        dcfg = None if self.drafter is None or mode == "ar" else self.drafter.cfg
+        return DecodeSpec(
+            mode=mode, batch=batch, prompt_cap=prompt_cap, max_new_tokens=max_new_tokens, budget=budget,
+            block=1 if dcfg is None else dcfg.block_size, vocab=cfg.vocab_size, sampling=params,
+            prefill_chunk=chunk, use_pallas=self.use_pallas, stop_ids=stop,
+            taps=() if dcfg is None else tuple(dcfg.target_layer_ids),
+            mask_token_id=0 if dcfg is None else dcfg.mask_token_id,
+        )
+
+    def _compile(self, spec: DecodeSpec, kind: str, *args) -> tuple[Callable, float]:
+        """AOT-compile one of the three device programs for `spec` (cached); returns it and the seconds it took."""
+        key = (spec, kind)
+        if key in self._compiled:
+            return self._compiled[key], 0.0
+        tg, dg = self._target_graph, self._drafter_graph
+        uses_drafter = spec.mode != "ar"
+
+        def merge(t_state, d_state):
+            return nnx.merge(tg, t_state), (nnx.merge(dg, d_state) if uses_drafter else None)
+
+        if kind == "generate":
+            def fn(t_state, d_state, prompts, prompt_len, keys):
+                return generate_device(spec, *merge(t_state, d_state), prompts, prompt_len, keys)
+        elif kind == "prefill":
+            def fn(t_state, d_state, prompts, prompt_len, keys):
+                return prefill(spec, *merge(t_state, d_state), prompts, prompt_len, keys)
+        else:
+            def fn(t_state, d_state, state, round_limit):
+                return decode_loop(spec, *merge(t_state, d_state), state, round_limit)
+        t0 = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=(2,) if kind == "rounds" else ()).lower(*args).compile()
+        self._compiled[key] = compiled
+        return compiled, time.perf_counter() - t0
+
+    # ---- generate -----------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, mode: str = "ddtree",
+                 budget: int = 32, seed: int | Sequence[int] = 0, chat: bool = False) -> GenerationResult:
+        """Generate for a batch of prompts (text or token ids); one compiled computation for all rounds."""
+        spec, prompts_arr, lens, keys = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, mode,
+                                                      budget, seed, chat)
+        args = (self._target_state, self._drafter_state, prompts_arr, lens, keys)
+        compiled, compile_s = self._compile(spec, "generate", *args)
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(compiled(*args))
+        wall = time.perf_counter() - t0
+        return self._result(spec, state, wall, compile_s)
+
+    def generate_stream(self, prompts, max_new_tokens: int = 64, *, stream_every: int = 1, temperature: float = 0.0,
+                        top_k: int = 0, top_p: float = 1.0, mode: str = "ddtree", budget: int = 32,
+                        seed: int | Sequence[int] = 0, chat: bool = False) -> Iterator[list[list[int]]]:
+        """Yield each request's newly committed token ids every `stream_every` rounds; returns the result."""
+        if stream_every < 1:
+            raise ValueError(f"stream_every must be >= 1, got {stream_every}")
+        spec, prompts_arr, lens, keys = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, mode,
+                                                      budget, seed, chat)
+        weights = (self._target_state, self._drafter_state)
+        prefill_fn, compile_s = self._compile(spec, "prefill", *weights, prompts_arr, lens, keys)
+        t0 = time.perf_counter()
+        state = prefill_fn(*weights, prompts_arr, lens, keys)
+        rounds_fn, more = self._compile(spec, "rounds", *weights, state, jnp.int32(0))
+        compile_s += more
+        t0 += more
+        sent = np.zeros(len(lens), np.int64)
+        while True:
+            new, sent = _new_tokens(state, sent)
+            yield new
+            if bool(jnp.all(state.done)) or int(state.round) >= spec.max_rounds:
+                break
+            state = rounds_fn(*weights, state, state.round + stream_every)
+        return self._result(spec, state, time.perf_counter() - t0, compile_s)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def encode_prompts(self, prompts, chat: bool) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer; pass token ids instead")
+                if chat:
+                    p = self.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                    out.append(self.tokenizer.encode(p, allow_special=True))
+                else:
+                    out.append(self.tokenizer.encode(p))
+            else:
+                out.append([int(t) for t in p])
+        return out
+
+    def _prepare(self, prompts, max_new_tokens, temperature, top_k, top_p, mode, budget, seed, chat):
+        if not prompts:
+            raise ValueError("no prompts given")
+        ids = self.encode_prompts(prompts, chat)
+        cfg = self.target.cfg
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary (0..{cfg.vocab_size - 1}): {bad[:5]}")
+            if len(p) + max_new_tokens > cfg.max_position_embeddings:
+                raise ContextTooLongError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the model's "
+                    f"context of {cfg.max_position_embeddings} tokens"
+                )
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        spec = self.spec_for(mode=mode, batch=len(ids), prompt_len=max(map(len, ids)), max_new_tokens=max_new_tokens,
+                             budget=budget, params=params)
+        arr = np.zeros((len(ids), spec.prompt_cap), np.int32)
+        for i, p in enumerate(ids):
+            arr[i, : len(p)] = p
+        lens = np.array([len(p) for p in ids], np.int32)
+        seeds = [seed] * len(ids) if isinstance(seed, int) else list(seed)
+        if len(seeds) != len(ids):
+            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
+        keys = np.stack([
+            np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(s), i))) for i, s in enumerate(seeds)
+        ])
+        return spec, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(keys)
+
+    def _result(self, spec: DecodeSpec, state: DecodeState, wall: float, compile_s: float) -> GenerationResult:
+        tokens = np.asarray(state.tokens)
+        plen = np.asarray(state.prompt_len)
+        ngen = np.asarray(state.n_generated)
+        finish = np.asarray(state.finish)
+        acc = np.asarray(state.accept_len)
+        outputs = []
+        for b in range(tokens.shape[0]):
+            ids = tokens[b, plen[b] : plen[b] + ngen[b]].tolist()
+            lens = [int(a) for a in acc[b] if a > 0]
+            text = None if self.tokenizer is None else self.tokenizer.decode(ids)
+            outputs.append(RequestOutput(
+                token_ids=ids, text=text, finish_reason=FINISH_REASONS[int(finish[b])] or "length",
+                rounds=len(lens), mean_acceptance_length=float(np.mean(lens)) if lens else 0.0, accept_lengths=lens,
+            ))
+        all_lens = acc[acc > 0]
+        total = int(ngen.sum())
+        stats = GenerationStats(
+            rounds=int(state.round), mean_acceptance_length=float(all_lens.mean()) if all_lens.size else 0.0,
+            generated_tokens=total, tokens_per_s=total / wall if wall > 0 else float("nan"), wall_s=wall,
+            compile_s=compile_s,
+        )
+        return GenerationResult(outputs, stats)
+
+
+def _new_tokens(state: DecodeState, sent: np.ndarray) -> tuple[list[list[int]], np.ndarray]:
+    tokens = np.asarray(state.tokens)
+    plen = np.asarray(state.prompt_len)
+    ngen = np.asarray(state.n_generated)
+    new = [tokens[b, plen[b] + sent[b] : plen[b] + ngen[b]].tolist() for b in range(tokens.shape[0])]
+    return new, ngen.astype(np.int64)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,199 @@
+"""`python -m kdtree_jax.generate`: run the engine on prompts and stream text to the terminal.
+
+With no arguments it runs on the shipped default pair in `checkpoints/kdtree-mini/`. Flags follow the
+vLLM / SGLang conventions where they have one (`--model`, `--speculative-model`, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
+DEFAULT_TARGET = os.path.join(DEFAULT_DIR, "target")
+DEFAULT_DRAFTER = os.path.join(DEFAULT_DIR, "drafter")
+DEFAULT_PROMPT = "def fibonacci(n):\n"
+
+
+class UsageError(Exception):
+    """Bad input from the user: one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m kdtree_jax.generate",
+        description="Generate with DDTree speculative decoding (or the chain / autoregressive baselines).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    io = p.add_argument_group("model")
+    io.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
+                    help="target: an HF safetensors directory (converted on the fly) or a converted checkpoint")
+    io.add_argument("--drafter", "--speculative-model", dest="drafter", default=None,
+                    help="DFlash drafter directory (z-lab HF layout); default: the shipped drafter when the "
+                         "checkpoint is the shipped target")
+    io.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter/compute dtype")
+    io.add_argument("--mesh", default=None,
+                    help="device layout as data x tensor x expert, e.g. 1x8x1 or 2x4 (default: one device)")
+    pr = p.add_argument_group("prompts")
+    pr.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    pr.add_argument("--prompt-file", default=None, help="file with one prompt per line")
+    pr.add_argument("--prompt-ids", action="append", default=None,
+                    help="comma-separated token ids (repeatable)")
+    pr.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
+    sm = p.add_argument_group("decoding")
+    sm.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower,
+                    choices=("ddtree", "chain", "ar"), default="ddtree",
+                    help="ddtree: draft tree; chain: DFlash block; ar: one token per target forward")
+    sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=int, default=32,
+                    help="DDTree node budget B (tree tokens verified per round = 1 + B)")
+    sm.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=128)
+    sm.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sm.add_argument("--top-p", type=float, default=1.0)
+    sm.add_argument("--top-k", type=int, default=0, help="0 = off")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="one JSON object per prompt per line, in prompt order")
+    out.add_argument("--stream-every", type=int, default=1, help="rounds between streamed updates")
+    out.add_argument("--no-pallas", action="store_true", help="jnp attention instead of the verify_attn kernel")
+    return p
+
+
+def _prompts(args) -> list:
+    prompts: list = []
+    for text in args.prompt or []:
+        prompts.append(text)
+    if args.prompt_file:
+        if not os.path.isfile(args.prompt_file):
+            raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts.extend(line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip())
+    for spec in args.prompt_ids or []:
+        try:
+            ids = [int(t) for t in spec.split(",") if t.strip()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids {spec!r}: expected comma-separated integers") from None
+        if not ids:
+            raise UsageError("--prompt-ids: empty list")
+        prompts.append(ids)
+    return prompts or [DEFAULT_PROMPT]
+
+
+def _check_args(args) -> None:
+    if args.budget < 0:
+        raise UsageError(f"--budget must be >= 0, got {args.budget}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.stream_every < 1:
+        raise UsageError(f"--stream-every must be >= 1, got {args.stream_every}")
+    if not os.path.exists(args.checkpoint):
+        raise UsageError(f"--checkpoint {args.checkpoint}: no such directory")
+    if args.drafter is None and args.mode != "ar" and os.path.abspath(args.checkpoint) == DEFAULT_TARGET:
+        args.drafter = DEFAULT_DRAFTER
+    if args.mode != "ar":
+        if args.drafter is None:
+            raise UsageError(f"--mode {args.mode} needs --drafter (or use --mode ar)")
+        if not os.path.exists(args.drafter):
+            raise UsageError(f"--drafter {args.drafter}: no such directory")
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    prompts = _prompts(args)
+
+    from kdtree_jax.engine import Engine
+    from kdtree_jax.sharding import parse_mesh
+
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    engine = Engine.load(args.checkpoint, args.drafter if args.mode != "ar" else None, mesh=mesh, dtype=args.dtype,
+                         use_pallas=not args.no_pallas, progress=True)
+    if any(isinstance(p, str) for p in prompts) and engine.tokenizer is None:
+        raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; pass --prompt-ids instead")
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              mode=args.mode, budget=args.budget, chat=args.chat)
+    totals = {"tokens": 0, "rounds": 0, "wall": 0.0, "compile": 0.0, "acc": []}
+    for lo in range(0, len(prompts), args.batch_size):
+        batch = prompts[lo : lo + args.batch_size]
+        seeds = [args.seed + lo + i for i in range(len(batch))]
+        result = _run_batch(engine, batch, seeds, args, kw)
+        for out in result.outputs:
+            if args.json:
+                print(json.dumps({
+                    "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+                    "stats": {"rounds": out.rounds, "mean_acceptance_length": out.mean_acceptance_length,
+                              "tokens_per_s": result.stats.tokens_per_s, "accept_lengths": out.accept_lengths,
+                              "mode": args.mode, "budget": args.budget if args.mode == "ddtree" else None},
+                }, ensure_ascii=False), flush=True)
+            totals["acc"].extend(out.accept_lengths)
+        totals["tokens"] += result.stats.generated_tokens
+        totals["rounds"] += result.stats.rounds
+        totals["wall"] += result.stats.wall_s
+        totals["compile"] += result.stats.compile_s
+    mean_acc = sum(totals["acc"]) / len(totals["acc"]) if totals["acc"] else 0.0
+    tps = totals["tokens"] / totals["wall"] if totals["wall"] > 0 else float("nan")
+    print(f"[{args.mode}] tokens={totals['tokens']} rounds={totals['rounds']} mean_acceptance_length={mean_acc:.2f} "
+          f"tokens/s={tps:.1f} run_s={totals['wall']:.2f} compile_s={totals['compile']:.2f}", file=sys.stderr)
+    return 0
+
+
+def _run_batch(engine, batch, seeds, args, kw):
+    """Stream text for a single interactive prompt; otherwise decode the batch in one computation."""
+    if args.json or len(batch) > 1:
+        result = engine.generate(batch, seed=seeds, **kw)
+        if not args.json:
+            for i, out in enumerate(result.outputs):
+                print(f"--- prompt {i} ({out.finish_reason}) ---")
+                print(out.text if out.text is not None else out.token_ids, flush=True)
+        return result
+    gen = engine.generate_stream(batch, seed=seeds, stream_every=args.stream_every, **kw)
+    decoder = engine.tokenizer.stream_decoder() if engine.tokenizer is not None else None
+    if decoder is not None and isinstance(batch[0], str) and not args.chat:
+        print(batch[0], end="", flush=True)
+    while True:
+        try:
+            new = next(gen)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        if decoder is None:
+            if new[0]:
+                print(" ".join(map(str, new[0])), end=" ", flush=True)
+        else:
+            print(decoder.feed(new[0]), end="", flush=True)
+    if decoder is not None:
+        print(decoder.flush(), end="")
+    print(flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = run(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except (ValueError, FileNotFoundError) as e:  # bad checkpoint, prompt too long, mismatched drafter, ...
+        if os.environ.get("KDTREE_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

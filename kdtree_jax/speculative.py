@@ -1,0 +1,218 @@
+"""One speculative round, for the three modes of the engine, as pure functions over `DecodeState`.
+
+Round r: tree from the last drafter pass (ddtree: best-first heap; chain: the argmax block; ar: root only)
+-> one target forward over its N tokens with the ancestor mask -> the target's token at every slot -> walk
+-> compact the latent cache and commit -> the next drafter pass over the accepted path's target features.
+The drafter pass closes the round (instead of opening it) so that prefill can hand the first one over.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from kdtree_jax import cache_update, sampling
+from kdtree_jax.drafter import DrafterCache, draft
+from kdtree_jax.model import LatentCache, forward_verify
+from pallas_kernels.tree_accept import tree_accept
+from pallas_kernels.tree_build import Tree, topk_logprobs, tree_build
+
+MODES = ("ar", "chain", "ddtree")
+
+RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_NONFINITE = 0, 1, 2, 3
+FINISH_REASONS = {RUNNING: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_NONFINITE: "nonfinite"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Everything that fixes the compiled shapes of a generation."""
+
+    mode: str  # "ar" | "chain" | "ddtree"
+    batch: int
+    prompt_cap: int  # padded prompt length (a multiple of prefill_chunk)
+    max_new_tokens: int
+    budget: int = 0  # ddtree: non-root tree nodes B
+    block: int = 1  # drafter block size L (1 for ar)
+    vocab: int = 0
+    sampling: sampling.SamplingParams = sampling.SamplingParams()
+    prefill_chunk: int = 256
+    use_pallas: bool = True  # verify_attn kernel (else the jnp form); tree kernels always run
+    stop_ids: tuple[int, ...] = ()
+    taps: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
+    mask_token_id: int = 0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "ddtree" and self.budget < 0:
+            raise ValueError(f"budget must be >= 0, got {self.budget}")
+        if self.mode != "ar" and self.block < 2:
+            raise ValueError(f"mode {self.mode!r} needs a drafter block of >= 2 tokens, got {self.block}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def depth(self) -> int:
+        """D: deepest drafted position (0 for ar)."""
+        return 0 if self.mode == "ar" else self.block - 1
+
+    @property
+    def n_slots(self) -> int:
+        """N: tokens verified per round."""
+        return {"ar": 1, "chain": self.block, "ddtree": 1 + self.budget}[self.mode]
+
+    @property
+    def top_k(self) -> int:
+        """K: drafted candidates kept per depth (Lemma 1: min(B, V) suffices)."""
+        return {"ar": 1, "chain": 1, "ddtree": max(1, min(self.budget, self.vocab))}[self.mode]
+
+    @property
+    def slack(self) -> int:
+        """Rows past the last committed token that one round may write (tree slots or compaction rows)."""
+        return max(self.n_slots, self.depth + 2)
+
+    @property
+    def capacity(self) -> int:
+        """Cache rows: prompt + generated + one round's scratch."""
+        return self.prompt_cap + self.max_new_tokens + self.slack
+
+    @property
+    def max_rounds(self) -> int:
+        return self.max_new_tokens
+
+
+@flax.struct.dataclass
+class DecodeState:
+    tokens: jax.Array  # [Bt, capacity] prompt + committed tokens; tokens[b, length[b]] is the bonus
+    length: jax.Array  # [Bt] tokens whose latents are in the target cache (the bonus's position)
+    prompt_len: jax.Array  # [Bt]
+    n_generated: jax.Array  # [Bt] generated tokens so far, bonus included
+    finish: jax.Array  # [Bt] RUNNING / FINISH_*
+    cache: LatentCache  # target latent cache, valid for rows < length
+    draft_cache: DrafterCache | None  # drafter context K/V, valid for rows < length
+    draft_lp: jax.Array  # [Bt, D, K] top-K draft log-probs for the next tree
+    draft_ids: jax.Array  # [Bt, D, K] their token ids
+    keys: jax.Array  # [Bt, 2] per-request PRNG keys (raw uint32)
+    round: jax.Array  # [] rounds run so far
+    accept_len: jax.Array  # [Bt, max_rounds] acceptance length of each round (0 once finished)
+
+    @property
+    def bonus(self) -> jax.Array:
+        return jnp.take_along_axis(self.tokens, self.length[:, None], axis=1)[:, 0]
+
+    @property
+    def done(self) -> jax.Array:
+        return self.finish != RUNNING
+
+
+def root_only_tree(bonus: jax.Array) -> Tree:
+    """The AR 'tree': just the root."""
+    bt = bonus.shape[0]
+    return Tree(
+        tokens=bonus[:, None].astype(jnp.int32),
+        parents=jnp.full((bt, 1), -1, jnp.int32),
+        depths=jnp.zeros((bt, 1), jnp.int32),
+        n_nodes=jnp.zeros((bt,), jnp.int32),
+        vis=jnp.ones((bt, 1, 1), bool),
+    )
+
+
+def chain_tree(draft_ids: jax.Array, bonus: jax.Array) -> Tree:
+    """The DFlash chain: [bonus, argmax_1 .. argmax_D], each node the child of the one before (causal mask)."""
+    bt, depth = draft_ids.shape[:2]
+    n = depth + 1
+    tokens = jnp.concatenate([bonus[:, None], draft_ids[:, :, 0]], axis=1).astype(jnp.int32)
+    slots = jnp.arange(n, dtype=jnp.int32)
+    return Tree(
+        tokens=tokens,
+        parents=jnp.broadcast_to(slots - 1, (bt, n)),
+        depths=jnp.broadcast_to(slots, (bt, n)),
+        n_nodes=jnp.full((bt,), depth, jnp.int32),
+        vis=jnp.broadcast_to(slots[None, :] <= slots[:, None], (bt, n, n)),
+    )
+
+
+def make_tree(spec: DecodeSpec, state: DecodeState) -> Tree:
+    if spec.mode == "ar":
+        return root_only_tree(state.bonus)
+    if spec.mode == "chain":
+        return chain_tree(state.draft_ids, state.bonus)
+    return tree_build(state.draft_lp, state.draft_ids, state.bonus, budget=spec.budget)
+
+
+def drafter_pass(spec, drafter, target, draft_cache, ctx_hidden, n_ctx, bonus):
+    """Append the new context rows, draft the next block, keep its top-K per depth."""
+    logits, draft_cache = draft(
+        drafter, draft_cache, ctx_hidden, n_ctx, bonus, target.embed_table(), target.lm_head_table(),
+        mask_token_id=spec.mask_token_id,
+    )
+    lp, ids = topk_logprobs(logits, spec.top_k)
+    return lp, ids, draft_cache
+
+
+def speculative_round(spec: DecodeSpec, target, drafter, state: DecodeState) -> DecodeState:
+    """One round for every request in the batch; finished requests are carried unchanged."""
+    with jax.named_scope("round/tree"):
+        tree = make_tree(spec, state)
+    with jax.named_scope("round/verify"):
+        positions = state.length[:, None] + tree.depths
+        out = forward_verify(
+            target, tree.tokens, positions, state.length, tree.vis, state.cache, taps=spec.taps,
+            use_pallas=spec.use_pallas,
+        )
+    with jax.named_scope("round/sample"):
+        keys = sampling.slot_keys(jax.random.wrap_key_data(state.keys), state.round + 1, spec.n_slots)
+        choice = sampling.choose(out.logits, spec.sampling, keys)
+    with jax.named_scope("round/accept"):
+        acc = tree_accept(choice, tree.tokens, tree.parents, tree.n_nodes, max_depth=spec.depth)
+    with jax.named_scope("round/cache_update"):
+        cache = LatentCache(latent=cache_update.compact_latents(out.cache.latent, state.length, acc.src_slot))
+        emitted = cache_update.emitted_tokens(tree.tokens, acc.path, acc.n_accepted, acc.bonus)
+        new = _commit(spec, state, emitted, acc.n_accepted, _nonfinite(out.logits, tree))
+    if spec.mode == "ar":
+        return new.replace(cache=cache)
+    with jax.named_scope("round/draft"):
+        ctx = cache_update.gather_slots(out.hidden, acc.path)
+        n_ctx = jnp.where(state.done, 0, acc.n_accepted)
+        lp, ids, draft_cache = drafter_pass(spec, drafter, target, state.draft_cache, ctx, n_ctx, new.bonus)
+    return new.replace(cache=cache, draft_cache=draft_cache, draft_lp=lp, draft_ids=ids)
+
+
+def _nonfinite(logits: jax.Array, tree: Tree) -> jax.Array:
+    """[Bt] true where any real slot's logits hold a NaN or Inf."""
+    real = jnp.arange(logits.shape[1])[None, :] <= tree.n_nodes[:, None]
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
+    return jnp.any(bad & real, axis=1)
+
+
+def _commit(spec: DecodeSpec, state: DecodeState, emitted, n_accepted, nonfinite) -> DecodeState:
+    """Write the round's tokens, count them, and stop requests at a stop token or at max_new_tokens."""
+    done = state.done
+    j = jnp.arange(emitted.shape[1])[None, :]
+    fresh = (j >= 1) & (j <= n_accepted[:, None])  # accepted drafts + the new bonus; the root was counted before
+    is_stop = fresh & _is_stop(emitted, spec.stop_ids)
+    first_stop = jnp.min(jnp.where(is_stop, j, emitted.shape[1]), axis=1)  # [Bt]
+    room = spec.max_new_tokens - state.n_generated
+    n_new = jnp.minimum(jnp.minimum(n_accepted, first_stop), room)
+    finish = jnp.where(
+        nonfinite, FINISH_NONFINITE,
+        jnp.where(first_stop <= n_new, FINISH_STOP, jnp.where(n_new >= room, FINISH_LENGTH, RUNNING)),
+    )
+    tokens = cache_update.write_rows(state.tokens, emitted, state.length)
+    r = state.round
+    return state.replace(
+        tokens=jnp.where(done[:, None], state.tokens, tokens),
+        length=jnp.where(done, state.length, state.length + n_accepted),
+        n_generated=jnp.where(done | nonfinite, state.n_generated, state.n_generated + n_new),
+        finish=jnp.where(done, state.finish, finish),
+        round=r + 1,
+        accept_len=state.accept_len.at[:, r].set(jnp.where(done | nonfinite, 0, n_accepted)),
+    )
+
+
+def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    if not stop_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, tokens.dtype), axis=-1)

@@ -1,0 +1,53 @@
+"""Small random target + drafter pairs for engine tests (numpy-drawn weights: no per-op compiles on CPU)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdtree_jax import config
+from kdtree_jax.drafter import DFlashDrafter
+from kdtree_jax.drafter_config import DrafterConfig
+from kdtree_jax.weights import init_random
+
+# Three targets that differ in routing groups, dense layers, YaRN and head dims.
+TARGET_CONFIGS = {  # no stop token, so every request runs to max_new_tokens unless a test sets one
+    "grouped": config.tiny(eos_token_id=()),
+    "flat_dense2": config.tiny(eos_token_id=(), n_group=1, topk_group=1, first_k_dense_replace=2, num_hidden_layers=3,
+                               rope_scaling=config.RopeScaling(factor=4.0, original_max_position_embeddings=32,
+                                                               beta_fast=8.0, beta_slow=1.0, mscale=1.0,
+                                                               mscale_all_dim=1.0)),
+    "heads": config.tiny(eos_token_id=(), num_attention_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16,
+                         n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                         first_k_dense_replace=0, num_hidden_layers=2, rope_scaling=config.RopeScaling()),
+}
+
+
+def drafter_config(target: config.ModelConfig, *, block_size: int = 4, layers: int = 1) -> DrafterConfig:
+    taps = (0, target.num_hidden_layers - 1) if target.num_hidden_layers > 1 else (0,)
+    return DrafterConfig(
+        hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=target.vocab_size,
+        target_layer_ids=taps, mask_token_id=target.vocab_size - 1, block_size=block_size,
+        num_target_layers=target.num_hidden_layers, rope_theta=10000.0,
+        max_position_embeddings=target.max_position_embeddings,
+    )
+
+
+def random_drafter(cfg: DrafterConfig, seed: int, *, scale: float = 1.0) -> DFlashDrafter:
+    """Linear weights ~ N(0, 1/fan_in) * scale, norms ~ 1 + N(0, 0.2)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def fill(x):
+        if x.ndim == 1:
+            return jnp.asarray(1.0 + 0.2 * rng.standard_normal(x.shape), x.dtype)
+        return jnp.asarray(scale * rng.standard_normal(x.shape) / np.sqrt(x.shape[0]), x.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(fill, state))
+
+
+def random_pair(name: str, seed: int, *, block_size: int = 4):
+    target_cfg = TARGET_CONFIGS[name]
+    return init_random(target_cfg, seed=seed), random_drafter(drafter_config(target_cfg, block_size=block_size), seed)

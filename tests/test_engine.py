@@ -1,0 +1,212 @@
+"""The speculative engine: lossless greedy output in every mode, batching, stopping, sampling distribution,
+and a whole generation as one compiled computation."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from engine_utils import TARGET_CONFIGS, random_pair
+from scipy import stats
+
+from kdtree_jax import engine as engine_mod
+from kdtree_jax.engine import ContextTooLongError, Engine
+from kdtree_jax.model import LatentCache, forward_prefill
+
+BLOCK = 4  # drafter block L: depth D = 3
+BUDGETS = (1, 4, 16, 64)
+
+
+@pytest.fixture(scope="module", params=sorted(TARGET_CONFIGS))
+def pair_engine(request):
+    seed = int(np.random.default_rng().integers(1 << 30))
+    target, drafter = random_pair(request.param, seed, block_size=BLOCK)
+    return Engine(target, drafter, None, use_pallas=True)
+
+
+def _prompts(rng, vocab, n, lengths=(7, 3, 5, 8)):
+    return [rng.integers(0, vocab - 1, size=lengths[i % len(lengths)]).tolist() for i in range(n)]
+
+
+def test_greedy_modes_equal_ar(pair_engine, rng):
+    """ddtree (every budget) and chain give the AR tokens, batch 4 with ragged prompts and each prompt alone."""
+    eng = pair_engine
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
+    ar = eng.generate(prompts, 10, mode="ar")
+    chain = eng.generate(prompts, 10, mode="chain")
+    assert chain.token_ids == ar.token_ids
+    for budget in BUDGETS:
+        tree = eng.generate(prompts, 10, mode="ddtree", budget=budget)
+        assert tree.token_ids == ar.token_ids, f"budget {budget}"
+        for out in tree.outputs:
+            assert all(1 <= a <= BLOCK for a in out.accept_lengths)
+            assert 1 + sum(out.accept_lengths) >= len(out.token_ids)
+    for i, p in enumerate(prompts):  # same prompt alone: same tokens as inside the batch
+        alone = eng.generate([p], 10, mode="ddtree", budget=4)
+        assert alone.token_ids[0] == ar.token_ids[i]
+
+
+def test_accept_lengths_count_emitted_tokens(pair_engine, rng):
+    eng = pair_engine
+    out = eng.generate(_prompts(rng, eng.target.cfg.vocab_size, 2), 12, mode="ddtree", budget=16)
+    for o in out.outputs:
+        assert o.finish_reason == "length" and len(o.token_ids) == 12
+        # every round commits its acceptance length; the last may be cut at max_new_tokens
+        assert sum(o.accept_lengths[:-1]) < 11 <= sum(o.accept_lengths)
+
+
+def test_stop_token_ends_request_identically(rng):
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    base = Engine(target, drafter, None)
+    prompts = _prompts(rng, target.cfg.vocab_size, 2)
+    ar = base.generate(prompts, 12, mode="ar")
+    stop = ar.token_ids[0][5]  # a token the first request emits
+    target.cfg = dataclasses.replace(target.cfg, eos_token_id=(stop,))
+    eng = Engine(target, drafter, None)
+    for mode, budget in (("ar", 0), ("chain", 0), ("ddtree", 16)):
+        res = eng.generate(prompts, 12, mode=mode, budget=budget)
+        first = ar.token_ids[0].index(stop)
+        assert res.token_ids[0] == ar.token_ids[0][: first + 1], mode
+        assert res.outputs[0].finish_reason == "stop"
+        other = ar.token_ids[1]
+        cut = other.index(stop) + 1 if stop in other else len(other)
+        assert res.token_ids[1] == other[:cut]
+
+
+def test_streaming_equals_one_shot(rng):
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    eng = Engine(target, drafter, None)
+    prompts = _prompts(rng, target.cfg.vocab_size, 2)
+    full = eng.generate(prompts, 9, mode="ddtree", budget=8)
+    gen = eng.generate_stream(prompts, 9, mode="ddtree", budget=8, stream_every=2)
+    pieces, result = [[], []], None
+    n_yields = 0
+    while True:
+        try:
+            new = next(gen)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        n_yields += 1
+        for b in range(2):
+            pieces[b].extend(new[b])
+    assert pieces == full.token_ids == result.token_ids
+    assert n_yields >= 2  # tokens came back before the end
+
+
+def test_one_compiled_computation_without_host_callbacks(rng):
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    eng = Engine(target, drafter, None)
+    prompts = _prompts(rng, target.cfg.vocab_size, 2)
+    spec, arr, lens, keys = eng._prepare(prompts, 6, 0.0, 0, 1.0, "ddtree", 8, 0, False)
+
+    def fn(t_state, d_state, prompts, prompt_len, keys):
+        from flax import nnx
+        return engine_mod.generate_device(spec, nnx.merge(eng._target_graph, t_state),
+                                          nnx.merge(eng._drafter_graph, d_state), prompts, prompt_len, keys)
+
+    jaxpr = jax.make_jaxpr(fn)(eng._target_state, eng._drafter_state, arr, lens, keys)
+    text = str(jaxpr)
+    assert "while" in text
+    for bad in ("callback", "io_callback", "pure_callback", "debug_print"):
+        assert bad not in text
+    hlo = jax.jit(fn).lower(eng._target_state, eng._drafter_state, arr, lens, keys).as_text()
+    assert "custom_call_target=\"xla_python" not in hlo
+    eng.generate(prompts, 6, mode="ddtree", budget=8)
+    assert len(eng._compiled) == 1  # the whole generation is one executable
+
+
+def test_context_too_long_rejected_before_compute(rng):
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    eng = Engine(target, drafter, None)
+    limit = target.cfg.max_position_embeddings
+    with pytest.raises(ContextTooLongError, match="prompt 0 has"):
+        eng.generate([[1] * (limit - 3)], 8)
+    with pytest.raises(ValueError, match="budget"):
+        eng.generate([[1, 2]], 4, budget=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        eng.generate([[1, 2]], 4, temperature=-0.5)
+    assert not eng._compiled
+
+
+def test_nonfinite_logits_reported_not_emitted(rng):
+    """A NaN reaching one request's logits stops that request with finish 'nonfinite'; the other is untouched."""
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    vocab = target.cfg.vocab_size
+    prompts = [[vocab - 2, 5, 6], [7, 8, 9, 10]]  # token vocab-2 only in request 0
+    clean = Engine(target, drafter, None).generate(prompts, 6, mode="ddtree", budget=4)
+    table = np.array(target.embed[...])
+    table[vocab - 2] = np.nan
+    target.embed[...] = jnp.asarray(table)
+    bad = Engine(target, drafter, None).generate(prompts, 6, mode="ddtree", budget=4)
+    assert bad.outputs[0].finish_reason == "nonfinite" and bad.outputs[0].token_ids == []
+    assert bad.outputs[1].token_ids == clean.outputs[1].token_ids
+
+
+def test_same_seed_same_samples(rng):
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    eng = Engine(target, drafter, None)
+    prompts = _prompts(rng, target.cfg.vocab_size, 3)
+    a = eng.generate(prompts, 8, mode="ddtree", budget=8, temperature=1.0, seed=7)
+    b = eng.generate(prompts, 8, mode="ddtree", budget=8, temperature=1.0, seed=7)
+    c = eng.generate(prompts, 8, mode="ddtree", budget=8, temperature=1.0, seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def _exact_pair_distribution(target, prompt, temperature, top_p):
+    """P(t2, t3) for the 2nd and 3rd generated tokens, summed over t1, from full re-forwards."""
+    from kdtree_jax.sampling import SamplingParams, filtered_logits
+
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    v = target.cfg.vocab_size
+
+    def probs(seqs):
+        toks = jnp.asarray(seqs, jnp.int32)
+        out = forward_prefill(target, toks, 0, LatentCache.zeros(target.cfg, toks.shape[0], toks.shape[1]))
+        return np.asarray(jax.nn.softmax(filtered_logits(out.logits[:, -1], params), axis=-1), np.float64)
+
+    p1 = probs([prompt])[0]
+    p2 = probs([prompt + [a] for a in range(v)])  # [t1, t2]
+    seq3 = [prompt + [a, b] for a, b in itertools.product(range(v), range(v))]
+    p3 = probs(seq3).reshape(v, v, v)  # [t1, t2, t3]
+    return np.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "chain"])
+def test_sampling_matches_target_distribution(mode, rng):
+    """Chi-square: (t2, t3) emitted by the speculative engine ~ the target's own sampling distribution."""
+    from engine_utils import drafter_config, random_drafter
+
+    from kdtree_jax import config
+    from kdtree_jax.weights import init_random
+
+    cfg = config.tiny(vocab_size=6, eos_token_id=())
+    seed = int(rng.integers(1 << 30))
+    target = init_random(cfg, seed=seed)
+    drafter = random_drafter(drafter_config(cfg, block_size=BLOCK), seed, scale=3.0)
+    eng = Engine(target, drafter, None, use_pallas=False)
+    prompt = rng.integers(0, 6, size=4).tolist()
+    temperature, top_p = 1.5, 0.95
+    expected = _exact_pair_distribution(target, prompt, temperature, top_p)
+    counts = np.zeros((6, 6))
+    batch, calls, accepted_deep = 512, 4, 0
+    for _ in range(calls):
+        out = eng.generate([prompt] * batch, 3, mode=mode, budget=8, temperature=temperature, top_p=top_p,
+                           seed=[int(rng.integers(1 << 30)) for _ in range(batch)])
+        accepted_deep += sum(any(a >= 2 for a in o.accept_lengths) for o in out.outputs)
+        for o in out.outputs:
+            counts[o.token_ids[1], o.token_ids[2]] += 1
+    assert accepted_deep > 0  # some draws went through an accepted draft node
+    n = counts.sum()
+    exp = expected.ravel() * n
+    obs = counts.ravel()
+    big = exp >= 5
+    f_obs = np.append(obs[big], obs[~big].sum())
+    f_exp = np.append(exp[big], exp[~big].sum())
+    keep = f_exp > 0
+    chi2, p = stats.chisquare(f_obs[keep], f_exp[keep] * f_obs[keep].sum() / f_exp[keep].sum())
+    assert p > 1e-3, f"chi2={chi2:.1f} p={p:.2e}"
