@@ -1,0 +1,331 @@
+"""Device mesh, the one logical->mesh rule table, and the sharded layout of every target parameter and cache.
+
+Mesh axes (always three, in this order):
+  data   - batch (data-parallel attention: each data shard owns whole requests and their latent cache rows)
+  tensor - attention heads, dense / shared-expert FFN width, vocab, and the width of every routed expert
+  expert - routed experts (EP)
+
+The model-parallel group is tensor x expert: heads, dense FFN width and vocab are split over *both* axes (2-D TP,
+as in jax-llm-examples), while routed experts split their E dim over `expert` and their width over `tensor`. So on
+8 GPUs `1x1x8` gives attention TP=8 and EP=8 at once, `1x8x1` gives TP=8 everywhere (each GPU holds 1/8 of every
+expert), and both put ~1/8 of the model on each GPU. A mesh axis cannot be in two places of one spec (P2 check).
+
+Everything else — which parameter has which logical axes — is keyed by the parameter's path in the NNX state
+(`layers.3.attn.q_b`), so restores (`abstract_sharded_state`) need no live module. A dim that does not divide its
+mesh axes falls back to fewer axes, then to replicated, and the fallback is recorded (`sharding_notes`).
+
+The MoE runs under plain GSPMD propagation: with experts sharded on E, the model's "dense" expert path computes
+each device's local experts and all-reduces the combine (no all-gather of expert weights; see docs/sharding.md).
+`moe_expert_parallel` is the explicit `shard_map` form of the same dispatch for the "gather"-sized case.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kdtree_jax.config import ModelConfig
+
+MESH_AXES = ("data", "tensor", "expert")
+
+# P2: logical axis -> mesh axes, the only table that names mesh axes. Tuples shard one dim over several axes.
+LOGICAL_TO_MESH: dict[str, tuple[str, ...]] = {
+    "batch": ("data",),
+    "heads": ("tensor", "expert"),  # attention heads: q_b / q_proj, W_UK, W_UV, o_proj
+    "mlp": ("tensor", "expert"),  # dense-layer and shared-expert SwiGLU width
+    "vocab": ("tensor", "expert"),  # embedding rows, lm_head columns
+    "expert": ("expert",),  # routed experts' E dim (float and INT4 packed words / scales)
+    "expert_mlp": ("tensor",),  # routed experts' width (moe_intermediate_size, or its packed /8, /group form)
+}
+
+# Parameter path (dots, layer index as a number) -> logical axis per dim; first match wins. ndim disambiguates the
+# dense / shared MLP ([D, I]) from stacked routed experts ([E, D, I]). Replicated entries are deliberate: q_a / kv_a
+# and their norms are small and feed RMSNorms that would otherwise need a collective; the router is tiny.
+PARAM_RULES: tuple[tuple[str, int, tuple[str | None, ...]], ...] = (
+    (r"embed", 2, ("vocab", None)),  # [V, D]
+    (r"lm_head", 2, (None, "vocab")),  # [D, V]
+    (r"norm", 1, (None,)),  # final norm [D]
+    (r"layers\.\d+\.(input_norm|post_norm)", 1, (None,)),
+    (r"layers\.\d+\.attn\.(q_a|kv_a)", 2, (None, None)),  # [D, Rq], [D, R + P]
+    (r"layers\.\d+\.attn\.(q_a_norm|kv_a_norm)", 1, (None,)),
+    (r"layers\.\d+\.attn\.(q_b|q_proj)", 3, (None, "heads", None)),  # [Rq | D, H, K + P]
+    (r"layers\.\d+\.attn\.(w_uk|w_uv|o_proj)", 3, ("heads", None, None)),  # [H, K, R], [H, V, R], [H, V, D]
+    (r"layers\.\d+\.mlp\.router", 2, (None, None)),  # [D, E]
+    (r"layers\.\d+\.mlp\.bias", 1, (None,)),  # [E] e_score_correction_bias
+    (r"layers\.\d+\.mlp\.(gate|up)", 3, ("expert", None, "expert_mlp")),  # routed float [E, D, I]
+    (r"layers\.\d+\.mlp\.down", 3, ("expert", "expert_mlp", None)),  # routed float [E, I, D]
+    (r"layers\.\d+\.mlp\.(gate|up)_(packed|scale)", 3, ("expert", "expert_mlp", None)),  # [E, I, D/8 | D/g]
+    (r"layers\.\d+\.mlp\.down_(packed|scale)", 3, ("expert", None, "expert_mlp")),  # [E, D, I/8 | I/g]
+    (r"layers\.\d+\.mlp\.(shared\.)?(gate|up)", 2, (None, "mlp")),  # dense / shared [D, I]
+    (r"layers\.\d+\.mlp\.(shared\.)?down", 2, ("mlp", None)),  # dense / shared [I, D]
+)
+
+LATENT_CACHE_AXES = (None, "batch", None, None)  # LatentCache.latent [L, B, S, A]: batch-split, never head-split
+
+
+class ShardingError(ValueError):
+    """A mesh string, mesh shape or parameter path that cannot be laid out; the message names it."""
+
+
+# ---- mesh ------------------------------------------------------------------------------------------------------
+def make_mesh(shape: Sequence[int] | str, axes: Sequence[str] = MESH_AXES, *, devices=None) -> Mesh:
+    """A mesh over all (or the given) devices with `AxisType.Auto` axes: classic GSPMD propagation.
+
+    `shape` may be a string such as "2x4" (see `parse_mesh_shape`). Auto rather than jax's default Explicit: the
+    model's contractions over sharded dims (o_proj over heads, experts' combine over E) then just all-reduce.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if isinstance(shape, str):
+        shape = parse_mesh_shape(shape, len(devices), n_axes=len(axes))
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != len(axes):
+        raise ShardingError(f"mesh shape {shape} has {len(shape)} dims but axes {tuple(axes)} has {len(axes)}")
+    if math.prod(shape) != len(devices):
+        raise ShardingError(f"mesh shape {shape} needs {math.prod(shape)} devices, {len(devices)} available")
+    return jax.make_mesh(shape, tuple(axes), axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+def parse_mesh_shape(text: str, n_devices: int | None = None, *, n_axes: int = len(MESH_AXES)) -> tuple[int, ...]:
+    """'2x4' -> (2, 4, 1): data x tensor x expert, missing trailing dims = 1; product must equal the device count."""
+    n_devices = jax.device_count() if n_devices is None else n_devices
+    parts = str(text).strip().lower().split("x")
+    if not 1 <= len(parts) <= n_axes or not all(p.strip().isdigit() for p in parts):
+        raise ShardingError(f"--mesh {text!r}: expected up to {n_axes} positive integers joined by 'x' "
+                            f"({' x '.join(MESH_AXES[:n_axes])}), e.g. 1x8x1 or 2x4")
+    shape = tuple(int(p) for p in parts) + (1,) * (n_axes - len(parts))
+    if min(shape) < 1:
+        raise ShardingError(f"--mesh {text!r}: every dim must be >= 1, got {shape}")
+    if math.prod(shape) != n_devices:
+        raise ShardingError(f"--mesh {text!r}: {' x '.join(map(str, shape))} = {math.prod(shape)} devices, but "
+                            f"{n_devices} are available")
+    return shape
+
+
+def parse_mesh(text: str, devices=None) -> Mesh:
+    """The CLI's --mesh: a string such as '1x8x1' or '2x4' -> a data x tensor x expert Mesh over all devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    return make_mesh(parse_mesh_shape(text, len(devices)), devices=devices)
+
+
+# ---- rules -----------------------------------------------------------------------------------------------------
+def logical_spec(logical: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None,
+                 notes: list[str] | None = None, name: str = "") -> P:
+    """Logical axes -> PartitionSpec; with a mesh, a dim that does not divide its axes falls back (noted)."""
+    out, used = [], []
+    for dim, axis in enumerate(logical):
+        if axis is None:
+            out.append(None)
+            continue
+        if axis not in LOGICAL_TO_MESH:
+            raise ShardingError(f"{name or 'spec'}: unknown logical axis {axis!r} (known: {sorted(LOGICAL_TO_MESH)})")
+        mesh_axes = LOGICAL_TO_MESH[axis]
+        if mesh is not None:
+            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+            if shape is not None:
+                mesh_axes = _divisible_axes(mesh_axes, shape[dim], mesh, notes, f"{name} dim {dim} ({axis})")
+        used.extend(mesh_axes)
+        out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    if len(used) != len(set(used)):
+        raise ShardingError(f"{name or 'spec'}: mesh axis used twice in {tuple(logical)} -> {out}")
+    return P(*out)
+
+
+def _divisible_axes(axes: tuple[str, ...], size: int, mesh: Mesh, notes: list[str] | None, what: str
+                    ) -> tuple[str, ...]:
+    """The longest prefix of `axes` (else the single axis) whose device count divides `size`; () = replicated."""
+    candidates = [axes[:k] for k in range(len(axes), 0, -1)] + [(a,) for a in axes[1:]]
+    for cand in candidates:
+        if size % math.prod(mesh.shape[a] for a in cand) == 0:
+            if cand != axes and notes is not None:
+                notes.append(f"{what}: size {size} does not divide {axes}, sharded over {cand} only")
+            return cand
+    if axes and notes is not None:
+        notes.append(f"{what}: size {size} does not divide any of {axes}, replicated")
+    return ()
+
+
+def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at `path` (e.g. 'layers.1.mlp.gate_packed') with `ndim` dims."""
+    for pattern, rule_ndim, axes in PARAM_RULES:
+        if rule_ndim == ndim and re.fullmatch(pattern, path):
+            return axes
+    raise ShardingError(f"parameter {path!r} ({ndim}-D) has no sharding rule in kdtree_jax/sharding.PARAM_RULES")
+
+
+def partition_spec(path: str, value, mesh: Mesh | None = None, notes: list[str] | None = None) -> P:
+    """PartitionSpec of one parameter (`value`: anything with .shape); without a mesh, the ideal spec."""
+    shape = tuple(value.shape)
+    return logical_spec(param_logical_axes(path, len(shape)), shape, mesh, notes, name=path)
+
+
+def path_str(key_path) -> str:
+    """jax key path of an nnx.State / pure-dict leaf -> 'layers.0.attn.q_b' (Variable '.value' keys dropped)."""
+    parts = []
+    for k in key_path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            continue  # nnx.Variable's value
+        key = getattr(k, "key", getattr(k, "idx", k))
+        parts.append(str(key))
+    return ".".join(parts)
+
+
+def state_shardings(state, mesh: Mesh, notes: list[str] | None = None):
+    """Same tree as `state` (nnx.State, pure dict, or their abstract forms) with a NamedSharding per leaf."""
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: NamedSharding(mesh, partition_spec(path_str(kp), x, mesh, notes)), state)
+
+
+def sharding_notes(state, mesh: Mesh) -> list[str]:
+    """Every fallback the rules took for this state on this mesh (empty when every dim divides its axes)."""
+    notes: list[str] = []
+    state_shardings(state, mesh, notes)
+    return notes
+
+
+def latent_cache_sharding(mesh: Mesh, cache_shape: Sequence[int] | None = None) -> NamedSharding:
+    """LatentCache.latent [L, B, S, A]: split by batch over data, replicated over tensor/expert (docs/sharding.md)."""
+    return NamedSharding(mesh, logical_spec(LATENT_CACHE_AXES, cache_shape, mesh, name="LatentCache.latent"))
+
+
+def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+    """Per-request arrays ([B, ...] tokens, positions, masks, logits): batch over data, rest replicated."""
+    return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh, name="batch"))
+
+
+def constrain_cache(cache, mesh: Mesh):
+    """`with_sharding_constraint` of a LatentCache to its layout (inside jit, e.g. right after LatentCache.zeros)."""
+    return type(cache)(latent=jax.lax.with_sharding_constraint(cache.latent,
+                                                               latent_cache_sharding(mesh, cache.latent.shape)))
+
+
+# ---- placing a model -------------------------------------------------------------------------------------------
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+    """Host value -> global array in `sharding`; each process builds only its addressable shards (multi-process)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """The same model with every parameter placed in its NamedSharding (values unchanged)."""
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh)
+    state = jax.tree.map(put_global, state, shardings)
+    return nnx.merge(graphdef, state)
+
+
+def abstract_sharded_state(cfg: ModelConfig, mesh: Mesh, *, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+                           cache_dtype=None, expert_format: str = "float", moe_impl: str = "auto"):
+    """(graphdef, state of ShapeDtypeStructs carrying NamedShardings): an orbax restore target; nothing allocated."""
+    from kdtree_jax.model import KimiModel
+
+    def build():
+        return KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype,
+                         expert_format=expert_format, moe_impl=moe_impl)
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    shardings = state_shardings(abstract, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return graphdef, state
+
+
+def restore_sharded(path: str, cfg: ModelConfig, mesh: Mesh, **model_kw) -> nnx.Module:
+    """Restore an orbax StandardCheckpointer tree of `nnx.to_pure_dict(nnx.state(model))` straight into the mesh.
+
+    Every process reads only its own shards; the whole model never sits on one device.
+    """
+    import orbax.checkpoint as ocp
+
+    graphdef, abstract = abstract_sharded_state(cfg, mesh, **model_kw)
+    restored = ocp.StandardCheckpointer().restore(path, nnx.to_pure_dict(abstract))
+    nnx.replace_by_pure_dict(abstract, restored)
+    return nnx.merge(graphdef, abstract)
+
+
+def per_device_bytes(state) -> int:
+    """Bytes one device holds for a state whose leaves carry NamedShardings (arrays or ShapeDtypeStructs)."""
+    total = 0
+    for x in jax.tree.leaves(state):
+        total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def total_bytes(state) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+# ---- MoE: explicit expert parallelism --------------------------------------------------------------------------
+EXPERT_ARRAYS = {"float": ("gate", "up", "down"),
+                 "int4": ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")}
+
+
+def moe_expert_parallel(moe, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    """Same result as `MoE.__call__(x)`, with routed experts run by their owners (jax-llm-examples dispatch).
+
+    Activations stay replicated over tensor/expert (split by batch over data): the router runs everywhere, each
+    device maps the global top-k ids to its local experts (foreign pairs get weight 0), runs only those on its own
+    weight shard (E over `expert`, width over `tensor`), and one psum over (expert, tensor) combines. No expert
+    weight ever crosses devices and no all-to-all is needed. `mesh` defaults to the one set by `jax.set_mesh`.
+    Hook: MoE.__call__ can return this when the engine runs on a mesh (see docs/sharding.md).
+    """
+    from kdtree_jax.moe import route
+
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    cfg = moe.cfg
+    flat = x.reshape(-1, x.shape[-1])  # [M, D]
+    logits = flat.astype(jnp.float32) @ moe.router[...].astype(jnp.float32)  # [M, E]
+    weights, idx = route(logits, moe.bias[...] if cfg.topk_method == "noaux_tc" else None, cfg)  # [M, k]
+    names = EXPERT_ARRAYS[moe.expert_format]
+    arrays = [getattr(moe, n)[...] for n in names]
+    n_exp = mesh.shape["expert"] if cfg.n_routed_experts % mesh.shape["expert"] == 0 else 1
+    width_tp = mesh.shape["tensor"] > 1 and all(
+        a.shape[_width_dim(n)] % mesh.shape["tensor"] == 0 for n, a in zip(names, arrays))
+    ep_axis = "expert" if n_exp > 1 else None
+    specs = [P(ep_axis, *[("tensor" if width_tp and d == _width_dim(n) else None) for d in (1, 2)]) for n in names]
+    data = "data" if mesh.shape["data"] > 1 and flat.shape[0] % mesh.shape["data"] == 0 else None
+    reduce_axes = tuple(a for a, on in (("expert", ep_axis), ("tensor", width_tp)) if on)
+    e_local = cfg.n_routed_experts // n_exp
+
+    def local(xs, w, ids, *experts):
+        first = jax.lax.axis_index("expert") * e_local if ep_axis else 0
+        lid = ids - first  # [m, k] local expert id, valid in [0, e_local)
+        mine = (lid >= 0) & (lid < e_local)
+        wg, wu, wd = _local_expert_weights(moe, dict(zip(names, experts)), jnp.where(mine, lid, 0), xs.dtype)
+        h = jax.nn.silu(jnp.einsum("md,mkdi->mki", xs, wg)) * jnp.einsum("md,mkdi->mki", xs, wu)
+        y = jnp.einsum("mki,mkid->mkd", h, wd)  # [m, k, D] partial over the local width
+        y = jnp.einsum("mk,mkd->md", jnp.where(mine, w, 0.0), y.astype(jnp.float32))
+        return jax.lax.psum(y, reduce_axes) if reduce_axes else y
+
+    tok = P(data, None)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=tok, check_vma=False)(
+        flat, weights, idx, *arrays)
+    y = y.astype(x.dtype)
+    if cfg.n_shared_experts:
+        y = y + moe.shared(flat)
+    return y.reshape(x.shape)
+
+
+def _width_dim(name: str) -> int:
+    """Dim of a stacked routed-expert array that holds the expert width (moe_intermediate_size or its packing)."""
+    return 2 if name in ("gate", "up") or name.startswith("down_") else 1
+
+
+def _local_expert_weights(moe, experts: dict, lid: jax.Array, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """gate, up [m, k, D, I'] and down [m, k, I', D] of the local experts `lid` [m, k] (INT4 dequantized here)."""
+    from kdtree_jax.quant import dequant_int4_jnp
+
+    if moe.expert_format == "float":
+        return tuple(experts[n][lid].astype(dt) for n in ("gate", "up", "down"))
+    out = []
+    for n in ("gate", "up", "down"):
+        w = dequant_int4_jnp(experts[n + "_packed"][lid], experts[n + "_scale"][lid], moe.group_size, dt)
+        out.append(jnp.swapaxes(w, -1, -2))  # [m, k, out, in] -> [m, k, in, out]
+    return tuple(out)
