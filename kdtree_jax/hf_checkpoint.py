@@ -321,7 +321,7 @@ class HFCheckpoint:
             return _Resolved("fp8", w, (scale_inv,))
         if w.dtype == FP8_DTYPE:
             raise CheckpointError(f"{w.file}: tensor {stored!r} is {FP8_DTYPE} without {stored + _FP8_SCALE!r}")
-        _check_dtype(w, tuple(k for k in DTYPES if k != FP8_DTYPE))
+        _check_dtype(w, _FLOAT_DTYPES)  # every model weight is a float; an int here is a corrupt/foreign file
         return _Resolved("plain", w)
 
     def kind(self, name: str) -> str:
@@ -404,6 +404,9 @@ class HFCheckpoint:
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
             raise CheckpointError(f"{self.path}: checkpoint does not match its config:\n  "
                                   + "\n  ".join(problems[:10]) + more)
+
+
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 def _check_dtype(info: TensorInfo, allowed: tuple[str, ...]) -> None:
