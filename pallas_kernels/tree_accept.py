@@ -51,7 +51,8 @@ def _tree_accept_kernel(choice_ref, tok_ref, par_ref, nn_ref, path_ref, src_ref,
         hit = jnp.max(match) > 0
         nxt = jnp.argmax(match).astype(i32)
         path = jnp.where(hit & (steps == n_acc), nxt, path)
-        return n_acc + hit.astype(i32), jnp.where(hit, nxt, cur), jnp.where(hit, 0, 1).astype(i32), path
+        step = hit.astype(i32)  # int arithmetic: a bool->int select in a loop carry miscompiles on Triton
+        return n_acc + step, jnp.where(hit, nxt, cur), 1 - step, path
 
     init = (i32(1), i32(0), i32(0), jnp.where(steps == 0, 0, -1).astype(i32))
     n_acc, cur, _, path = lax.while_loop(cond, body, init)

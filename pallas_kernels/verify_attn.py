@@ -141,7 +141,9 @@ def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi, w
         valid = jnp.dot(one_hot, mask, preferred_element_type=jnp.float32) > 0.5  # [bq, bk]: row's node mask
         return step(carry, k_lat=k_lat, k_pe=k_pe, valid=valid)
 
-    o, m, l = lax.fori_loop(0, jnp.where(with_tree, plan.tree // bk, 0), tree_block, carry)
+    # Triton's scf.for needs both bounds of one integer type: make them explicit int32 (weak-typed literals are not)
+    n_tree = with_tree.astype(jnp.int32) * jnp.int32(plan.tree // bk)
+    o, m, l = lax.fori_loop(jnp.int32(0), n_tree, tree_block, carry)
 
     seen = l > 0.0
     o = o / jnp.where(seen, l, 1.0)[:, None]  # rows that saw nothing have o = 0
@@ -170,7 +172,7 @@ def _combine_kernel(plen_ref, o_ref, lse_ref, out_ref, *, plan: _Plan):
         return acc * corr[:, None] + w[:, None] * o_ref[j, pl.ds(r0, bq), :], m_new, l * corr + w
 
     init = (jnp.zeros((bq, plan.r), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, _, l = lax.fori_loop(0, n_active, split, init)
+    acc, _, l = lax.fori_loop(jnp.int32(0), n_active.astype(jnp.int32), split, init)
     out_ref[pl.ds(r0, bq), :] = (acc / l[:, None]).astype(out_ref.dtype)  # l >= 1: the top split has weight 1
 
 

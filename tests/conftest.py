@@ -7,6 +7,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+# fp32 references are compared at 1e-5..1e-4: keep XLA's f32 matmuls exact on GPU (no TF32)
+jax.config.update("jax_default_matmul_precision", "highest")
 
 ON_GPU = jax.default_backend() == "gpu"
 
