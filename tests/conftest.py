@@ -10,6 +10,11 @@ jax.config.update("jax_enable_x64", False)
 # fp32 references are compared at 1e-5..1e-4: keep XLA's f32 matmuls exact on GPU (no TF32)
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Compiles dominate the CPU suite; reuse them across runs on the same machine (keyed by jax version and HLO).
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("KDTREE_XLA_CACHE", os.path.expanduser("~/.cache/kdtree-jax/xla")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
 ON_GPU = jax.default_backend() == "gpu"
 
 
