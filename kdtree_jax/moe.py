@@ -1,0 +1,150 @@
+"""DeepSeek-V3 / Kimi mixture of experts: fp32 router (sigmoid + correction bias, group-limited top-k), SwiGLU
+experts kept stacked ([E, in, out] float, or INT4 pack-quantized [E, out, in/8] dequantized inside the jitted
+expert matmul so device memory holds them packed), plus the always-on shared expert.
+
+Two exact expert paths: "dense" runs every expert on every token and combines with the (mostly zero) routing
+weights — cheap for tiny E; "gather" fetches each token's k selected experts (`w[idx]`) — cheaper when M*k < E.
+"auto" picks by that static shape rule. Neither is the fast grouped kernel; they are the correctness baseline.
+
+Axes: M tokens, D hidden, E experts, k experts per token, I expert width, G groups.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.layers import init_normal, swiglu
+from kdtree_jax.quant import NIBBLES_PER_WORD, dequant_int4_jnp
+
+MOE_IMPLS = ("auto", "dense", "gather")
+NORM_EPS = 1e-20  # HF MoEGate: denominator = sum(top-k weights) + 1e-20
+# HF DeepseekV3 MoEGate masks experts of dropped groups to 0.0 (masked_fill), not -inf as DeepSeek's own
+# inference code does; they differ only if a kept expert's biased score is negative. We follow HF (the golden).
+GROUP_MASK_VALUE = 0.0
+
+
+class Int4Weight(nnx.Variable):
+    """Packed INT4 words or their group scales; not a trainable Param."""
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward (dense layers and the shared expert); weights [in, out]."""
+
+    def __init__(self, d: int, inter: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.gate = nnx.Param(init_normal(rngs, (d, inter), d, param_dtype), axes=("embed", "mlp"))
+        self.up = nnx.Param(init_normal(rngs, (d, inter), d, param_dtype), axes=("embed", "mlp"))
+        self.down = nnx.Param(init_normal(rngs, (inter, d), inter, param_dtype), axes=("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return swiglu(x, self.gate[...], self.up[...], self.down[...])
+
+
+class MoE(nnx.Module):
+    """Router + stacked routed experts (+ shared expert). `expert_format` is "float" or "int4"."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32, expert_format: str = "float",
+                 group_size: int | None = None, impl: str = "auto"):
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"moe impl {impl!r} is not one of {MOE_IMPLS}")
+        if expert_format not in ("float", "int4"):
+            raise ValueError(f"expert_format {expert_format!r} must be 'float' or 'int4'")
+        d, e, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.cfg, self.impl, self.expert_format = cfg, impl, expert_format
+        self.group_size = group_size or cfg.quantization.group_size
+        self.router = nnx.Param(init_normal(rngs, (d, e), d, param_dtype), axes=("embed", None))
+        if cfg.topk_method == "noaux_tc":
+            bias = 0.1 * jax.random.normal(rngs.params(), (e,), jnp.float32)
+            self.bias = nnx.Param(bias, axes=(None,))  # e_score_correction_bias, kept f32
+        if expert_format == "float":
+            self.gate = nnx.Param(init_normal(rngs, (e, d, inter), d, param_dtype), axes=("expert", "embed", None))
+            self.up = nnx.Param(init_normal(rngs, (e, d, inter), d, param_dtype), axes=("expert", "embed", None))
+            self.down = nnx.Param(init_normal(rngs, (e, inter, d), inter, param_dtype), axes=("expert", None, "embed"))
+        else:
+            for name, (n_out, n_in) in (("gate", (inter, d)), ("up", (inter, d)), ("down", (d, inter))):
+                packed, scale = _random_int4(rngs, (e, n_out, n_in), self.group_size)
+                setattr(self, name + "_packed", Int4Weight(packed, axes=("expert", None, None)))
+                setattr(self, name + "_scale", Int4Weight(scale, axes=("expert", None, None)))
+        if cfg.n_shared_experts:
+            self.shared = MLP(d, inter * cfg.n_shared_experts, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., D] -> [..., D]."""
+        flat = x.reshape(-1, x.shape[-1])  # [M, D]
+        logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [M, E]
+        bias = self.bias[...] if self.cfg.topk_method == "noaux_tc" else None
+        weights, idx = route(logits, bias, self.cfg)  # [M, k]
+        impl = self.impl
+        if impl == "auto":
+            impl = "gather" if flat.shape[0] * self.cfg.num_experts_per_tok < self.cfg.n_routed_experts else "dense"
+        y = _experts_gather(self, flat, weights, idx) if impl == "gather" else _experts_dense(self, flat, weights, idx)
+        if self.cfg.n_shared_experts:
+            y = y + self.shared(flat)
+        return y.reshape(x.shape)
+
+
+def _random_int4(rngs: nnx.Rngs, shape: tuple[int, int, int], group_size: int) -> tuple[jax.Array, jax.Array]:
+    """Random packed words and bf16 scales with the magnitude of a 1/sqrt(fan_in) init."""
+    e, n_out, n_in = shape
+    bits = jax.random.bits(rngs.params(), (e, n_out, n_in // NIBBLES_PER_WORD), jnp.uint32)
+    scale = jax.random.uniform(rngs.params(), (e, n_out, n_in // group_size), jnp.float32, 0.5, 1.5)
+    return jax.lax.bitcast_convert_type(bits, jnp.int32), (scale / (4.0 * n_in**0.5)).astype(jnp.bfloat16)
+
+
+def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """HF MoEGate on fp32 logits [M, E] -> (weights [M, k] f32, expert ids [M, k] int32).
+
+    The correction bias only steers selection; the weights come from the unbiased scores, are normalised
+    (norm_topk_prob, +1e-20) and then scaled by routed_scaling_factor (DeepSeek-V3 order, for every topk_method).
+    """
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.sigmoid(logits) if cfg.scoring_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    select = scores if bias is None else scores + bias.astype(jnp.float32)
+    if cfg.n_group > 1 and cfg.topk_method != "greedy":
+        m, e = select.shape
+        grouped = select.reshape(m, cfg.n_group, e // cfg.n_group)  # [M, G, E/G]
+        if cfg.topk_method == "noaux_tc":
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [M, G]
+        else:  # group_limited_greedy
+            group_score = grouped.max(-1)
+        _, keep = jax.lax.top_k(group_score, cfg.topk_group)  # [M, topk_group]
+        kept = jnp.zeros(group_score.shape, bool).at[jnp.arange(m)[:, None], keep].set(True)  # [M, G]
+        select = jnp.where(kept[:, :, None], grouped, GROUP_MASK_VALUE).reshape(m, e)
+    _, idx = jax.lax.top_k(select, cfg.num_experts_per_tok)  # [M, k]
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + NORM_EPS)
+    return weights * cfg.routed_scaling_factor, idx
+
+
+def _expert_weights(moe: MoE, idx: jax.Array | None, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """gate, up [..., D, I] and down [..., I, D] in dtype dt: all experts (idx None) or w[idx]."""
+    if moe.expert_format == "float":
+        ws = (moe.gate[...], moe.up[...], moe.down[...])
+        return tuple((w if idx is None else w[idx]).astype(dt) for w in ws)
+    out = []
+    for name in ("gate", "up", "down"):
+        packed, scale = getattr(moe, name + "_packed")[...], getattr(moe, name + "_scale")[...]
+        if idx is not None:
+            packed, scale = packed[idx], scale[idx]
+        out.append(jnp.swapaxes(dequant_int4_jnp(packed, scale, moe.group_size, dt), -1, -2))  # [in, out]
+    return tuple(out)
+
+
+def _experts_dense(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+    """Every expert on every token; combine [M, E] is zero outside each token's top-k."""
+    wg, wu, wd = _expert_weights(moe, None, x.dtype)  # [E, D, I], [E, D, I], [E, I, D]
+    h = jax.nn.silu(jnp.einsum("md,edi->emi", x, wg)) * jnp.einsum("md,edi->emi", x, wu)
+    y = jnp.einsum("emi,eid->emd", h, wd)  # [E, M, D]
+    combine = jnp.zeros((x.shape[0], wg.shape[0]), jnp.float32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], idx].add(weights)  # [M, E]
+    return jnp.einsum("me,emd->md", combine, y.astype(jnp.float32)).astype(x.dtype)
+
+
+def _experts_gather(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+    """Only each token's k selected experts, with their weights gathered per token."""
+    wg, wu, wd = _expert_weights(moe, idx, x.dtype)  # [M, k, D, I], [M, k, D, I], [M, k, I, D]
+    h = jax.nn.silu(jnp.einsum("md,mkdi->mki", x, wg)) * jnp.einsum("md,mkdi->mki", x, wu)
+    y = jnp.einsum("mki,mkid->mkd", h, wd)  # [M, k, D]
+    return jnp.einsum("mk,mkd->md", weights, y.astype(jnp.float32)).astype(x.dtype)
