@@ -157,13 +157,16 @@ class Engine:
     """Target (+ optional drafter) with jit-compiled generation in three modes: ar, chain, ddtree."""
 
     def __init__(self, target, drafter=None, tokenizer=None, *, mesh=None, use_pallas: bool | None = None,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, matmul_precision: str = "highest"):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.mesh = mesh
         self.use_pallas = True if use_pallas is None else use_pallas
         self.prefill_chunk = prefill_chunk
+        # fp32 weights must give fp32 results: TF32 matmuls on GPU make the tree-masked verify and the AR step
+        # round differently and flip near-tied argmaxes, breaking token identity with autoregressive decoding
+        self.matmul_precision = matmul_precision
         if drafter is not None:
             drafter.cfg.check_compatible(target.cfg)
         self._target_graph, self._target_state = nnx.split(target)
@@ -222,7 +225,8 @@ class Engine:
             def fn(t_state, d_state, state, round_limit):
                 return decode_loop(spec, *merge(t_state, d_state), state, round_limit)
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=(2,) if kind == "rounds" else ()).lower(*args).compile()
+        with jax.default_matmul_precision(self.matmul_precision):
+            compiled = jax.jit(fn, donate_argnums=(2,) if kind == "rounds" else ()).lower(*args).compile()
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t0
 

@@ -71,10 +71,10 @@ class DrafterTrainConfig:
     data: str = dataclasses.field(default="mix", metadata={"choices": DATA_MODES})
     seq_len: int = 256
     regen_prompt_len: int = 64
-    regen_sequences: int = 8192
+    regen_sequences: int = 16384
     regen_batch: int = 512
     # optimisation
-    steps: int = 2000
+    steps: int = 12000
     batch_size: int = 64
     lr: float = 2e-3
     warmup_steps: int = 100
@@ -84,7 +84,7 @@ class DrafterTrainConfig:
     compute_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
     target_dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(DTYPES)})
     seed: int = 0
-    max_train_seconds: float = dataclasses.field(default=240.0, metadata={"help": "safety stop (recorded)"})
+    max_train_seconds: float = dataclasses.field(default=400.0, metadata={"help": "safety stop (recorded)"})
     # logging / eval
     log_every: int = 50
     eval_sequences: int = 128
