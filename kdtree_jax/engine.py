@@ -153,11 +153,51 @@ class ContextTooLongError(ValueError):
     """A prompt plus max_new_tokens does not fit the model's context."""
 
 
+class ResourceLimitError(ValueError):
+    """A generation whose caches and activations would not fit the device's free memory."""
+
+
+def estimate_bytes(spec: DecodeSpec, target, drafter) -> dict[str, int]:
+    """Device bytes a generation allocates beyond the weights: caches plus the larger of prefill and verify
+    activations (logits, attention scores and MoE intermediates of one forward, x2 for temporaries)."""
+    cfg = target.cfg
+    bt, cap = spec.batch, spec.capacity
+    itemsize = jnp.dtype(target.cache_dtype).itemsize
+    act = jnp.dtype(target.dtype).itemsize
+    out = {"latent cache": cfg.num_hidden_layers * bt * cap * cfg.latent_dim * itemsize}
+    if drafter is not None and spec.mode != "ar":
+        d = drafter.cfg
+        out["drafter cache"] = 2 * d.num_hidden_layers * bt * cap * d.num_key_value_heads * d.head_dim * act
+
+    def forward(tokens: int, keys: int) -> int:
+        logits = bt * tokens * cfg.vocab_size * 4
+        scores = bt * cfg.num_attention_heads * tokens * keys * 4
+        moe = bt * tokens * max(cfg.n_routed_experts, 1) * max(cfg.moe_intermediate_size, 1) * act
+        hidden = bt * tokens * max(cfg.intermediate_size, cfg.hidden_size) * act * 4
+        return 2 * (logits + scores + moe + hidden)
+
+    out["activations"] = max(forward(spec.prefill_chunk, cap), forward(spec.n_slots, cap))
+    return out
+
+
+def free_device_bytes() -> tuple[int, str]:
+    """Free memory of the default device (GPU: allocator limit minus use; CPU: the host's available memory)."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), str(dev)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, f"{dev} (host memory)"
+    return 1 << 62, str(dev)
+
+
 class Engine:
     """Target (+ optional drafter) with jit-compiled generation in three modes: ar, chain, ddtree."""
 
     def __init__(self, target, drafter=None, tokenizer=None, *, mesh=None, use_pallas: bool | None = None,
-                 prefill_chunk: int = 256, matmul_precision: str = "highest"):
+                 prefill_chunk: int = 256, matmul_precision: str = "highest", memory_limit_bytes: int | None = None):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -167,6 +207,7 @@ class Engine:
         # fp32 weights must give fp32 results: TF32 matmuls on GPU make the tree-masked verify and the AR step
         # round differently and flip near-tied argmaxes, breaking token identity with autoregressive decoding
         self.matmul_precision = matmul_precision
+        self.memory_limit_bytes = memory_limit_bytes  # None: the device's free memory at generate time
         if drafter is not None:
             drafter.cfg.check_compatible(target.cfg)
         self._target_graph, self._target_state = nnx.split(target)
@@ -305,6 +346,7 @@ class Engine:
         params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         spec = self.spec_for(mode=mode, batch=len(ids), prompt_len=max(map(len, ids)), max_new_tokens=max_new_tokens,
                              budget=budget, params=params)
+        self._check_fits(spec)
         arr = np.zeros((len(ids), spec.prompt_cap), np.int32)
         for i, p in enumerate(ids):
             arr[i, : len(p)] = p
@@ -316,6 +358,19 @@ class Engine:
             np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(s), i))) for i, s in enumerate(seeds)
         ])
         return spec, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(keys)
+
+    def _check_fits(self, spec: DecodeSpec) -> None:
+        need = estimate_bytes(spec, self.target, self.drafter if spec.mode != "ar" else None)
+        total = sum(need.values())
+        limit, where = (self.memory_limit_bytes, "the configured limit") if self.memory_limit_bytes is not None \
+            else free_device_bytes()
+        if total > limit:
+            parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
+            raise ResourceLimitError(
+                f"batch {spec.batch} x {spec.capacity} cache rows (mode {spec.mode}, {spec.n_slots} tokens per round) "
+                f"needs about {total / 2**30:.2f} GiB ({parts}) but {where} has {limit / 2**30:.2f} GiB free; lower the "
+                f"batch size, max_new_tokens, prompt length or budget"
+            )
 
     def _result(self, spec: DecodeSpec, state: DecodeState, wall: float, compile_s: float) -> GenerationResult:
         tokens = np.asarray(state.tokens)

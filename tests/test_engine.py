@@ -210,3 +210,21 @@ def test_sampling_matches_target_distribution(mode, rng):
     keep = f_exp > 0
     chi2, p = stats.chisquare(f_obs[keep], f_exp[keep] * f_obs[keep].sum() / f_exp[keep].sum())
     assert p > 1e-3, f"chi2={chi2:.1f} p={p:.2e}"
+
+
+def test_generation_that_does_not_fit_is_refused_up_front(rng):
+    from kdtree_jax.engine import ResourceLimitError, estimate_bytes
+
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    eng = Engine(target, drafter, None)
+    prompts = _prompts(rng, target.cfg.vocab_size, 4)
+    spec = eng._prepare(prompts, 8, 0.0, 0, 1.0, "ddtree", 64, 0, False)[0]
+    need = estimate_bytes(spec, target, drafter)
+    cfg = target.cfg
+    assert need["latent cache"] == cfg.num_hidden_layers * 4 * spec.capacity * cfg.latent_dim * 4
+    eng.memory_limit_bytes = sum(need.values()) - 1
+    with pytest.raises(ResourceLimitError, match=r"batch 4 x \d+ cache rows .* GiB"):
+        eng.generate(prompts, 8, mode="ddtree", budget=64)
+    assert not eng._compiled
+    eng.memory_limit_bytes = sum(need.values())
+    assert len(eng.generate(prompts, 8, mode="ddtree", budget=64).token_ids) == 4
