@@ -197,7 +197,8 @@ class Engine:
     """Target (+ optional drafter) with jit-compiled generation in three modes: ar, chain, ddtree."""
 
     def __init__(self, target, drafter=None, tokenizer=None, *, mesh=None, use_pallas: bool | None = None,
-                 prefill_chunk: int = 256, matmul_precision: str = "highest", memory_limit_bytes: int | None = None):
+                 prefill_chunk: int = 256, matmul_precision: str = "highest", memory_limit_bytes: int | None = None,
+                 progress: bool = False):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -208,6 +209,7 @@ class Engine:
         # round differently and flip near-tied argmaxes, breaking token identity with autoregressive decoding
         self.matmul_precision = matmul_precision
         self.memory_limit_bytes = memory_limit_bytes  # None: the device's free memory at generate time
+        self.progress = progress  # progress bars while compiling (the CLI turns them on)
         if drafter is not None:
             drafter.cfg.check_compatible(target.cfg)
         self._target_graph, self._target_state = nnx.split(target)
@@ -225,7 +227,7 @@ class Engine:
 
         model = load_target_any(target, dtype=dtype, mesh=mesh, progress=progress)
         draft_model = None if drafter is None else load_drafter_any(drafter, dtype=dtype)
-        return cls(model, draft_model, load_tokenizer_any(target), mesh=mesh, use_pallas=use_pallas)
+        return cls(model, draft_model, load_tokenizer_any(target), mesh=mesh, use_pallas=use_pallas, progress=progress)
 
     # ---- compile ------------------------------------------------------------------------------------------
     def spec_for(self, *, mode: str, batch: int, prompt_len: int, max_new_tokens: int, budget: int,
@@ -266,8 +268,19 @@ class Engine:
             def fn(t_state, d_state, state, round_limit):
                 return decode_loop(spec, *merge(t_state, d_state), state, round_limit)
         t0 = time.perf_counter()
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=2, desc=f"compiling {kind} ({spec.mode}, batch {spec.batch})", unit="stage", leave=False)
         with jax.default_matmul_precision(self.matmul_precision):
-            compiled = jax.jit(fn, donate_argnums=(2,) if kind == "rounds" else ()).lower(*args).compile()
+            lowered = jax.jit(fn, donate_argnums=(2,) if kind == "rounds" else ()).lower(*args)
+            if bar is not None:
+                bar.update(1)
+            compiled = lowered.compile()
+        if bar is not None:
+            bar.update(1)
+            bar.close()
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t0
 
