@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -228,3 +229,27 @@ def test_generation_that_does_not_fit_is_refused_up_front(rng):
     assert not eng._compiled
     eng.memory_limit_bytes = sum(need.values())
     assert len(eng.generate(prompts, 8, mode="ddtree", budget=64).token_ids) == 4
+
+
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
+
+
+def test_trained_pair_is_lossless_with_long_acceptances():
+    """The shipped drafter agrees with its target often: rounds accept > 2 tokens, and output still equals ar."""
+    import json
+
+    eng = Engine.load(os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter"))
+    with open(os.path.join(SHIPPED, "heldout_prompts.jsonl")) as f:
+        texts = [json.loads(line)["text"] for line in f][:4]
+    prompts = [eng.tokenizer.encode(t)[:n] for t, n in zip(texts, (40, 25, 33, 40))]
+    ar = eng.generate(prompts, 24, mode="ar")
+    assert eng.generate(prompts, 24, mode="chain").token_ids == ar.token_ids
+    longest = 0
+    for budget in BUDGETS:
+        tree = eng.generate(prompts, 24, mode="ddtree", budget=budget)
+        assert tree.token_ids == ar.token_ids, f"budget {budget}"
+        longest = max([longest] + [a for o in tree.outputs for a in o.accept_lengths])
+        assert all(1 <= a <= eng.drafter.cfg.block_size for o in tree.outputs for a in o.accept_lengths)
+    assert longest > 2
+    alone = eng.generate(prompts[:1], 24, mode="ddtree", budget=16)
+    assert alone.token_ids[0] == ar.token_ids[0]
