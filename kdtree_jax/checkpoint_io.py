@@ -15,13 +15,14 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from kdtree_jax.atomic import atomic_dir
 
 FORMAT = "kdtree-jax/orbax-v1"
 META = "kdtree_meta.json"
@@ -75,14 +76,7 @@ def save_converted(model, dst: str | os.PathLike, *, config_json: dict, extra_fi
     import orbax.checkpoint as ocp
 
     dst = os.path.abspath(os.fspath(dst))
-    if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"{dst}: already exists (pass overwrite/--force to replace it)")
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    _remove_stale_partials(parent, os.path.basename(dst))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.partial-", dir=parent)
-    os.chmod(tmp, 0o755)
-    try:
+    with atomic_dir(dst, overwrite=overwrite) as tmp:
         state = nnx.to_pure_dict(nnx.state(model))
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(os.path.join(tmp, PARAMS), state)
@@ -101,14 +95,8 @@ def save_converted(model, dst: str | os.PathLike, *, config_json: dict, extra_fi
         }
         if before_commit is not None:
             before_commit(tmp)
-        with open(os.path.join(tmp, META), "w") as f:
+        with open(os.path.join(tmp, META), "w") as f:  # last: a directory without it never loads
             json.dump(meta, f, indent=2)
-        if os.path.exists(dst):
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
@@ -117,13 +105,6 @@ def _float_dtype(leaves) -> str:
         if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2:
             return jnp.dtype(x.dtype).name
     return "float32"
-
-
-def _remove_stale_partials(parent: str, base: str) -> None:
-    """Leftovers of a killed conversion into the same destination."""
-    for name in os.listdir(parent):
-        if name.startswith(f".{base}.partial-"):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def read_meta(path: str, *, verify: bool = True) -> dict:

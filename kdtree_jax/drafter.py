@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +24,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from kdtree_jax.atomic import atomic_dir
 from kdtree_jax.drafter_config import DrafterConfig
 
 Embed = jax.Array | Callable[[jax.Array], jax.Array]  # [V, H] table or tokens -> [..., H]
@@ -406,11 +405,7 @@ def save_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, path: str | os.Path
     """Write config.json + model.safetensors in z-lab layout; atomic (temp dir in the same parent, then rename)."""
     from safetensors.numpy import save_file
 
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp", dir=parent)
-    try:
+    with atomic_dir(path) as tmp:
         tensors = {}
         for name, value in hf_tensors(drafter).items():
             keep = value.dtype in (np.float32, np.float16) or value.dtype == ml_dtypes.bfloat16
@@ -420,13 +415,3 @@ def save_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, path: str | os.Path
         hf["torch_dtype"] = "bfloat16" if any(t.dtype == ml_dtypes.bfloat16 for t in tensors.values()) else "float32"
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
-        old = None
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old", dir=parent)
-            os.rename(path, os.path.join(old, "d"))
-        os.rename(tmp, path)
-        if old:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

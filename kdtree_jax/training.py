@@ -11,7 +11,6 @@ Axes: B batch, T sequence, V vocab, E experts, n anchors per sequence, L drafter
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -19,7 +18,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -32,6 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from kdtree_jax.atomic import atomic_dir
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import train_logits
 from kdtree_jax.hf_checkpoint import LM_HEAD, SINGLE_FILE, TOKENIZER_FILES, expected_shapes
@@ -45,7 +44,6 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 TOKEN_CACHE_SUFFIX = ".tokens.npy"
 FINGERPRINT_CHARS = 16
 FROZEN, DECAY, NO_DECAY = "frozen", "decay", "no_decay"
-DIR_MODE, FILE_MODE = 0o755, 0o644
 ROUTER_BIAS = "bias"  # MoE attribute holding e_score_correction_bias (updated outside the gradient)
 
 
@@ -72,30 +70,6 @@ def config_from_args(cls: type, args: argparse.Namespace, base: Any | None = Non
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[str]:
-    """Yield a temp dir next to `path`; on success it replaces `path` by rename, on error it is removed."""
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp", dir=parent)
-    try:
-        yield tmp
-        os.chmod(tmp, DIR_MODE)  # mkdtemp makes it 0700
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), FILE_MODE)
-        old = None
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old", dir=parent)
-            os.rename(path, os.path.join(old, "d"))
-        os.rename(tmp, path)
-        if old:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Atomic JSON write (temp file + rename)."""
     path = os.fspath(path)

@@ -280,9 +280,6 @@ def run(c: DrafterTrainConfig) -> dict:
     trained = nnx.merge(dgraph, dstate)
     bf16 = {k: v.astype(T.BF16) for k, v in hf_tensors(trained).items()}
     save_drafter(drafter_from_hf_tensors(dcfg, bf16, jnp.bfloat16), dcfg, c.out)
-    os.chmod(c.out, T.DIR_MODE)  # save_drafter's temp dir is 0700
-    for name in os.listdir(c.out):
-        os.chmod(os.path.join(c.out, name), T.FILE_MODE)
     saved = drafter_from_hf_tensors(dcfg, bf16, jnp.float32, compute_dtype=DTYPES[c.compute_dtype])
 
     rng = np.random.default_rng(c.seed + 3)

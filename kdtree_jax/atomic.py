@@ -1,0 +1,57 @@
+"""Write a checkpoint directory so that it appears whole or not at all.
+
+Everything is written into a hidden sibling `.NAME.partial-XXXX` and renamed into place at the end; an error
+removes it, and a process killed mid-write leaves only that hidden directory, which the next write to the same
+destination cleans up. Readers never see a half-written checkpoint under the real name.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+DIR_MODE, FILE_MODE = 0o755, 0o644  # mkdtemp makes 0700; checkpoints are meant to be shared
+
+
+def partial_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.partial-"
+
+
+def remove_stale_partials(path: str) -> None:
+    """Leftovers of a killed write into `path`."""
+    parent, prefix = os.path.dirname(path), partial_prefix(path)
+    for name in os.listdir(parent):
+        if name.startswith(prefix):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, *, overwrite: bool = True) -> Iterator[str]:
+    """Yield a temp dir next to `path`; on success it replaces `path` by rename, on error it is removed."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path}: already exists (pass overwrite/--force to replace it)")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_partials(path)
+    tmp = tempfile.mkdtemp(prefix=partial_prefix(path), dir=parent)
+    try:
+        os.chmod(tmp, DIR_MODE)
+        yield tmp
+        for dirpath, dirnames, filenames in os.walk(tmp):
+            for d in dirnames:
+                os.chmod(os.path.join(dirpath, d), DIR_MODE)
+            for f in filenames:
+                os.chmod(os.path.join(dirpath, f), FILE_MODE)
+        old = None
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
+            os.rename(path, os.path.join(old, "d"))
+        os.rename(tmp, path)
+        if old:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
