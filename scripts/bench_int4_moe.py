@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -26,11 +25,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_util import copy_ceiling, matmul_peak, median_s  # noqa: E402
 from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,  # noqa: E402
                                      int4_moe_ffn)
 
-MIN_BENCH_S = 0.2  # keep timing until this much time is spent (after MIN_REPS calls)
-MIN_REPS, MAX_REPS = 5, 30
 N_SETS = 4  # input sets cycled per timing (defeats L2 reuse of the previous call's experts)
 GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts
 
@@ -53,32 +51,13 @@ TUNE = ((64, 64, 4), (32, 64, 4), (128, 64, 8), (64, 32, 4), (64, 128, 8), (32, 
 
 
 # ---- timing helpers (also used by bench_kimi_layer.py) -----------------------------------------------------------
-def median_s(fn, min_reps: int = MIN_REPS, max_reps: int = MAX_REPS, min_total_s: float = MIN_BENCH_S) -> float:
-    """Median wall time of fn() after two warm-up calls, each call synchronised with block_until_ready."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    while len(times) < min_reps or (sum(times) < min_total_s and len(times) < max_reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
-def copy_ceiling(nbytes: int) -> float:
-    """Bytes/s of a large device elementwise copy (x * s with a runtime s = 1): read + write counted."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x, s: x * s)
-    bw = 2 * x.nbytes / median_s(lambda: f(x, jnp.asarray(1.0, jnp.bfloat16)))
-    del x
-    return bw
 
 
-def matmul_peak(n: int) -> float:
-    """FLOP/s of an n^3 bf16 matmul through XLA."""
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a: a @ a)
-    return 2 * n**3 / median_s(lambda: f(a))
+
+
+
 
 
 def short_error(e: Exception) -> str:

@@ -33,11 +33,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_util import copy_ceiling, matmul_peak  # noqa: E402
+from bench_util import median_s as _median_s  # noqa: E402
 from pallas_kernels.verify_attn import verify_attn  # noqa: E402
 
 SCALE = 0.1446796  # K2.6 softmax scale (kimi_k2_format.md §1)
 MIN_BENCH_S = 0.3  # keep timing a shape until this much time is spent (after at least MIN_REPS calls)
 MIN_REPS, MAX_REPS = 3, 20
+
+
+def median_s(fn) -> float:
+    return _median_s(fn, MIN_REPS, MAX_REPS, MIN_BENCH_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,31 +69,13 @@ TUNE_CONFIGS = (  # (block_q, block_k, num_warps, num_stages)
 )
 
 
-def median_s(fn) -> float:
-    """Median wall time of fn() after warm-up, each call synchronised with block_until_ready."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    while len(times) < MIN_REPS or (sum(times) < MIN_BENCH_S and len(times) < MAX_REPS):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
-def copy_ceiling(nbytes: int) -> float:
-    """Bytes/s of a large device-to-device elementwise copy (x * s, s a runtime 1): read + write counted."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    one = jnp.asarray(1.0, jnp.bfloat16)
-    f = jax.jit(lambda x, s: x * s)
-    return 2 * x.nbytes / median_s(lambda: f(x, one))
 
 
-def matmul_peak(n: int) -> float:
-    """FLOP/s of an n^3 bf16 matmul through XLA."""
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a: a @ a)
-    return 2 * n**3 / median_s(lambda: f(a))
+
+
+
 
 
 def ancestor_masks(rng, bt: int, n: int) -> np.ndarray:

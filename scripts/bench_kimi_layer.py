@@ -43,7 +43,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import kdtree_jax.moe as moe_mod  # noqa: E402
-from bench_int4_moe import copy_ceiling, cycling, is_oom, matmul_peak, median_s, short_error  # noqa: E402
+from bench_int4_moe import cycling, is_oom, short_error  # noqa: E402
+from bench_util import copy_ceiling, matmul_peak, median_s  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
 from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
