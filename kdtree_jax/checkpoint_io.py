@@ -131,7 +131,8 @@ def read_meta(path: str, *, verify: bool = True) -> dict:
     return meta
 
 
-def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=None, verify: bool = True):
+def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=None, verify: bool = True,
+                   moe_impl: str = "auto"):
     """Restore a converted target; with a mesh, each parameter is restored straight into its sharded layout."""
     import orbax.checkpoint as ocp
 
@@ -146,7 +147,7 @@ def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
 
     def build():
         return KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=compute,
-                         expert_format=meta["expert_format"])
+                         expert_format=meta["expert_format"], moe_impl=moe_impl)
 
     graphdef, abstract = nnx.split(nnx.eval_shape(build))
     target = nnx.to_pure_dict(abstract)
@@ -189,13 +190,16 @@ def load_target_any(path: str | os.PathLike, *, dtype: str = "float32", mesh=Non
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    # Sharded: every device runs its local experts on all tokens ("dense"); the per-token gather path would make
+    # GSPMD all-gather expert weights across devices (docs/sharding.md).
+    moe_impl = "auto" if mesh is None else "dense"
     if is_converted(path):
-        model = load_converted(path, dtype=dtype, mesh=mesh)
+        model = load_converted(path, dtype=dtype, mesh=mesh, moe_impl=moe_impl)
     elif is_hf_dir(path):
         with HFCheckpoint.open(path) as ckpt:
             ckpt.validate()
             source = _with_progress(ckpt, progress)
-            model = load_model(source, param_dtype=DTYPES[dtype], dtype=DTYPES[dtype])
+            model = load_model(source, param_dtype=DTYPES[dtype], dtype=DTYPES[dtype], moe_impl=moe_impl)
     else:
         raise FileNotFoundError(f"{path}: neither an HF safetensors checkpoint (config.json + *.safetensors) nor a "
                                 f"converted one ({META})")
