@@ -19,6 +19,8 @@ import numpy as np
 from flax import nnx
 
 from kdtree_jax import sampling
+from kdtree_jax.drafter import DrafterCache
+from kdtree_jax.model import LatentCache, forward_prefill
 from kdtree_jax.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
@@ -40,9 +42,6 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
 
     prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys.
     """
-    from kdtree_jax.drafter import DrafterCache
-    from kdtree_jax.model import LatentCache, forward_prefill
-
     bt, cap = prompts.shape
     chunk = spec.prefill_chunk
     cache = LatentCache.zeros(target.cfg, bt, spec.capacity, target.cache_dtype)
@@ -58,7 +57,7 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
         here = (row >= 0) & (row < chunk)
         logits = jnp.take_along_axis(out.logits, jnp.clip(row, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where(here[:, None], logits, last)
-        if draft_cache is not None:
+        if draft_cache is not None:  # commit the chunk's features; the block drafted alongside is discarded
             n_ctx = jnp.clip(prompt_len - start, 0, chunk)
             _, _, draft_cache = drafter_pass(spec, drafter, target, draft_cache, out.hidden, n_ctx, dummy_bonus)
         return (out.cache, draft_cache, last), None
