@@ -323,8 +323,10 @@ class Engine:
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts, chat: bool) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of strings or of token-id lists, e.g. ['hi'] or [[1, 2]]")
         out = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("text prompts need a tokenizer; pass token ids instead")
@@ -333,8 +335,10 @@ class Engine:
                     out.append(self.tokenizer.encode(p, allow_special=True))
                 else:
                     out.append(self.tokenizer.encode(p))
-            else:
+            elif isinstance(p, Sequence) and all(isinstance(t, (int, np.integer)) for t in p):
                 out.append([int(t) for t in p])
+            else:
+                raise ValueError(f"prompt {i} must be a string or a list of integer token ids, got {p!r:.60}")
         return out
 
     def _prepare(self, prompts, max_new_tokens, temperature, top_k, top_p, mode, budget, seed, chat):
@@ -363,12 +367,14 @@ class Engine:
         for i, p in enumerate(ids):
             arr[i, : len(p)] = p
         lens = np.array([len(p) for p in ids], np.int32)
-        seeds = [seed] * len(ids) if isinstance(seed, int) else list(seed)
-        if len(seeds) != len(ids):
-            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
-        keys = np.stack([
-            np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(s), i))) for i, s in enumerate(seeds)
-        ])
+        if isinstance(seed, int):  # one seed: request i draws from fold_in(seed, i)
+            keys = [jax.random.fold_in(jax.random.key(seed), i) for i in range(len(ids))]
+        else:  # a seed per request: its draws do not depend on its place in the batch
+            seeds = list(seed)
+            if len(seeds) != len(ids):
+                raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
+            keys = [jax.random.key(s) for s in seeds]
+        keys = np.stack([np.asarray(jax.random.key_data(k)) for k in keys])
         return spec, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(keys)
 
     def _check_fits(self, spec: DecodeSpec) -> None:

@@ -113,7 +113,7 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[
         select = jnp.where(kept[:, :, None], grouped, GROUP_MASK_VALUE).reshape(m, e)
     _, idx = jax.lax.top_k(select, cfg.num_experts_per_tok)  # [M, k]
     weights = jnp.take_along_axis(scores, idx, axis=-1)
-    if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
+    if cfg.norm_topk_prob:  # transformers' DeepseekV3 (the golden model) normalises for every k, k = 1 included
         weights = weights / (weights.sum(-1, keepdims=True) + NORM_EPS)
     return weights * cfg.routed_scaling_factor, idx
 

@@ -1,7 +1,8 @@
 """The target's decoding rule at every tree slot: argmax, or one draw from the filtered softmax.
 
 DDTree stays lossless at T > 0 because only the target samples (ddtree_algorithm.md §4): each slot gets its own
-draw, keyed by (request, round, slot) so a run is reproducible and a request's tokens do not depend on its batch.
+draw, keyed by (request key, round, slot), so a run is reproducible and a request with its own seed draws the same
+tokens alone or in any batch.
 """
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
