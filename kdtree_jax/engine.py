@@ -52,7 +52,8 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
         cache, draft_cache, last = carry
         start = c * chunk
         tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
-        out = forward_prefill(target, tokens, start, cache, taps=spec.taps)
+        valid = start + jnp.arange(chunk)[None, :] < prompt_len[:, None]  # [Bt, chunk]
+        out = forward_prefill(target, tokens, start, cache, taps=spec.taps, valid=valid)
         row = prompt_len - 1 - start  # [Bt] the prompt's last row, if it is in this chunk
         here = (row >= 0) & (row < chunk)
         logits = jnp.take_along_axis(out.logits, jnp.clip(row, 0, chunk - 1)[:, None, None], axis=1)[:, 0]

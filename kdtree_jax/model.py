@@ -92,7 +92,7 @@ def _check_taps(cfg: ModelConfig, taps: Sequence[int]) -> tuple[int, ...]:
 
 
 def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: LatentCache, taps: Sequence[int],
-         attend, write) -> ForwardOut:
+         attend, write, valid: jax.Array | None = None) -> ForwardOut:
     """Shared decoder stack. `attend(attn, x, cos, sin, layer_cache) -> (out, rows)`; `write(latent, layer, rows)`
     stores the new rows into the full cache (only those rows are touched, so a donated cache updates in place)."""
     cfg, dt = model.cfg, model.dtype
@@ -102,6 +102,8 @@ def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: Laten
                          f"{cfg.latent_dim}]")
     cos, sin = rope_cos_sin(positions, yarn_inv_freq(cfg), cfg.rope_amplitude)  # [B, T, P/2]
     h = model.embed[...][tokens].astype(dt)  # [B, T, D]
+    if valid is not None:  # padding rows start at 0, so they stay finite whatever the pad token's embedding holds
+        h = jnp.where(valid[..., None], h, 0)
     latent, tapped = cache.latent, {}
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
@@ -118,11 +120,12 @@ def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: Laten
 
 
 def forward_prefill(model: KimiModel, tokens: jax.Array, start, cache: LatentCache, *,
-                    taps: Sequence[int] = ()) -> ForwardOut:
+                    taps: Sequence[int] = (), valid: jax.Array | None = None) -> ForwardOut:
     """Plain MLA over tokens [B, T] at positions start + t (start: int, or a traced int32 scalar).
 
     Token t attends to cache rows [0, start) and new tokens <= t; its latent is written at row start + t.
-    A Python-int start lets the attention skip rows past start + T.
+    A Python-int start lets the attention skip rows past start + T. valid [B, T] bool marks real (non-padding)
+    tokens: padding rows are computed from a zero embedding, since masked keys still enter p @ V with weight 0.
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -133,7 +136,7 @@ def forward_prefill(model: KimiModel, tokens: jax.Array, start, cache: LatentCac
     def write(latent, layer, rows):  # [B, T, A] at rows [start, start + T) of every request
         return jax.lax.dynamic_update_slice(latent, rows[None], (layer, 0, start, 0))
 
-    return _run(model, tokens, positions, cache, taps, attend, write)
+    return _run(model, tokens, positions, cache, taps, attend, write, valid)
 
 
 def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, start: jax.Array, mask: jax.Array,

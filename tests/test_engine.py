@@ -156,6 +156,11 @@ def test_same_seed_same_samples(rng):
     c = eng.generate(prompts, 8, mode="ddtree", budget=8, temperature=1.0, seed=8)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+    # a seed per request: the same draws at any batch position (same prompt length keeps one compiled shape)
+    batch = eng.generate([prompts[1], prompts[2], prompts[0]], 8, mode="ddtree", budget=8, temperature=1.0,
+                         seed=[11, 12, 13])
+    alone = eng.generate([prompts[0]] * 3, 8, mode="ddtree", budget=8, temperature=1.0, seed=[13, 14, 15])
+    assert batch.token_ids[2] == alone.token_ids[0]
 
 
 def _exact_pair_distribution(target, prompt, temperature, top_p):
