@@ -45,7 +45,7 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
     )
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -91,7 +91,7 @@ def save_converted(model, dst: str | os.PathLike, *, config_json: dict, extra_fi
             "expert_format": expert_format,
             "param_dtype": _float_dtype(leaves),
             "n_params": int(sum(np.prod(x.shape) for x in leaves)),
-            "sha256": {rel: _sha256(os.path.join(tmp, rel)) for rel in _files(tmp)},
+            "sha256": {rel: file_sha256(os.path.join(tmp, rel)) for rel in _files(tmp)},
         }
         if before_commit is not None:
             before_commit(tmp)
@@ -126,7 +126,7 @@ def read_meta(path: str, *, verify: bool = True) -> dict:
         for rel in sorted(present - set(expected)):
             raise CheckpointIntegrityError(f"{os.path.join(path, rel)}: not part of the checkpoint (unexpected file)")
         for rel, digest in sorted(expected.items()):
-            if _sha256(os.path.join(path, rel)) != digest:
+            if file_sha256(os.path.join(path, rel)) != digest:
                 raise CheckpointIntegrityError(f"{os.path.join(path, rel)}: contents changed (sha256 mismatch)")
     return meta
 

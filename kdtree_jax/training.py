@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 
 from kdtree_jax.atomic import atomic_dir
+from kdtree_jax.checkpoint_io import file_sha256
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import train_logits
 from kdtree_jax.hf_checkpoint import LM_HEAD, SINGLE_FILE, TOKENIZER_FILES, expected_shapes
@@ -90,14 +91,6 @@ def _json_default(x: Any) -> Any:
     if dataclasses.is_dataclass(x):
         return dataclasses.asdict(x)
     raise TypeError(f"not JSON serialisable: {type(x)}")
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- corpus --------------------------------------------------------------------------------------------------
