@@ -190,9 +190,9 @@ def load_target_any(path: str | os.PathLike, *, dtype: str = "float32", mesh=Non
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
-    # Sharded: every device runs its local experts on all tokens ("dense"); the per-token gather path would make
-    # GSPMD all-gather expert weights across devices (docs/sharding.md).
-    moe_impl = "auto" if mesh is None else "dense"
+    # Sharded: expert-parallel dispatch (each device runs its own experts, one psum); the per-token gather path
+    # would make GSPMD all-gather expert weights across devices (docs/sharding.md).
+    moe_impl = "auto" if mesh is None else "ep"
     if is_converted(path):
         model = load_converted(path, dtype=dtype, mesh=mesh, moe_impl=moe_impl)
     elif is_hf_dir(path):

@@ -273,7 +273,7 @@ class Engine:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=2, desc=f"compiling {kind} ({spec.mode}, batch {spec.batch})", unit="stage", leave=False)
-        with jax.default_matmul_precision(self.matmul_precision):
+        with jax.default_matmul_precision(self.matmul_precision), _mesh_context(self.mesh):
             lowered = jax.jit(fn, donate_argnums=(2,) if kind == "rounds" else ()).lower(*args)
             if bar is not None:
                 bar.update(1)
@@ -414,6 +414,13 @@ class Engine:
             compile_s=compile_s,
         )
         return GenerationResult(outputs, stats)
+
+
+def _mesh_context(mesh):
+    """Trace under the engine's mesh, so expert-parallel MoE (shard_map) and sharding rules can see it."""
+    import contextlib
+
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _new_tokens(state: DecodeState, sent: np.ndarray) -> tuple[list[list[int]], np.ndarray]:

@@ -18,7 +18,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import init_normal, swiglu
 from kdtree_jax.quant import NIBBLES_PER_WORD, dequant_int4_jnp
 
-MOE_IMPLS = ("auto", "dense", "gather")
+MOE_IMPLS = ("auto", "dense", "gather", "ep")  # ep: expert-parallel over the mesh set by jax.set_mesh
 NORM_EPS = 1e-20  # HF MoEGate: denominator = sum(top-k weights) + 1e-20
 # HF DeepseekV3 MoEGate masks experts of dropped groups to 0.0 (masked_fill), not -inf as DeepSeek's own
 # inference code does; they differ only if a kept expert's biased score is negative. We follow HF (the golden).
@@ -71,6 +71,10 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., D] -> [..., D]."""
+        if self.impl == "ep":  # each device runs its own experts, one psum (kdtree_jax/sharding.py)
+            from kdtree_jax.sharding import moe_expert_parallel
+
+            return moe_expert_parallel(self, x)
         flat = x.reshape(-1, x.shape[-1])  # [M, D]
         logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [M, E]
         bias = self.bias[...] if self.cfg.topk_method == "noaux_tc" else None

@@ -296,3 +296,7 @@ def test_sharded_ddtree_generation_matches_unsharded(rng):
     got = Engine(sh.shard_model(model, mesh), drafter, None, mesh=mesh, use_pallas=False).generate(prompts, **kw)
     assert got.token_ids == want.token_ids
     assert all(len(t) == 8 or t[-1] in CFG.eos_token_id for t in got.token_ids)
+    ep = init_random(CFG, 0, moe_impl="ep")  # same weights as `model` only through the state: copy it over
+    nnx.update(ep, nnx.state(model))
+    got_ep = Engine(sh.shard_model(ep, mesh), drafter, None, mesh=mesh, use_pallas=False).generate(prompts, **kw)
+    assert got_ep.token_ids == want.token_ids
