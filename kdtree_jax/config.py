@@ -119,16 +119,7 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "ModelConfig":
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise ConfigError(f"{path}: config.json not found")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw, path = read_config_json(path)
         return _from_hf_dict(raw, path)
 
     def to_hf_dict(self, *, wrapped: bool = False) -> dict[str, Any]:
@@ -201,6 +192,20 @@ class ModelConfig:
             "text_config": text,
             "vision_config": {"hidden_size": 32, "num_hidden_layers": 1},
         }
+
+
+def read_config_json(path: str | os.PathLike) -> tuple[Any, str]:
+    """The parsed config.json of a checkpoint directory (or the file itself) and the path it came from."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: config.json not found")
+    try:
+        with open(path) as f:
+            return json.load(f), path
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

@@ -7,14 +7,13 @@ drafter and the numpy reference share one definition of the *config*, not of the
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any
 
 import numpy as np
 
-from kdtree_jax.config import ConfigError, ModelConfig
+from kdtree_jax.config import ConfigError, ModelConfig, read_config_json
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -160,16 +159,7 @@ class DrafterConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike, *, yarn_amplitude: str = "hf",
                   sliding_causal: bool = False) -> "DrafterConfig":
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise ConfigError(f"{path}: config.json not found")
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raw, path = read_config_json(path)
         return _from_hf_dict(raw, path, yarn_amplitude, sliding_causal)
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import flax.struct

@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import copy_ceiling, matmul_peak, median_s  # noqa: E402
+from bench_util import copy_ceiling, median_s  # noqa: E402
 from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,  # noqa: E402
                                      int4_moe_ffn)
 

@@ -20,7 +20,6 @@ import dataclasses
 import importlib.util
 import inspect
 import json
-import math
 import os
 import statistics
 import sys

@@ -217,7 +217,7 @@ class Runner:
         row["bytes"] = row["expert_bytes"] + row["attn_bytes"] + self.wbytes["other"]
 
     def verify_configs(self):
-        cfg, sw = self.cfg, self.sweep
+        sw = self.sweep
         capacity = max(sw.prefixes) + max(sw.nodes)
         modes = ["kernel", "as_is"]
         for mode in modes:

@@ -24,9 +24,7 @@ def copy_ceiling(nbytes: int) -> float:
     """Bytes/s of a large device elementwise copy (x * s with a runtime s = 1): read + write counted."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda x, s: x * s)
-    bw = 2 * x.nbytes / median_s(lambda: f(x, jnp.asarray(1.0, jnp.bfloat16)))
-    del x
-    return bw
+    return 2 * x.nbytes / median_s(lambda: f(x, jnp.asarray(1.0, jnp.bfloat16)))
 
 
 def matmul_peak(n: int) -> float:
