@@ -10,7 +10,9 @@ FLOPs = 2 * N*H * (prefix + N) * (A + R). Ceilings: a 2 GiB elementwise copy (re
 bf16 matmul. "% copy" = achieved bandwidth / copy bandwidth (the target is >= 60% where the call is memory-bound,
 i.e. AR); "% roofline" = max(bytes / copy bw, FLOPs / matmul peak) / time, the fair figure for trees, which are
 compute-bound (intensity ~ 2*N*H flop per cache byte, far above the ~190 flop/byte machine balance).
-`--tune` times a few (block_q, block_k, warps, stages) choices on representative shapes instead.
+`--tune` first times a few (block_q, block_k, warps, stages, splits) choices on representative shapes.
+Timing: `bench_util.per_call_s` (calls back to back inside one jit, host dispatch amortised) over enough
+distinct caches that one rotation reads >= 256 MB, so no call is served from the previous call's L2.
 On a CPU backend it runs a tiny smoke sweep in the Pallas interpreter (numbers meaningless; checks the script).
 """
 from __future__ import annotations
@@ -32,17 +34,19 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import copy_ceiling, matmul_peak  # noqa: E402
-from bench_util import median_s as _median_s  # noqa: E402
+from bench_util import copy_ceiling, matmul_peak, per_call_s  # noqa: E402
 from pallas_kernels.verify_attn import verify_attn  # noqa: E402
 
 SCALE = 0.1446796  # K2.6 softmax scale (kimi_k2_format.md §1)
 MIN_BENCH_S = 0.3  # keep timing a shape until this much time is spent (after at least MIN_REPS calls)
 MIN_REPS, MAX_REPS = 3, 20
+ROTATE_BYTES = 256 << 20  # cache bytes read per rotation of input sets: 5x the H200's 50 MB L2
+MAX_SETS, MIN_SETS = 64, 2  # input sets (calls) per timed jit
+SET_MEMORY = 16 << 30  # device bytes the rotated caches may take
 
 
-def median_s(fn) -> float:
-    return _median_s(fn, MIN_REPS, MAX_REPS, MIN_BENCH_S)
+def median_per_call_s(fn, sets) -> float:
+    return per_call_s(fn, sets, min_reps=MIN_REPS, max_reps=MAX_REPS, min_total_s=MIN_BENCH_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,24 +61,15 @@ class Sweep:
     matmul_n: int = 8192
 
 
-FULL = Sweep(batches=(1, 8, 64), nodes=(1, 17, 65, 257), prefixes=(1024, 2048, 4096, 8192, 16384, 32768))
+FULL = Sweep(batches=(1, 8, 64), nodes=(1, 17, 65, 257), prefixes=(1024, 4096, 8192, 32768))
 QUICK = Sweep(batches=(1, 8), nodes=(1, 17), prefixes=(1024, 8192))
 CPU_SMOKE = Sweep(batches=(1, 2), nodes=(1, 5), prefixes=(40, 100), r=32, dr=8, dtype="float32",
                   copy_bytes=16 << 20, matmul_n=256)
-TUNE_SHAPES = ((64, 1, 8192), (8, 17, 8192), (1, 257, 8192))  # (batch, N, prefix)
-TUNE_CONFIGS = (  # (block_q, block_k, num_warps, num_stages)
-    (64, 32, 8, 2), (64, 32, 8, 3), (64, 32, 4, 2), (64, 64, 8, 2), (64, 16, 8, 3), (32, 32, 4, 2),
-    (32, 64, 4, 3), (128, 16, 8, 2),
+TUNE_SHAPES = ((1, 1, 32768), (8, 1, 32768), (64, 1, 8192), (8, 17, 8192), (1, 257, 8192))  # (batch, N, prefix)
+TUNE_CONFIGS = (  # (block_q, block_k, num_warps, num_stages, num_splits; None = the kernel's default)
+    (None, None, None, 2, None), (64, 32, 8, 3, None), (32, 32, 4, 2, None), (32, 64, 4, 3, None),
+    (16, 64, 4, 3, None), (64, 16, 8, 3, None), (32, 32, 4, 3, 32), (32, 32, 4, 3, 128), (64, 32, 8, 2, 64),
 )
-
-
-
-
-
-
-
-
-
 
 
 def ancestor_masks(rng, bt: int, n: int) -> np.ndarray:
@@ -86,14 +81,21 @@ def ancestor_masks(rng, bt: int, n: int) -> np.ndarray:
     return vis
 
 
-def make_inputs(sweep: Sweep, bt: int, n: int, h: int, capacity: int, seed: int):
+def n_sets(bt: int, prefix: int, capacity: int, a: int, itemsize: int) -> int:
+    """Input sets to rotate so one rotation reads >= ROTATE_BYTES of cache (L2 cannot serve the next call)."""
+    touched, whole = bt * prefix * a * itemsize, bt * capacity * a * itemsize
+    return max(MIN_SETS, min(MAX_SETS, -(-ROTATE_BYTES // touched), SET_MEMORY // whole))
+
+
+def make_inputs(sweep: Sweep, bt: int, n: int, h: int, capacity: int, seed: int, caches: int = 1):
+    """q [Bt, N, H, A], `caches` distinct caches [Bt, S, A], tree_kv [Bt, N, A], ancestor masks [Bt, N, N]."""
     dtype = jnp.dtype(sweep.dtype)
     a = sweep.r + sweep.dr
-    kq, kc, kt = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (bt, n, h, a), dtype)  # [Bt, N, H, A]
-    cache = jax.random.normal(kc, (bt, capacity, a), dtype)  # [Bt, S, A]
-    tree_kv = jax.random.normal(kt, (bt, n, a), dtype)  # [Bt, N, A]
-    mask = jnp.asarray(ancestor_masks(np.random.default_rng(seed), bt, n))  # [Bt, N, N]
+    kq, kt, *kc = jax.random.split(jax.random.key(seed), 2 + caches)
+    q = jax.random.normal(kq, (bt, n, h, a), dtype)
+    cache = [jax.random.normal(k, (bt, capacity, a), dtype) for k in kc]
+    tree_kv = jax.random.normal(kt, (bt, n, a), dtype)
+    mask = jnp.asarray(ancestor_masks(np.random.default_rng(seed), bt, n))
     return q, cache, tree_kv, mask
 
 
@@ -107,69 +109,91 @@ def reference_row0(q, cache, prefix: int, tree_kv, mask, r: int) -> jax.Array:
     return jnp.einsum("nhk,kr->nhr", p, keys[:, :r], precision=hi)
 
 
-def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool) -> list[dict]:
+def rel_err_row0(call, q, cache, prefix: int, tree_kv, mask, r: int) -> float:
+    got = call(q, cache, jnp.full((q.shape[0],), prefix, jnp.int32), tree_kv, mask)[0].astype(jnp.float32)
+    want = reference_row0(q, cache, prefix, tree_kv, mask, r)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def timed_sets(q, caches, prefix: int, tree_kv, mask):
+    """One argument set per cache; the prefix differs by one row between sets, so XLA cannot merge two calls."""
+    bt = q.shape[0]
+    return [(q, c, jnp.full((bt,), prefix - i, jnp.int32), tree_kv, mask) for i, c in enumerate(caches)]
+
+
+def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, deadline: float) -> list[dict]:
     rows = []
     a, r = sweep.r + sweep.dr, sweep.r
+    itemsize = jnp.dtype(sweep.dtype).itemsize
     for h in heads:
         for n in sweep.nodes:
             for bt in sweep.batches:
+                if time.perf_counter() > deadline:
+                    print(f"time budget spent: skipping H={h} N={n} batch={bt}", flush=True)
+                    continue
                 capacity = max(sweep.prefixes) + n
-                q, cache, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n)
-                call = jax.jit(lambda q, c, p, t, m: verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r,
-                                                                 interpret=interpret))
+                sets = n_sets(bt, min(sweep.prefixes), capacity, a, itemsize)
+                q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n, caches=sets)
+
+                def call(q, c, p, t, m):
+                    return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, interpret=interpret)
+
                 t0 = time.perf_counter()
-                out = jax.block_until_ready(call(q, cache, jnp.full((bt,), sweep.prefixes[0], jnp.int32), tree_kv,
-                                                 mask))
+                jax.block_until_ready(call(*timed_sets(q, caches, sweep.prefixes[0], tree_kv, mask)[0]))
                 compile_s = time.perf_counter() - t0
-                err = 0.0  # request 0 vs an fp32 jnp reference at the shortest and the longest prefix
-                for prefix in (min(sweep.prefixes), max(sweep.prefixes)):
-                    got = call(q, cache, jnp.full((bt,), prefix, jnp.int32), tree_kv, mask)[0].astype(jnp.float32)
-                    want = reference_row0(q, cache, prefix, tree_kv, mask, r)
-                    err = max(err, float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)))
+                err = max(rel_err_row0(call, q, caches[0], p, tree_kv, mask, r)
+                          for p in (min(sweep.prefixes), max(sweep.prefixes)))
                 for prefix in sweep.prefixes:
-                    plen = jnp.full((bt,), prefix, jnp.int32)
-                    sec = median_s(lambda: call(q, cache, plen, tree_kv, mask))
-                    itemsize = jnp.dtype(sweep.dtype).itemsize
-                    nbytes = (bt * prefix * a * itemsize + q.nbytes + out.nbytes + tree_kv.nbytes + mask.nbytes)
+                    k = n_sets(bt, prefix, capacity, a, itemsize)
+                    sec = median_per_call_s(call, timed_sets(q, caches[:k], prefix, tree_kv, mask))
+                    nbytes = bt * prefix * a * itemsize + q.nbytes + q.nbytes * r // a + tree_kv.nbytes + mask.nbytes
                     flops = 2 * bt * n * h * (prefix + n) * (a + r)
                     rows.append(dict(kernel="verify_attn", batch=bt, nodes=n, heads=h, prefix=prefix, ms=sec * 1e3,
                                      bytes=nbytes, flops=flops, gbps=nbytes / sec / 1e9, tflops=flops / sec / 1e12,
-                                     rel_err_row0=err, first_call_s=compile_s))
-                del q, cache, tree_kv, mask, out
+                                     rel_err_row0=err, first_call_s=compile_s, sets=k))
+                    print(json.dumps(rows[-1]), flush=True)
+                del q, caches, tree_kv, mask
     return rows
 
 
-def tune(sweep: Sweep, heads: int, interpret: bool) -> list[dict]:
+def tune(sweep: Sweep, heads: int, interpret: bool, deadline: float) -> list[dict]:
     rows = []
-    r = sweep.r
+    a, r = sweep.r + sweep.dr, sweep.r
+    itemsize = jnp.dtype(sweep.dtype).itemsize
     for bt, n, prefix in TUNE_SHAPES:
-        q, cache, tree_kv, mask = make_inputs(sweep, bt, n, heads, prefix + n, seed=7)
-        plen = jnp.full((bt,), prefix, jnp.int32)
-        want = reference_row0(q, cache, prefix, tree_kv, mask, r)
-        for bq, bk, warps, stages in TUNE_CONFIGS:
+        k = n_sets(bt, prefix, prefix + n, a, itemsize)
+        q, caches, tree_kv, mask = make_inputs(sweep, bt, n, heads, prefix + n, seed=7, caches=k)
+        nbytes = bt * prefix * a * itemsize
+        for bq, bk, warps, stages, splits in TUNE_CONFIGS:
+            if time.perf_counter() > deadline:
+                break
             row = dict(batch=bt, nodes=n, heads=heads, prefix=prefix, block_q=bq, block_k=bk, num_warps=warps,
-                       num_stages=stages)
-            call = jax.jit(lambda q, c, p, t, m, bq=bq, bk=bk, w=warps, st=stages: verify_attn(
-                q, c, p, t, m, scale=SCALE, kv_lora_rank=r, block_q=bq, block_k=bk, num_warps=w, num_stages=st,
-                interpret=interpret))
+                       num_stages=stages, num_splits=splits)
+
+            def call(q, c, p, t, m, bq=bq, bk=bk, w=warps, st=stages, sp=splits):
+                return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, block_q=bq, block_k=bk, num_warps=w,
+                                   num_stages=st, num_splits=sp, interpret=interpret)
+
             try:
-                out = jax.block_until_ready(call(q, cache, plen, tree_kv, mask))
-                row["rel_err_row0"] = float(jnp.linalg.norm(out[0].astype(jnp.float32) - want) / jnp.linalg.norm(want))
-                row["ms"] = median_s(lambda: call(q, cache, plen, tree_kv, mask)) * 1e3
+                row["rel_err_row0"] = rel_err_row0(call, q, caches[0], prefix, tree_kv, mask, r)
+                row["ms"] = median_per_call_s(call, timed_sets(q, caches, prefix, tree_kv, mask)) * 1e3
+                row["cache_gbps"] = nbytes / row["ms"] / 1e6
             except Exception as e:  # a config that does not compile (e.g. shared memory) is a result, not a crash
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
             rows.append(row)
-            print(row, flush=True)
+            print(json.dumps(row), flush=True)
+        del q, caches, tree_kv, mask
     return rows
 
 
 def tune_table(rows: list[dict]) -> str:
-    lines = ["| batch | N | H | prefix | block_q | block_k | warps | stages | ms | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | N | H | prefix | block_q | block_k | warps | stages | splits | ms | cache GB/s | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
-        res = f"{x['ms']:.3f} | {x['rel_err_row0']:.1e}" if "ms" in x else f"{x['error']} | -"
+        res = (f"{x['ms']:.3f} | {x['cache_gbps']:.0f} | {x['rel_err_row0']:.1e}" if "ms" in x
+               else f"{x['error']} | - | -")
         lines.append(f"| {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | {x['block_q']} | "
-                     f"{x['block_k']} | {x['num_warps']} | {x['num_stages']} | {res} |")
+                     f"{x['block_k']} | {x['num_warps']} | {x['num_stages']} | {x['num_splits']} | {res} |")
     return "\n".join(lines)
 
 
@@ -215,7 +239,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="reduced sweep")
     parser.add_argument("--out", help="write all results as JSON to this path")
     parser.add_argument("--heads", type=int, nargs="+", default=None, help="query heads per GPU (default 64)")
-    parser.add_argument("--tune", action="store_true", help="time block / warp choices instead of the sweep")
+    parser.add_argument("--tune", action="store_true", help="first time block / warp / split choices")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="start no new shape after this many seconds")
     parser.add_argument("--skip-tree", action="store_true", help="do not run the tree kernel benchmark")
     args = parser.parse_args(argv)
 
@@ -232,22 +257,22 @@ def main(argv=None):
     print(f"## Ceilings on {device}\ncopy (read+write) {copy_bw / 1e9:.0f} GB/s, bf16 matmul {peak / 1e12:.0f} "
           f"TFLOP/s\n", flush=True)
 
+    deadline = t_start + args.budget_s
     if args.tune:
         if not on_gpu:
             parser.error("--tune times compiled kernels at K2 sizes and needs a GPU backend")
-        result["tune"] = tune(sweep, heads[0], interpret)
+        result["tune"] = tune(sweep, heads[0], interpret, deadline)
         print(f"## verify_attn tuning\n{tune_table(result['tune'])}\n", flush=True)
-    else:
-        rows = bench_verify_attn(sweep, heads, interpret)
-        result["verify_attn"] = rows
-        summary = bandwidth_summary(rows, copy_bw, peak)
-        result["verify_attn_summary"] = summary
-        print(f"## verify_attn ({sweep.dtype}, A = {sweep.r} + {sweep.dr})\n{verify_table(rows, copy_bw, peak)}\n\n"
-              f"{summary}\n", flush=True)
-        if not args.skip_tree:
-            tree_rows = []
-            print(f"## tree kernels\n{run_tree_bench(tree_rows, args.quick)}\n", flush=True)
-            result["tree_kernels"] = tree_rows
+    rows = bench_verify_attn(sweep, heads, interpret, deadline)
+    result["verify_attn"] = rows
+    summary = bandwidth_summary(rows, copy_bw, peak)
+    result["verify_attn_summary"] = summary
+    print(f"## verify_attn ({sweep.dtype}, A = {sweep.r} + {sweep.dr})\n{verify_table(rows, copy_bw, peak)}\n\n"
+          f"{summary}\n", flush=True)
+    if not args.skip_tree:
+        tree_rows = []
+        print(f"## tree kernels\n{run_tree_bench(tree_rows, args.quick)}\n", flush=True)
+        result["tree_kernels"] = tree_rows
     result["total_s"] = time.perf_counter() - t_start
     print(f"total {result['total_s']:.0f} s")
     if args.out:

@@ -1,7 +1,8 @@
 """Benchmark the device tree kernels against the host numpy heap / walk that REF runs every round.
 
-Device: the jitted `tree_build` (kernel + ancestor mask) and `tree_accept`, warmed up, timed with
-block_until_ready, median of many calls. Host: device->host copy of the inputs plus the numpy reference for the
+Device: the jitted `tree_build` (kernel + ancestor mask) and `tree_accept`, per-call time of SETS distinct inputs
+issued back to back inside one jit (`bench_util.per_call_s`: the engine runs them inside its compiled loop, so the
+host's per-call dispatch is not theirs), median of several passes. Host: device->host copy of the inputs plus the numpy reference for the
 whole batch (what a host-side tree build costs per round), median of a few calls.
 
     python scripts/bench_tree_kernels.py [--out rows.json] [--batches 1 8 64] [--budgets 16 32 64 128 256]
@@ -11,6 +12,7 @@ whole batch (what a host-side tree build costs per round), median of a few calls
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -18,10 +20,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from bench_util import per_call_s  # noqa: E402
 
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402
 from pallas_kernels.tree_accept_ref import tree_accept_ref  # noqa: E402
@@ -30,17 +35,7 @@ from pallas_kernels.tree_build_ref import tree_build_ref  # noqa: E402
 
 VOCAB = 163840  # Kimi K2 vocab: token ids drawn from it
 STOP_PROB = 0.3  # chance the synthetic target disagrees with the best draft child at a slot
-
-
-def _median_s(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+SETS = 16  # distinct input sets per timed jit
 
 
 def _host_median_s(fn, device_inputs, reps: int) -> float:
@@ -78,31 +73,32 @@ def _choice(rng, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
     return choice.astype(np.int32)
 
 
-def run(out_rows: list, *, batches=(1, 8, 64), budgets=(16, 32, 64, 128, 256), depth: int = 15, reps: int = 50,
+def run(out_rows: list, *, batches=(1, 8, 64), budgets=(16, 32, 64, 128, 256), depth: int = 15, reps: int = 10,
         host_reps: int = 5, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
     device = jax.devices()[0].device_kind
     for bt in batches:
         for budget in budgets:
             k = budget
-            lp, ids, root = _inputs(rng, bt, depth, k)
-            build = lambda: tree_build(lp, ids, root, budget=budget)  # noqa: E731
-            dev_s = _median_s(build, reps)
-            host_s = _host_median_s(lambda a, b, c: tree_build_ref(a, b, c, budget=budget), (lp, ids, root),
-                                    host_reps)
-            tree = build()
+            sets = [_inputs(rng, bt, depth, k) for _ in range(SETS)]
+            build = functools.partial(tree_build, budget=budget)
+            dev_s = per_call_s(build, sets, min_reps=reps, max_reps=reps)
+            host_s = _host_median_s(lambda a, b, c: tree_build_ref(a, b, c, budget=budget), sets[0], host_reps)
+            trees = [build(*x) for x in sets]
             out_rows.append(dict(kernel="tree_build", device=device, batch=bt, budget=budget, depth=depth, k=k,
                                  device_ms=dev_s * 1e3, host_ms=host_s * 1e3, speedup=host_s / dev_s))
 
-            choice = jnp.asarray(_choice(rng, np.asarray(tree.tokens), np.asarray(tree.parents)))
-            walk = lambda: tree_accept(choice, tree.tokens, tree.parents, tree.n_nodes, max_depth=depth)  # noqa: E731
-            dev_s = _median_s(walk, reps)
-            host_s = _host_median_s(lambda c, t, p, n: tree_accept_ref(c, t, p, n, max_depth=depth),
-                                    (choice, tree.tokens, tree.parents, tree.n_nodes), host_reps)
-            mean_acc = float(np.asarray(walk().n_accepted).mean())
+            walk_sets = [(jnp.asarray(_choice(rng, np.asarray(t.tokens), np.asarray(t.parents))), t.tokens, t.parents,
+                          t.n_nodes) for t in trees]
+            walk = functools.partial(tree_accept, max_depth=depth)
+            dev_s = per_call_s(walk, walk_sets, min_reps=reps, max_reps=reps)
+            host_s = _host_median_s(lambda c, t, p, n: tree_accept_ref(c, t, p, n, max_depth=depth), walk_sets[0],
+                                    host_reps)
+            mean_acc = float(np.mean([np.asarray(walk(*x).n_accepted).mean() for x in walk_sets]))
             out_rows.append(dict(kernel="tree_accept", device=device, batch=bt, budget=budget, depth=depth, k=k,
                                  device_ms=dev_s * 1e3, host_ms=host_s * 1e3, speedup=host_s / dev_s,
                                  mean_accepted=mean_acc))
+            print(json.dumps(out_rows[-2]), json.dumps(out_rows[-1]), flush=True)
     return out_rows
 
 
@@ -120,7 +116,7 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--depth", type=int, default=15)
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--host-reps", type=int, default=5)
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":

@@ -1,0 +1,24 @@
+"""The benchmark timing helper really runs the kernel once per argument set, and times something positive."""
+import importlib.util
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_util.py")
+_spec = importlib.util.spec_from_file_location("_bench_util", _PATH)
+bench_util = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_util)
+
+
+def test_back_to_back_runs_every_set(rng):
+    sets = [(jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),) for _ in range(5)]
+
+    def fn(x):
+        return {"a": x * 2.0, "b": x.sum(axis=0)}
+
+    got = float(bench_util._back_to_back(fn)(sets))
+    want = sum(2.0 * float(x[0, 0]) + float(np.asarray(x).sum(axis=0)[0]) for (x,) in sets)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert bench_util.per_call_s(fn, sets, min_reps=2, max_reps=2) > 0.0
