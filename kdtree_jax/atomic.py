@@ -55,3 +55,23 @@ def atomic_dir(path: str | os.PathLike, *, overwrite: bool = True) -> Iterator[s
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> str:
+    """One file, whole or not at all: a temp file in the same directory, fsynced, then renamed over `path`."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=partial_prefix(path), dir=parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdtree_jax import budget as budget_mod
 from kdtree_jax import sampling
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.model import LatentCache, forward_prefill
@@ -123,6 +124,8 @@ class GenerationStats:
     tokens_per_s: float  # decode throughput (compile excluded)
     wall_s: float  # prefill + decode, compile excluded
     compile_s: float
+    budget: int | None = None  # the DDTree budget B this generation ran with (None: ar / chain)
+    budget_source: str | None = None  # "fixed" (given), "auto" (from the budget profile), "auto-default" (no profile)
 
 
 @dataclasses.dataclass
@@ -198,7 +201,7 @@ class Engine:
 
     def __init__(self, target, drafter=None, tokenizer=None, *, mesh=None, use_pallas: bool | None = None,
                  prefill_chunk: int = 256, matmul_precision: str = "highest", memory_limit_bytes: int | None = None,
-                 progress: bool = False):
+                 progress: bool = False, budget_profile=None):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -210,6 +213,10 @@ class Engine:
         self.matmul_precision = matmul_precision
         self.memory_limit_bytes = memory_limit_bytes  # None: the device's free memory at generate time
         self.progress = progress  # progress bars while compiling (the CLI turns them on)
+        # budget="auto": a profile path or BudgetProfile (kdtree_jax/budget.py); read on first use, then kept
+        self.budget_profile = budget_profile
+        self.checkpoint_names: tuple[str | None, str | None] = (None, None)  # (target, drafter): set by load()
+        self._auto_profile: tuple[bool, budget_mod.BudgetProfile | None] = (False, None)  # (resolved, profile)
         if drafter is not None:
             drafter.cfg.check_compatible(target.cfg)
         self._target_graph, self._target_state = nnx.split(target)
@@ -222,12 +229,20 @@ class Engine:
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, mesh=None,
-             dtype: str = "float32", use_pallas: bool | None = None, progress: bool = False) -> "Engine":
+             dtype: str = "float32", use_pallas: bool | None = None, progress: bool = False,
+             budget_profile: str | os.PathLike | None = None) -> "Engine":
+        """budget_profile: for budget="auto"; default `<target dir>/../budget_profile.<device kind>.json`."""
         from kdtree_jax.checkpoint_io import load_drafter_any, load_target_any, load_tokenizer_any
 
         model = load_target_any(target, dtype=dtype, mesh=mesh, progress=progress)
         draft_model = None if drafter is None else load_drafter_any(drafter, dtype=dtype)
-        return cls(model, draft_model, load_tokenizer_any(target), mesh=mesh, use_pallas=use_pallas, progress=progress)
+        if budget_profile is None:
+            budget_profile = budget_mod.default_profile_path(target, jax.devices()[0].device_kind)
+        engine = cls(model, draft_model, load_tokenizer_any(target), mesh=mesh, use_pallas=use_pallas,
+                     progress=progress, budget_profile=budget_profile)
+        engine.checkpoint_names = (budget_mod.checkpoint_name(target),
+                                   None if drafter is None else budget_mod.checkpoint_name(drafter))
+        return engine
 
     # ---- compile ------------------------------------------------------------------------------------------
     def spec_for(self, *, mode: str, batch: int, prompt_len: int, max_new_tokens: int, budget: int,
@@ -287,25 +302,31 @@ class Engine:
     # ---- generate -----------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64, *,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, mode: str = "ddtree",
-                 budget: int = 32, seed: int | Sequence[int] = 0, chat: bool = False) -> GenerationResult:
-        """Generate for a batch of prompts (text or token ids); one compiled computation for all rounds."""
+                 budget: int | str = budget_mod.DEFAULT_BUDGET, seed: int | Sequence[int] = 0,
+                 chat: bool = False) -> GenerationResult:
+        """Generate for a batch of prompts (text or token ids); one compiled computation for all rounds.
+
+        budget: DDTree node budget B, or "auto": the measured best B for this device and batch size (budget.py)."""
         spec, prompts_arr, lens, keys = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, mode,
                                                       budget, seed, chat)
+        source = self.resolve_budget(budget, mode, len(lens))[1]  # the profile is cached: no second read
         args = (self._target_state, self._drafter_state, prompts_arr, lens, keys)
         compiled, compile_s = self._compile(spec, "generate", *args)
         t0 = time.perf_counter()
         state = jax.block_until_ready(compiled(*args))
         wall = time.perf_counter() - t0
-        return self._result(spec, state, wall, compile_s)
+        return self._result(spec, state, wall, compile_s, source)
 
     def generate_stream(self, prompts, max_new_tokens: int = 64, *, stream_every: int = 1, temperature: float = 0.0,
-                        top_k: int = 0, top_p: float = 1.0, mode: str = "ddtree", budget: int = 32,
-                        seed: int | Sequence[int] = 0, chat: bool = False) -> Iterator[list[list[int]]]:
+                        top_k: int = 0, top_p: float = 1.0, mode: str = "ddtree",
+                        budget: int | str = budget_mod.DEFAULT_BUDGET, seed: int | Sequence[int] = 0,
+                        chat: bool = False) -> Iterator[list[list[int]]]:
         """Yield each request's newly committed token ids every `stream_every` rounds; returns the result."""
         if stream_every < 1:
             raise ValueError(f"stream_every must be >= 1, got {stream_every}")
         spec, prompts_arr, lens, keys = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, mode,
                                                       budget, seed, chat)
+        source = self.resolve_budget(budget, mode, len(lens))[1]  # the profile is cached: no second read
         weights = (self._target_state, self._drafter_state)
         prefill_fn, compile_s = self._compile(spec, "prefill", *weights, prompts_arr, lens, keys)
         t0 = time.perf_counter()
@@ -320,7 +341,7 @@ class Engine:
             if bool(jnp.all(state.done)) or int(state.round) >= spec.max_rounds:
                 break
             state = rounds_fn(*weights, state, state.round + stream_every)
-        return self._result(spec, state, time.perf_counter() - t0, compile_s)
+        return self._result(spec, state, time.perf_counter() - t0, compile_s, source)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts, chat: bool) -> list[list[int]]:
@@ -358,6 +379,7 @@ class Engine:
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the model's "
                     f"context of {cfg.max_position_embeddings} tokens"
                 )
+        budget, _ = self.resolve_budget(budget, mode, len(ids))
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -378,6 +400,31 @@ class Engine:
         keys = np.stack([np.asarray(jax.random.key_data(k)) for k in keys])
         return spec, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(keys)
 
+    def resolve_budget(self, budget: int | str, mode: str, batch: int) -> tuple[int, str]:
+        """(B, source): an integer budget as given ("fixed"); "auto" -> the profile's choice for this batch size
+        ("auto"), or the default budget after a one-line warning when no profile applies ("auto-default")."""
+        if not isinstance(budget, str):
+            return budget, "fixed"
+        if budget != "auto":
+            raise ValueError(f"budget must be an integer >= 0 or 'auto', got {budget!r}")
+        if mode != "ddtree":  # ar / chain ignore the budget: no profile needed
+            return budget_mod.DEFAULT_BUDGET, "auto-default"
+        resolved, profile = self._auto_profile
+        if not resolved:
+            profile = budget_mod.profile_for(self.budget_profile, self.profile_key())
+            self._auto_profile = (True, profile)
+        if profile is None:
+            return budget_mod.DEFAULT_BUDGET, "auto-default"
+        return budget_mod.choose_budget(profile, batch), "auto"
+
+    def profile_key(self) -> budget_mod.ProfileKey:
+        """What a budget profile must have been measured on to apply to this engine."""
+        return budget_mod.ProfileKey(
+            device_kind=jax.devices()[0].device_kind, dtype=str(jnp.dtype(self.target.dtype)),
+            n_devices=1 if self.mesh is None else int(self.mesh.size), target=self.checkpoint_names[0],
+            drafter=self.checkpoint_names[1],
+        )
+
     def _check_fits(self, spec: DecodeSpec) -> None:
         need = estimate_bytes(spec, self.target, self.drafter if spec.mode != "ar" else None)
         total = sum(need.values())
@@ -391,7 +438,8 @@ class Engine:
                 f"batch size, max_new_tokens, prompt length or budget"
             )
 
-    def _result(self, spec: DecodeSpec, state: DecodeState, wall: float, compile_s: float) -> GenerationResult:
+    def _result(self, spec: DecodeSpec, state: DecodeState, wall: float, compile_s: float,
+                budget_source: str = "fixed") -> GenerationResult:
         tokens = np.asarray(state.tokens)
         plen = np.asarray(state.prompt_len)
         ngen = np.asarray(state.n_generated)
@@ -411,7 +459,8 @@ class Engine:
         stats = GenerationStats(
             rounds=int(state.round), mean_acceptance_length=float(all_lens.mean()) if all_lens.size else 0.0,
             generated_tokens=total, tokens_per_s=total / wall if wall > 0 else float("nan"), wall_s=wall,
-            compile_s=compile_s,
+            compile_s=compile_s, budget=spec.budget if spec.mode == "ddtree" else None,
+            budget_source=budget_source if spec.mode == "ddtree" else None,
         )
         return GenerationResult(outputs, stats)
 

@@ -25,6 +25,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _budget(text: str) -> int | str:
+    """--budget: an integer B or 'auto' (the measured best B for this device and batch size)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m kdtree_jax.generate",
@@ -50,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower,
                     choices=("ddtree", "chain", "ar"), default="ddtree",
                     help="ddtree: draft tree; chain: DFlash block; ar: one token per target forward")
-    sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=int, default=32,
-                    help="DDTree node budget B (tree tokens verified per round = 1 + B)")
+    sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=_budget, default=32,
+                    help="DDTree node budget B (tree tokens verified per round = 1 + B), or 'auto': the B with the "
+                         "most measured tokens/s for this device and batch size (scripts/profile_budget.py)")
+    sm.add_argument("--budget-profile", default=None,
+                    help="budget profile JSON for --budget auto; default: budget_profile.<device kind>.json in the "
+                         "checkpoint's parent directory")
     sm.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=128)
     sm.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sm.add_argument("--top-p", type=float, default=1.0)
@@ -86,7 +100,7 @@ def _prompts(args) -> list:
 
 
 def _check_args(args) -> None:
-    if args.budget < 0:
+    if args.budget != "auto" and args.budget < 0:
         raise UsageError(f"--budget must be >= 0, got {args.budget}")
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
@@ -121,12 +135,12 @@ def run(argv: list[str] | None = None) -> int:
 
     mesh = parse_mesh(args.mesh) if args.mesh else None
     engine = Engine.load(args.checkpoint, args.drafter if args.mode != "ar" else None, mesh=mesh, dtype=args.dtype,
-                         use_pallas=not args.no_pallas, progress=True)
+                         use_pallas=not args.no_pallas, progress=True, budget_profile=args.budget_profile)
     if any(isinstance(p, str) for p in prompts) and engine.tokenizer is None:
         raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; pass --prompt-ids instead")
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               mode=args.mode, budget=args.budget, chat=args.chat)
-    totals = {"tokens": 0, "rounds": 0, "wall": 0.0, "compile": 0.0, "acc": []}
+    totals = {"tokens": 0, "rounds": 0, "wall": 0.0, "compile": 0.0, "acc": [], "budgets": set()}
     for lo in range(0, len(prompts), args.batch_size):
         batch = prompts[lo : lo + args.batch_size]
         seeds = [args.seed + lo + i for i in range(len(batch))]
@@ -137,18 +151,29 @@ def run(argv: list[str] | None = None) -> int:
                     "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
                     "stats": {"rounds": out.rounds, "mean_acceptance_length": out.mean_acceptance_length,
                               "tokens_per_s": result.stats.tokens_per_s, "accept_lengths": out.accept_lengths,
-                              "mode": args.mode, "budget": args.budget if args.mode == "ddtree" else None},
+                              "mode": args.mode, "budget": result.stats.budget,
+                              "budget_source": result.stats.budget_source},
                 }, ensure_ascii=False), flush=True)
             totals["acc"].extend(out.accept_lengths)
         totals["tokens"] += result.stats.generated_tokens
         totals["rounds"] += result.stats.rounds
         totals["wall"] += result.stats.wall_s
         totals["compile"] += result.stats.compile_s
+        if result.stats.budget is not None:
+            totals["budgets"].add((result.stats.budget, result.stats.budget_source))
     mean_acc = sum(totals["acc"]) / len(totals["acc"]) if totals["acc"] else 0.0
     tps = totals["tokens"] / totals["wall"] if totals["wall"] > 0 else float("nan")
     print(f"[{args.mode}] tokens={totals['tokens']} rounds={totals['rounds']} mean_acceptance_length={mean_acc:.2f} "
-          f"tokens/s={tps:.1f} run_s={totals['wall']:.2f} compile_s={totals['compile']:.2f}", file=sys.stderr)
+          f"tokens/s={tps:.1f} run_s={totals['wall']:.2f} compile_s={totals['compile']:.2f}{_budget_note(totals)}",
+          file=sys.stderr)
     return 0
+
+
+def _budget_note(totals) -> str:
+    """' budget=16 (auto)' for ddtree: the B each batch ran with (batches of different sizes may differ)."""
+    if not totals["budgets"]:
+        return ""
+    return " budget=" + ",".join(f"{b} ({src})" for b, src in sorted(totals["budgets"]))
 
 
 def _run_batch(engine, batch, seeds, args, kw):

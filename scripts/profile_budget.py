@@ -1,0 +1,160 @@
+"""Measure tau(B) and seconds per round of DDTree budgets on this device and write the budget profile that
+`budget="auto"` reads (kdtree_jax/budget.py).
+
+For each batch size: ar (the baseline step time), then ddtree at each budget, timed like scripts/bench_engine.py
+(compile excluded, median of repeats). tau = the engine's mean acceptance length, seconds per round = wall / rounds.
+The table ends with the check that matters: measured tokens/s of the automatic choice against every fixed budget.
+
+    python scripts/profile_budget.py                 # shipped pair, batches 1 8, budgets 8 .. 256
+    python scripts/profile_budget.py --n-prompts 2 --max-new-tokens 16 --budgets 4 16 --batches 1 2 --repeats 1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_engine import DEFAULT_DIR, load_prompts, run_mode  # noqa: E402
+
+from kdtree_jax import budget as budget_mod  # noqa: E402
+from kdtree_jax.engine import Engine  # noqa: E402
+
+
+class _StatsRecorder:
+    """The engine, recording each generation's stats: run_mode reports wall time, the rounds come from here."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.stats = []
+
+    def generate(self, *args, **kwargs):
+        result = self.engine.generate(*args, **kwargs)
+        self.stats.append(result.stats)
+        return result
+
+
+def measure(engine, prompts, batch: int, mode: str, budget: int, max_new: int, repeats: int):
+    """bench_engine.run_mode plus rounds and seconds per round (rounds of the first timed pass; greedy decoding
+    makes every pass identical)."""
+    rec = _StatsRecorder(engine)
+    row, ids = run_mode(rec, prompts, batch, mode, budget, max_new, repeats)
+    n_calls = len(prompts) // batch
+    rounds = sum(s.rounds for s in rec.stats[1 : 1 + n_calls])  # [0] is the compile + warm-up call
+    if rounds < 1:
+        raise SystemExit(f"batch {batch} {mode} B={budget}: no decode rounds ran (every request stopped at prefill)")
+    row["rounds"] = rounds
+    row["round_s"] = row["wall_s"] / rounds
+    return row, ids
+
+
+def build_profile(engine, args, rows: dict, device_kind: str) -> budget_mod.BudgetProfile:
+    batches = {}
+    for batch, by_budget in rows.items():
+        points = {b: budget_mod.BudgetPoint(tau=r["mean_acceptance_length"], round_s=r["round_s"])
+                  for b, r in by_budget.items() if b != "ar"}
+        batches[batch] = budget_mod.BatchProfile(ar_step_s=by_budget["ar"]["round_s"], budgets=points)
+    key = engine.profile_key()
+    settings = {
+        "n_prompts": args.n_prompts, "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "prompts": os.path.basename(args.prompts),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "tokens_per_s": {str(bt): {str(b): r["tokens_per_s"] for b, r in by.items()} for bt, by in rows.items()},
+    }
+    return budget_mod.BudgetProfile(device_kind=device_kind, dtype=key.dtype, n_devices=key.n_devices,
+                                    target=key.target, drafter=key.drafter, batches=batches, settings=settings)
+
+
+def report(profile: budget_mod.BudgetProfile, rows: dict, args) -> str:
+    lines = [f"### budget profile: {profile.device_kind}, {profile.dtype}, {args.n_prompts} prompts x "
+             f"{args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, greedy, median of {args.repeats}", "",
+             "| batch | mode | B | tau | ms / round | tau/cost tok/s | measured tok/s | speedup vs ar | auto / this |"
+             " cost fit err | identical to ar |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = ["", "| batch | auto B | cost fit a (ms) | b (ms / token) | max fit err | best fixed B | auto / best |",
+               "|---|---|---|---|---|---|---|"]
+    for batch, by_budget in rows.items():
+        table = profile.batches[batch]
+        chosen = budget_mod.choose_budget(profile, batch)
+        auto_tps = by_budget[chosen]["tokens_per_s"]
+        fit = budget_mod.fit_cost(table) if len(table.budgets) >= 2 else None
+        ar = by_budget["ar"]
+        lines.append(f"| {batch} | ar | - | 1.00 | {1e3 * ar['round_s']:.3f} | {batch / ar['round_s']:.1f} | "
+                     f"{ar['tokens_per_s']:.1f} | 1.00 | {auto_tps / ar['tokens_per_s']:.2f} | - | True |")
+        for b in sorted(table.budgets):
+            r, p = by_budget[b], table.budgets[b]
+            name = f"**{b}** (auto)" if b == chosen else str(b)
+            err = f"{100 * fit.rel_err[b]:+.1f}%" if fit else "-"
+            lines.append(f"| {batch} | ddtree | {name} | {p.tau:.2f} | {1e3 * p.round_s:.3f} | "
+                         f"{batch * p.tokens_per_s:.1f} | {r['tokens_per_s']:.1f} | "
+                         f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f} | {auto_tps / r['tokens_per_s']:.2f} | {err} | "
+                         f"{r['identical_to_ar']} |")
+        best = max((b for b in table.budgets), key=lambda b: by_budget[b]["tokens_per_s"])
+        fit_cols = (f"{1e3 * fit.a:.3f} | {1e3 * fit.b:.4f} | {100 * fit.max_abs_rel_err:.1f}%" if fit
+                    else "- | - | -")
+        summary.append(f"| {batch} | {chosen} | {fit_cols} | {best} | "
+                       f"{auto_tps / by_budget[best]['tokens_per_s']:.2f} |")
+    return "\n".join(lines + summary)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=os.path.join(DEFAULT_DIR, "target"))
+    p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
+    p.add_argument("--prompts", default=os.path.join(DEFAULT_DIR, "heldout_prompts.jsonl"))
+    p.add_argument("--n-prompts", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--out", default=None,
+                   help="profile JSON; default <checkpoint>/../budget_profile.<device kind>.json (where auto looks)")
+    args = p.parse_args(argv)
+    for b in args.batches:
+        if b < 1 or args.n_prompts % b:
+            p.error(f"--batches {b}: must be >= 1 and divide --n-prompts {args.n_prompts} (every timed batch has "
+                    f"exactly that many requests)")
+    if any(b < 0 for b in args.budgets):
+        p.error(f"--budgets must be >= 0, got {args.budgets}")
+    if args.repeats < 1 or args.max_new_tokens < 2:
+        p.error("--repeats must be >= 1 and --max-new-tokens >= 2 (prefill emits the first token; rounds do the rest)")
+    args.budgets = sorted(set(args.budgets))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import jax
+
+    device_kind = jax.devices()[0].device_kind
+    engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
+    prompts = load_prompts(args.prompts, engine.tokenizer, args.n_prompts, args.prompt_tokens)
+    rows: dict = {}
+    for batch in args.batches:
+        ar_row, ar_ids = measure(engine, prompts, batch, "ar", 0, args.max_new_tokens, args.repeats)
+        rows[batch] = {"ar": ar_row}
+        print(f"batch {batch} ar        {1e3 * ar_row['round_s']:.3f} ms/step", flush=True)
+        for budget in args.budgets:
+            row, ids = measure(engine, prompts, batch, "ddtree", budget, args.max_new_tokens, args.repeats)
+            row["identical_to_ar"] = ids == ar_ids
+            rows[batch][budget] = row
+            print(f"batch {batch} ddtree B={budget:<4d} tau {row['mean_acceptance_length']:.2f} "
+                  f"{1e3 * row['round_s']:.3f} ms/round {row['tokens_per_s']:.1f} tok/s same={row['identical_to_ar']}",
+                  flush=True)
+    profile = build_profile(engine, args, rows, device_kind)
+    out = args.out or budget_mod.default_profile_path(args.checkpoint, device_kind)
+    budget_mod.save_profile(profile, out)
+    print("\n" + report(profile, rows, args))
+    print(f"\nwrote {out}")
+    if not all(r["identical_to_ar"] for by in rows.values() for k, r in by.items() if k != "ar"):
+        raise SystemExit("ddtree output differs from ar: the profile was written, but the engine is not lossless here")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Automatic DDTree budget: the choice is the argmax of measured tau / cost, the cost fit, profile files, and the
+engine / CLI running with budget="auto"."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from kdtree_jax import budget as budget_mod
+from kdtree_jax.budget import BatchProfile, BudgetPoint, BudgetProfile, ProfileError, ProfileKey
+from kdtree_jax.engine import Engine
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(REPO, "checkpoints", "kdtree-mini")
+BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+BUDGET_POOL = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 100, 128, 256)
+N_RANDOM_PROFILES = 60
+
+
+def random_profile(rng, *, key: ProfileKey | None = None, batches=None, budgets=None, ties: bool = True):
+    """Random tables; with `ties`, some budgets copy another's (tau, round_s) so that exact ties occur."""
+    key = key or ProfileKey(device_kind="NVIDIA H200", dtype="bfloat16", n_devices=int(rng.integers(1, 9)),
+                            target="pair/target", drafter="pair/drafter")
+    if batches is None:
+        batches = rng.choice(BATCH_SIZES, size=int(rng.integers(1, 5)), replace=False).tolist()
+    tables = {}
+    for b in batches:
+        chosen = budgets if budgets is not None else \
+            sorted(rng.choice(BUDGET_POOL, size=int(rng.integers(2, 7)), replace=False).tolist())
+        points = {int(k): BudgetPoint(tau=float(rng.uniform(1.0, 8.0)), round_s=float(rng.lognormal(-5, 1)))
+                  for k in chosen}
+        if ties and rng.random() < 0.5:
+            src, dst = rng.choice(sorted(points), size=2, replace=False)
+            points[int(dst)] = points[int(src)]
+        tables[int(b)] = BatchProfile(ar_step_s=float(rng.lognormal(-6, 1)), budgets=points)
+    return BudgetProfile(device_kind=key.device_kind, dtype=key.dtype, n_devices=key.n_devices, target=key.target,
+                         drafter=key.drafter, batches=tables, settings={"note": "random"})
+
+
+def brute_nearest(measured, batch: int) -> int:
+    """Closest on a log scale by exact cross-multiplication; ties -> the larger batch."""
+    best = None
+    for m in sorted(measured, reverse=True):
+        if best is None or max(m, batch) * min(best, batch) < max(best, batch) * min(m, batch):
+            best = m
+    return best
+
+
+def brute_argmax(scores: dict[int, float]) -> int:
+    top = max(scores.values())
+    return min(k for k, v in scores.items() if v == top)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The choice and the cost model
+# ---------------------------------------------------------------------------------------------------------------
+def test_choose_budget_is_brute_force_argmax(rng):
+    saw_tie = saw_unmeasured_batch = 0
+    for _ in range(N_RANDOM_PROFILES):
+        profile = random_profile(rng)
+        for batch in (*profile.batches, int(rng.integers(1, 100))):
+            table = profile.batches[brute_nearest(profile.batches, batch)]
+            scores = {k: p.tau / p.round_s for k, p in table.budgets.items()}
+            want = brute_argmax(scores)
+            saw_tie += sum(v == scores[want] for v in scores.values()) > 1
+            saw_unmeasured_batch += batch not in profile.batches
+            assert budget_mod.nearest_batch(profile, batch) == brute_nearest(profile.batches, batch)
+            assert budget_mod.choose_budget(profile, batch) == want, (batch, scores)
+    assert saw_tie and saw_unmeasured_batch  # both rules were exercised
+
+
+def test_nearest_batch_ties_go_to_the_larger_batch():
+    def measured(*batches):
+        return BudgetProfile("cpu", "float32", 1, "t", "d", {
+            b: BatchProfile(1e-3, {4: BudgetPoint(2.0, 1e-3), 8: BudgetPoint(2.5, 1e-3)}) for b in batches})
+
+    assert budget_mod.nearest_batch(measured(2, 8), 4) == 8  # 4/2 == 8/4
+    assert budget_mod.nearest_batch(measured(3, 12), 6) == 12  # 6/3 == 12/6
+    assert budget_mod.nearest_batch(measured(3, 8), 5) == 8  # 8/5 < 5/3
+    assert budget_mod.nearest_batch(measured(1, 8), 2) == 1  # 2/1 < 8/2
+    assert budget_mod.nearest_batch(measured(1, 8), 3) == 8  # 8/3 < 3/1
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        budget_mod.nearest_batch(measured(1), 0)
+
+
+def test_cost_fit_recovers_linear_law_and_reports_errors(rng):
+    a, b = float(rng.uniform(1e-3, 1e-2)), float(rng.uniform(1e-6, 1e-4))
+    budgets = sorted(rng.choice(BUDGET_POOL, size=5, replace=False).tolist())
+    exact = BatchProfile(1e-3, {k: BudgetPoint(2.0, a + b * (1 + k)) for k in budgets})
+    fit = budget_mod.fit_cost(exact)
+    np.testing.assert_allclose([fit.a, fit.b], [a, b], rtol=1e-9)
+    assert fit.max_abs_rel_err < 1e-9 and set(fit.rel_err) == set(budgets)
+    mid = (budgets[0] + budgets[-1]) // 2 + 0.5  # not a measured budget
+    np.testing.assert_allclose(fit.predict(mid), a + b * (1 + mid), rtol=1e-9)
+
+    noisy = BatchProfile(1e-3, {k: BudgetPoint(2.0, (a + b * (1 + k)) * float(rng.uniform(0.8, 1.2)))
+                                for k in budgets})
+    fit = budget_mod.fit_cost(noisy)
+    x = np.array([1.0 + k for k in budgets], np.float64)
+    y = np.array([noisy.budgets[k].round_s for k in budgets], np.float64)
+    slope, intercept = np.polyfit(x, y, 1)
+    np.testing.assert_allclose([fit.a, fit.b], [intercept, slope], rtol=1e-7)
+    want_err = (intercept + slope * x - y) / y
+    np.testing.assert_allclose([fit.rel_err[k] for k in budgets], want_err, rtol=1e-6, atol=1e-12)
+    assert fit.max_abs_rel_err == pytest.approx(np.abs(want_err).max()) and fit.max_abs_rel_err > 0
+    with pytest.raises(ValueError, match=">= 2 measured budgets"):
+        budget_mod.fit_cost(BatchProfile(1e-3, {8: BudgetPoint(2.0, 1e-3)}))
+
+
+def test_fitted_choice_scores_unmeasured_budgets(rng):
+    """fitted=True: interpolated tau (linear in log(1 + B)) over the fitted cost, argmax over every B in range."""
+    budgets = [2, 8, 32, 128]
+    a, b = float(rng.uniform(1e-3, 1e-2)), float(rng.uniform(1e-6, 1e-4))
+    taus = np.sort(rng.uniform(1.0, 6.0, size=len(budgets)))
+    profile = BudgetProfile("cpu", "float32", 1, "t", "d", {
+        4: BatchProfile(1e-3, {k: BudgetPoint(float(t), a + b * (1 + k)) for k, t in zip(budgets, taus)})})
+    ks = np.arange(budgets[0], budgets[-1] + 1)
+    scores = np.interp(np.log1p(ks), np.log1p(budgets), taus) / (a + b * (1 + ks))
+    got = budget_mod.expected_tokens_per_s(profile, 4, fitted=True)
+    np.testing.assert_allclose([got[int(k)] for k in ks], scores, rtol=1e-7)
+    assert budget_mod.choose_budget(profile, 4, fitted=True) == int(ks[np.argmax(scores)])
+    assert budget_mod.choose_budget(profile, 4) in budgets  # measured budgets only unless asked
+    with pytest.raises(ValueError, match="outside the measured range"):
+        budget_mod.choose_budget(profile, 4, fitted=True, candidates=[1, 8])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Profile files
+# ---------------------------------------------------------------------------------------------------------------
+def test_profile_json_round_trip_is_exact_and_atomic(rng, tmp_path):
+    profile = random_profile(rng)
+    path = tmp_path / "budget_profile.nvidia-h200.json"
+    assert budget_mod.save_profile(profile, path) == str(path)
+    assert budget_mod.load_profile(path) == profile
+    profile2 = random_profile(rng)
+    budget_mod.save_profile(profile2, path)  # replaces; no temp files are left behind
+    assert budget_mod.load_profile(path) == profile2
+    assert os.listdir(tmp_path) == [path.name]
+    assert budget_mod.default_profile_path("/x/kdtree-mini/target", "NVIDIA H200") == \
+        "/x/kdtree-mini/budget_profile.nvidia-h200.json"
+    assert budget_mod.checkpoint_name("/x/kdtree-mini/target/") == "kdtree-mini/target"
+
+
+def _valid_json(rng) -> dict:
+    return random_profile(rng, batches=[1], budgets=[4, 16], ties=False).to_json()
+
+
+def _set(path_keys, value):
+    def edit(obj):
+        *head, last = path_keys
+        for k in head:
+            obj = obj[k]
+        if value is KeyError:
+            del obj[last]
+        else:
+            obj[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_set(["device_kind"], KeyError), "missing field 'device_kind'"),
+    (_set(["n_devices"], "one"), "field 'n_devices' must be int"),
+    (_set(["version"], 99), "field 'version' is 99"),
+    (_set(["batches", "1", "budgets", "4", "tau"], "fast"), "field 'batches.1.budgets.4.tau' must be a finite number"),
+    (_set(["batches", "1", "budgets", "16", "tau"], 0.5), "field 'batches.1.budgets.16.tau' must be >= 1"),
+    (_set(["batches", "1", "budgets", "4", "round_s"], 0), "field 'batches.1.budgets.4.round_s' must be > 0"),
+    (_set(["batches", "1", "ar_step_s"], KeyError), "missing field 'batches.1.ar_step_s'"),
+    (_set(["batches", "1", "budgets"], {}), "field 'batches.1.budgets' is empty"),
+    (_set(["batches", "1", "budgets", "x4"], {"tau": 2.0, "round_s": 1.0}), "key 'batches.1.budgets.x4' must be"),
+    (_set(["batches", "0"], {"ar_step_s": 1.0, "budgets": {"4": {"tau": 2.0, "round_s": 1.0}}}),
+     "key 'batches.0' must be an integer >= 1"),
+])
+def test_malformed_profile_error_names_file_and_field(edit, needle, rng, tmp_path):
+    obj = _valid_json(rng)
+    edit(obj)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(ProfileError) as err:
+        budget_mod.load_profile(path)
+    assert str(path) in str(err.value) and needle in str(err.value), str(err.value)
+
+
+def test_unparseable_profile_names_file(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{"version": 1, "batches": ')
+    with pytest.raises(ProfileError, match="not valid JSON") as err:
+        budget_mod.load_profile(path)
+    assert str(path) in str(err.value)
+    path.write_text("[1, 2]")
+    with pytest.raises(ProfileError, match="'<top level>' must be dict"):
+        budget_mod.load_profile(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engine and CLI
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped pair and four short held-out prompts."""
+    eng = Engine.load(os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter"))
+    with open(os.path.join(SHIPPED, "heldout_prompts.jsonl")) as f:
+        texts = [json.loads(line)["text"] for line in f][:2]
+    return eng, [eng.tokenizer.encode(t)[:n] for t, n in zip(texts, (21, 14))]
+
+
+def dictating_profile(rng, key: ProfileKey, batches, budgets, want: int) -> BudgetProfile:
+    """Random tables in which `want` has the best tau / cost at every batch size."""
+    profile = random_profile(rng, key=key, batches=batches, budgets=budgets, ties=False)
+    for t in profile.batches.values():
+        best = max(p.tokens_per_s for p in t.budgets.values())
+        t.budgets[want] = BudgetPoint(tau=t.budgets[want].tau, round_s=t.budgets[want].tau / (2 * best))
+    return profile
+
+
+def test_engine_auto_budget_runs_the_profiles_choice(shipped, rng, tmp_path):
+    eng0, prompts = shipped
+    budgets = [2, 4, 8]
+    want = int(rng.choice(budgets))
+    path = tmp_path / "profile.json"
+    budget_mod.save_profile(dictating_profile(rng, eng0.profile_key(), [2, 16], budgets, want), path)
+    eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer, budget_profile=str(path))
+    eng.checkpoint_names = eng0.checkpoint_names
+    ar = eng.generate(prompts, 8, mode="ar")
+    auto = eng.generate(prompts, 8, mode="ddtree", budget="auto")
+    assert auto.stats.budget == want and auto.stats.budget_source == "auto"
+    assert [s.budget for s, kind in eng._compiled if s.mode == "ddtree"] == [want]  # the compiled tree size
+    assert auto.token_ids == ar.token_ids
+    fixed = eng.generate(prompts, 8, mode="ddtree", budget=want)  # integers as before; same compiled program
+    assert fixed.stats.budget == want and fixed.stats.budget_source == "fixed"
+    assert fixed.token_ids == ar.token_ids and len(eng._compiled) == 2
+    assert ar.stats.budget is None and ar.stats.budget_source is None
+
+
+def test_engine_auto_without_matching_profile_falls_back_with_one_warning(shipped, rng, tmp_path, caplog):
+    eng0, _ = shipped
+    assert eng0.checkpoint_names == ("kdtree-mini/target", "kdtree-mini/drafter")
+    slug = budget_mod.device_slug(jax.devices()[0].device_kind)
+    assert eng0.budget_profile == os.path.join(SHIPPED, f"budget_profile.{slug}.json")  # found by the naming rule
+    missing = str(tmp_path / "nope.json")
+    eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer, budget_profile=missing)
+    with caplog.at_level(logging.WARNING, logger="kdtree_jax.budget"):
+        assert eng.resolve_budget("auto", "ddtree", 2) == (budget_mod.DEFAULT_BUDGET, "auto-default")
+        assert eng.resolve_budget("auto", "ddtree", 8) == (budget_mod.DEFAULT_BUDGET, "auto-default")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and missing in msgs[0] and "\n" not in msgs[0]
+
+    key = eng0.profile_key()
+    for field, value in (("device_kind", "NVIDIA H200"), ("dtype", "bfloat16"), ("drafter", "other/drafter")):
+        other = dataclasses.replace(key, **{field: value})
+        path = tmp_path / f"{field}.json"
+        budget_mod.save_profile(dictating_profile(rng, other, [2], [2, 4], 4), path)
+        eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer, budget_profile=str(path))
+        eng.checkpoint_names = eng0.checkpoint_names
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kdtree_jax.budget"):
+            assert eng.resolve_budget("auto", "ddtree", 2) == (budget_mod.DEFAULT_BUDGET, "auto-default")
+        assert len(caplog.records) == 1 and str(path) in caplog.records[0].getMessage()
+        assert field in caplog.records[0].getMessage()
+    with pytest.raises(ValueError, match="budget must be an integer >= 0 or 'auto', got 'big'"):
+        eng.generate([[1, 2, 3]], 4, budget="big")
+    assert eng.resolve_budget(7, "ddtree", 2) == (7, "fixed")
+
+
+def test_cli_budget_flag_parses_auto_and_integers():
+    from kdtree_jax.generate import UsageError, build_parser
+
+    assert build_parser().parse_args(["--budget", "auto"]).budget == "auto"
+    assert build_parser().parse_args(["--budget", "48"]).budget == 48
+    with pytest.raises(UsageError, match="--budget"):
+        build_parser().parse_args(["--budget", "lots"])
+
+
+def _subprocess_env() -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # one device: a single-process user program
+    return env
+
+
+@pytest.mark.slow
+def test_cli_budget_auto_reports_the_chosen_budget(shipped, rng, tmp_path):
+    """--json (Engine.generate) and the streamed text path (Engine.generate_stream) both run the profile's B."""
+    eng0, _ = shipped
+    budgets = [2, 4, 8]
+    want = int(rng.choice(budgets))
+    path = tmp_path / "profile.json"
+    budget_mod.save_profile(dictating_profile(rng, eng0.profile_key(), [1], budgets, want), path)
+    for extra in (["--json"], []):
+        proc = subprocess.run([sys.executable, "-m", "kdtree_jax.generate", "--budget", "auto", "--budget-profile",
+                               str(path), "--max-new-tokens", "8", *extra], capture_output=True, text=True, cwd=REPO,
+                              env=_subprocess_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"budget={want} (auto)" in proc.stderr.splitlines()[-1]
+        if extra:
+            out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+            assert len(out) == 1 and out[0]["stats"]["budget"] == want and out[0]["stats"]["budget_source"] == "auto"
+
+
+@pytest.mark.slow
+def test_profile_script_smoke_run_writes_a_loadable_profile(tmp_path):
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "profile_budget.py"), "--n-prompts", "2",
+                           "--max-new-tokens", "16", "--budgets", "4", "16", "--batches", "1", "2", "--repeats", "1",
+                           "--out", str(out)], capture_output=True, text=True, cwd=REPO, env=_subprocess_env(),
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = budget_mod.load_profile(out)
+    assert profile.device_kind == jax.devices()[0].device_kind and profile.dtype == "float32"
+    assert (profile.target, profile.drafter) == ("kdtree-mini/target", "kdtree-mini/drafter")
+    assert sorted(profile.batches) == [1, 2]
+    for t in profile.batches.values():
+        assert sorted(t.budgets) == [4, 16] and t.ar_step_s > 0
+        assert all(p.tau > 1.0 and p.round_s > 0 for p in t.budgets.values())  # the shipped drafter is trained
+    for batch in (1, 2):
+        chosen = budget_mod.choose_budget(profile, batch)
+        assert f"| {batch} | ddtree | **{chosen}** (auto) |" in proc.stdout
+    assert f"wrote {out}" in proc.stdout
