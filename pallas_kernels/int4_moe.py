@@ -41,8 +41,12 @@ from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 
 MIN_DOT = 16  # smallest dot dimension Triton handles well (and the smallest row block)
 MAX_BLOCK_M = 64  # row-block cap: larger blocks waste rows on experts with few tokens
+# Tiles and warps from the sm_90 resource report (scripts/kernel_resources.py, BENCHMARKS.md): with 64 words per K
+# tile the fused gate/up kernel spilled 216 (1 token) to 1176 (512 tokens) bytes per thread on 4 warps; 32 words on
+# 8 warps keeps both kernels in registers from 1 to 512 routed tokens.
 DEFAULT_BLOCK_N = 64  # output columns per program
-DEFAULT_BLOCK_W = 64  # packed words per K tile (= 512 input columns)
+DEFAULT_BLOCK_W = 32  # packed words per K tile (= 256 input columns)
+DEFAULT_WARPS = 8
 NIBBLE_BITS = 4
 NIBBLE_MASK = 0xF
 
@@ -204,7 +208,7 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots) 
 
 
 def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: bool = False, out_dtype=None,
-                        block_n: int | None = None, block_w: int | None = None, num_warps: int = 4,
+                        block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
                         num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their slot's expert: -> [R, N] (fp32 accumulation).
 
@@ -245,7 +249,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
 
 def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert_ids: jax.Array, *,
                        block_m: int | None = None, block_n: int | None = None, block_w: int | None = None,
-                       num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+                       num_warps: int = DEFAULT_WARPS, interpret: bool | None = None) -> jax.Array:
     """y[p] = x[p] @ W[expert_ids[p]]^T for P routed rows: x [P, K], packed [E, N, K/8], scale [E, N, K/G] -> [P, N].
 
     Output in x's dtype, fp32 accumulation; every expert id must lie in 0..E-1.
@@ -278,7 +282,8 @@ def _check_ffn(x, idx, weights, gate, up, down):
 
 def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, gate_scale, up_packed, up_scale,
                  down_packed, down_scale, *, block_m: int | None = None, block_n: int | None = None,
-                 block_w: int | None = None, num_warps: int = 4, interpret: bool | None = None) -> jax.Array:
+                 block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
+                 interpret: bool | None = None) -> jax.Array:
     """Routed SwiGLU experts + weighted combine: x [M, D], idx / weights [M, k] -> [M, D] in x's dtype.
 
     Gate/up run as one fused kernel call (silu(g) * u written directly, h in x's dtype), down as a second call over

@@ -38,8 +38,12 @@ from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 
 NEG = -1e30  # finite "minus infinity" for the running max: NEG - NEG = 0, never inf - inf
 MIN_DOT = 16  # smallest dot dimension Triton handles well
-DEFAULT_BLOCK_Q = 64  # query rows per tile (one node x 64 heads for K2)
-DEFAULT_BLOCK_K = 32  # latent rows per KV block: q (64x576) + 2 pipelined K tiles fit the 227 KiB of SMEM
+# Default (block_q, block_k) by input itemsize, from the sm_90 resource report (scripts/kernel_resources.py,
+# BENCHMARKS.md): the largest tiles whose fp32 [block_q, 512] accumulator and q tile stay in registers (no stack
+# spills) with 8 warps and 2 stages and whose shared memory fits a block. 64-row tiles would use Hopper's wgmma but
+# spill 232-544 bytes per thread at K2 width; fp32 at (64, 32) needs 346 KiB of shared memory and cannot launch.
+DEFAULT_TILES = {2: (32, 32), 4: (16, 32)}
+DEFAULT_WARPS = 8
 SM_COUNT = 132  # H200; splits aim for about one program per SM
 MIN_SPLIT_ROWS = 1024  # a split reads at least this many cache rows, so partial outputs stay small vs the cache
 COMBINE_ROWS = 16  # query rows per program of the split combine (keeps its fp32 tile in registers)
@@ -213,13 +217,14 @@ def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank):
         raise ValueError(f"verify_attn: prefix_len must be integer, got {prefix_len.dtype}")
 
 
-def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits) -> _Plan:
+def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsize) -> _Plan:
     rows, seq = max(n * h, MIN_DOT), max(s, MIN_DOT)
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if blk is not None and (blk < MIN_DOT or blk != next_pow2(blk)):
             raise ValueError(f"verify_attn: {name}={blk} must be a power of two >= {MIN_DOT}")
-    bq = min(block_q or DEFAULT_BLOCK_Q, _prev_pow2(rows))
-    bk = min(block_k or DEFAULT_BLOCK_K, _prev_pow2(seq))
+    default_q, default_k = DEFAULT_TILES[min(itemsize, 4)]
+    bq = min(block_q or default_q, _prev_pow2(rows))
+    bk = min(block_k or default_k, _prev_pow2(seq))
     n_q = pl.cdiv(rows, bq)
     min_split_blocks = 1  # an explicit num_splits divides any prefix over all of them (tests, tuning)
     if num_splits is None:
@@ -252,7 +257,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     bt, n, h, a = q.shape
     s, r, dr = cache.shape[1], kv_lora_rank, a - kv_lora_rank
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
-    plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits)
+    plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)
 
     tree_kv = tree_kv.astype(q.dtype)
     q2 = q.reshape(bt, n * h, a)  # [Bt, N*H, A]: row n*H + h
@@ -277,8 +282,8 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
         out_specs = (pl.BlockSpec((None, None, plan.rows, r_pad), lambda i, j, b: (b, j, 0, 0)),
                      pl.BlockSpec((None, None, plan.rows), lambda i, j, b: (b, j, 0)))
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
-    if num_warps is None:
-        num_warps = 8 if plan.block_q * plan.r >= 64 * 256 else 4  # big fp32 accumulators need more registers
+    if num_warps is None:  # K2-width accumulators need 8 warps' registers; tiny configs run fine on 4
+        num_warps = DEFAULT_WARPS if plan.block_q * plan.r >= 16 * 256 else 4
     kernel = functools.partial(_kernel, plan=plan, scale=float(scale), precision=precision)
     res = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
                       grid=(plan.n_q, plan.n_splits, bt), in_specs=in_specs, out_specs=out_specs,

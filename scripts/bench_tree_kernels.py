@@ -2,8 +2,8 @@
 
 Device: the jitted `tree_build` (kernel + ancestor mask) and `tree_accept`, per-call time of SETS distinct inputs
 issued back to back inside one jit (`bench_util.per_call_s`: the engine runs them inside its compiled loop, so the
-host's per-call dispatch is not theirs), median of several passes. Host: device->host copy of the inputs plus the numpy reference for the
-whole batch (what a host-side tree build costs per round), median of a few calls.
+host's per-call dispatch is not theirs), median of several passes. Host: device->host copy of the inputs plus
+the numpy reference for the whole batch (what a host-side tree build costs per round), median of a few calls.
 
     python scripts/bench_tree_kernels.py [--out rows.json] [--batches 1 8 64] [--budgets 16 32 64 128 256]
 

@@ -1,0 +1,121 @@
+"""What each Pallas kernel costs an H200 in registers, stack (spills) and shared memory, found without a GPU.
+
+The CPU lowering check (`_pallas.lower_for_h200`) stops at Triton IR, so a kernel that needs more shared memory than
+a Hopper block may have, or that spills its accumulator to local memory, passes it and fails (or crawls) on the GPU.
+Here each `pallas_call`'s Triton IR, captured while lowering for the abstract H200, is compiled to a cubin for sm_90
+by the `triton` package (its own ptxas), and the cubin's resource usage and instruction mix are read with the
+cuobjdump that package carries. Needs `triton` (the GPU machine's version, 3.6.0; Linux x86-64).
+
+The IR comes from jax's private Pallas Triton lowering (`jax._src.pallas.triton.lowering`), patched only inside
+`capture`; warps and stages are read back from each custom call's backend config in the lowered module.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+
+import jax
+
+from pallas_kernels._pallas import lower_for_h200
+
+H200_TARGET = ("cuda", 90, 32)  # (backend, compute capability, warp size)
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+REGISTER_LIMIT = 255  # per thread: a kernel at this cap has probably spilled (check stack_bytes)
+_CALL_PARAMS = re.compile(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    name: str
+    num_warps: int
+    num_stages: int
+    registers: int  # per thread
+    stack_bytes: int  # per thread: local memory, where spilled registers go
+    shared_bytes: int  # dynamic shared memory the launch needs
+    spill_loads: int  # LDL instructions in the SASS
+    spill_stores: int  # STL instructions
+    wgmma: int  # HGMMA instructions (Hopper warpgroup MMA)
+    mma: int  # HMMA instructions (Ampere-style mma.sync)
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= SHARED_LIMIT
+
+    @property
+    def spills(self) -> bool:
+        return self.stack_bytes > 0 or self.spill_loads > 0 or self.spill_stores > 0
+
+
+@contextlib.contextmanager
+def _capture_modules(out: list):
+    from jax._src.pallas.triton import lowering
+
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        out.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+def capture(fn, *specs) -> list[tuple[str, int, int, str]]:
+    """(kernel name, num_warps, num_stages, Triton IR text) of every pallas_call in fn(*specs), lowered for H200."""
+    modules: list[str] = []
+    jax.clear_caches()  # a cached lowering would not pass through the spy
+    with _capture_modules(modules):
+        text = lower_for_h200(fn, *specs).as_text()
+    params = {name: (int(warps), int(stages)) for name, stages, warps in _CALL_PARAMS.findall(text)}
+    kernels = []
+    for ttir in modules:
+        name = re.match(r"module @(\S+)", ttir).group(1)
+        if name not in params:
+            raise RuntimeError(f"triton_report: no custom call named {name!r} in the lowered module")
+        kernels.append((name, *params[name], ttir))
+    return kernels
+
+
+def compile_sm90(name: str, num_warps: int, num_stages: int, ttir: str) -> KernelResources:
+    """Compile one kernel's Triton IR for sm_90 and read its resource usage and instruction mix."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, f"{name}.ttir")
+        with open(src, "w") as f:
+            f.write(ttir)
+        kernel = triton.compile(src, target=GPUTarget(*H200_TARGET),
+                                options=dict(num_warps=num_warps, num_stages=num_stages))
+        cubin = os.path.join(tmp, f"{name}.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = _cuobjdump(bindir, "--dump-resource-usage", cubin)
+        sass = _cuobjdump(bindir, "--dump-sass", cubin)
+    field = lambda key: int(re.search(rf"\b{key}:(\d+)", usage).group(1))  # noqa: E731
+    count = lambda op: len(re.findall(rf"\b{op}\b", sass))  # noqa: E731
+    return KernelResources(name=name, num_warps=num_warps, num_stages=num_stages, registers=field("REG"),
+                           stack_bytes=field("STACK"), shared_bytes=int(kernel.metadata.shared),
+                           spill_loads=count("LDL"), spill_stores=count("STL"), wgmma=count("HGMMA"),
+                           mma=count("HMMA"))
+
+
+def _cuobjdump(bindir: str, flag: str, cubin: str) -> str:
+    res = subprocess.run([os.path.join(bindir, "cuobjdump"), flag, cubin], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"cuobjdump {flag} {cubin}: {res.stderr.strip()}")
+    return res.stdout
+
+
+def report(fn, *specs) -> list[KernelResources]:
+    """Resources of every pallas_call in fn(*specs) (kernels called with interpret=False), compiled for H200."""
+    return [compile_sm90(*k) for k in capture(fn, *specs)]
