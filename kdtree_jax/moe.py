@@ -2,9 +2,13 @@
 experts kept stacked ([E, in, out] float, or INT4 pack-quantized [E, out, in/8] dequantized inside the jitted
 expert matmul so device memory holds them packed), plus the always-on shared expert.
 
-Two exact expert paths: "dense" runs every expert on every token and combines with the (mostly zero) routing
+Two exact XLA expert paths: "dense" runs every expert on every token and combines with the (mostly zero) routing
 weights — cheap for tiny E; "gather" fetches each token's k selected experts (`w[idx]`) — cheaper when M*k < E.
-"auto" picks by that static shape rule. Neither is the fast grouped kernel; they are the correctness baseline.
+They are the correctness baseline. "kernel" (INT4 experts only) runs the grouped Pallas kernel
+`pallas_kernels.int4_moe.int4_moe_ffn`: the model's packed layout is the kernel's own ([E, out, in/8] words, nibble k
+of word j = column 8j+k, bf16 group scales), so it reads the stored arrays as they are, unpacks in registers and
+skips idle experts. "auto" picks "kernel" for INT4 experts on a GPU backend outside a multi-device mesh (there a
+custom call would make GSPMD gather the sharded experts; "ep" is the mesh path), else gather/dense by the shape rule.
 
 Axes: M tokens, D hidden, E experts, k experts per token, I expert width, G groups.
 """
@@ -18,7 +22,8 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import init_normal, swiglu
 from kdtree_jax.quant import NIBBLES_PER_WORD, dequant_int4_jnp
 
-MOE_IMPLS = ("auto", "dense", "gather", "ep")  # ep: expert-parallel over the mesh set by jax.set_mesh
+MOE_IMPLS = ("auto", "dense", "gather", "kernel", "ep")  # ep: expert-parallel over the mesh set by jax.set_mesh
+INT4_ARRAYS = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")  # kernel arg order
 NORM_EPS = 1e-20  # HF MoEGate: denominator = sum(top-k weights) + 1e-20
 # HF DeepseekV3 MoEGate masks experts of dropped groups to 0.0 (masked_fill), not -inf as DeepSeek's own
 # inference code does; they differ only if a kept expert's biased score is negative. We follow HF (the golden).
@@ -50,6 +55,8 @@ class MoE(nnx.Module):
             raise ValueError(f"moe impl {impl!r} is not one of {MOE_IMPLS}")
         if expert_format not in ("float", "int4"):
             raise ValueError(f"expert_format {expert_format!r} must be 'float' or 'int4'")
+        if impl == "kernel" and expert_format != "int4":
+            raise ValueError(f"moe impl 'kernel' runs INT4 experts only, expert_format is {expert_format!r}")
         d, e, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
         self.cfg, self.impl, self.expert_format = cfg, impl, expert_format
         self.group_size = group_size or cfg.quantization.group_size
@@ -79,13 +86,44 @@ class MoE(nnx.Module):
         logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [M, E]
         bias = self.bias[...] if self.cfg.topk_method == "noaux_tc" else None
         weights, idx = route(logits, bias, self.cfg)  # [M, k]
-        impl = self.impl
-        if impl == "auto":
-            impl = "gather" if flat.shape[0] * self.cfg.num_experts_per_tok < self.cfg.n_routed_experts else "dense"
-        y = _experts_gather(self, flat, weights, idx) if impl == "gather" else _experts_dense(self, flat, weights, idx)
+        impl = resolve_impl(self, flat.shape[0])
+        if impl == "kernel":
+            y = experts_int4_kernel(flat, weights, idx, {n: getattr(self, n)[...] for n in INT4_ARRAYS})
+        elif impl == "gather":
+            y = _experts_gather(self, flat, weights, idx)
+        else:
+            y = _experts_dense(self, flat, weights, idx)
         if self.cfg.n_shared_experts:
             y = y + self.shared(flat)
         return y.reshape(x.shape)
+
+
+def resolve_impl(moe: MoE, n_tokens: int) -> str:
+    """The expert path `moe` runs for n_tokens routed tokens (static: decided at trace time).
+
+    "auto" -> "kernel" for INT4 experts whose group size the kernel tiles (8 x a power of two) on a GPU backend with
+    no multi-device mesh set; otherwise "gather" when M*k < E, else "dense". Explicit impls are returned as given.
+    """
+    if moe.impl != "auto":
+        return moe.impl
+    mesh = jax.sharding.get_abstract_mesh()
+    group_words = moe.group_size // NIBBLES_PER_WORD
+    tiles = moe.group_size % NIBBLES_PER_WORD == 0 and group_words > 0 and group_words & (group_words - 1) == 0
+    if moe.expert_format == "int4" and tiles and jax.default_backend() == "gpu" and (mesh.empty or mesh.size == 1):
+        return "kernel"
+    return "gather" if n_tokens * moe.cfg.num_experts_per_tok < moe.cfg.n_routed_experts else "dense"
+
+
+def experts_int4_kernel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict) -> jax.Array:
+    """Routed INT4 SwiGLU experts through the grouped Pallas kernel: x [M, D], weights / idx [M, k] -> [M, D].
+
+    `experts` maps the INT4_ARRAYS names to stacked arrays ([E, out, in/8] int32, [E, out, in/group] scales) in the
+    model's stored layout, which is the kernel's; any E works (e.g. one device's local experts, with foreign pairs
+    given weight 0 and a valid local id). Interpret mode follows the backend (`resolve_interpret`).
+    """
+    from pallas_kernels.int4_moe import int4_moe_ffn  # lazy, as in mla.py: Pallas loads only when a kernel runs
+
+    return int4_moe_ffn(x, idx, weights, *(experts[n] for n in INT4_ARRAYS))
 
 
 def _random_int4(rngs: nnx.Rngs, shape: tuple[int, int, int], group_size: int) -> tuple[jax.Array, jax.Array]:
