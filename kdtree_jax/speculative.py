@@ -170,7 +170,7 @@ def speculative_round(spec: DecodeSpec, target, drafter, state: DecodeState) -> 
     with jax.named_scope("round/cache_update"):
         cache = LatentCache(latent=cache_update.compact_latents(out.cache.latent, state.length, acc.src_slot))
         emitted = cache_update.emitted_tokens(tree.tokens, acc.path, acc.n_accepted, acc.bonus)
-        new = _commit(spec, state, emitted, acc.n_accepted, _nonfinite(out.logits, tree))
+        new = commit(spec, state, emitted, acc.n_accepted, nonfinite_slots(out.logits, tree))
     if spec.mode == "ar":
         return new.replace(cache=cache)
     with jax.named_scope("round/draft"):
@@ -180,14 +180,14 @@ def speculative_round(spec: DecodeSpec, target, drafter, state: DecodeState) -> 
     return new.replace(cache=cache, draft_cache=draft_cache, draft_lp=lp, draft_ids=ids)
 
 
-def _nonfinite(logits: jax.Array, tree: Tree) -> jax.Array:
+def nonfinite_slots(logits: jax.Array, tree: Tree) -> jax.Array:
     """[Bt] true where any real slot's logits hold a NaN or Inf."""
     real = jnp.arange(logits.shape[1])[None, :] <= tree.n_nodes[:, None]
     bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
     return jnp.any(bad & real, axis=1)
 
 
-def _commit(spec: DecodeSpec, state: DecodeState, emitted, n_accepted, nonfinite) -> DecodeState:
+def commit(spec: DecodeSpec, state: DecodeState, emitted, n_accepted, nonfinite) -> DecodeState:
     """Write the round's tokens, count them, and stop requests at a stop token or at max_new_tokens."""
     done = state.done
     j = jnp.arange(emitted.shape[1])[None, :]
