@@ -98,32 +98,38 @@ class MoE(nnx.Module):
         return y.reshape(x.shape)
 
 
+def kernel_eligible(moe: MoE) -> bool:
+    """The grouped INT4 kernel can run this layer's experts: INT4 with a group size the kernel tiles (8 x a power
+    of two), on a GPU backend (on CPU the XLA paths are faster than the Pallas interpreter)."""
+    group_words = moe.group_size // NIBBLES_PER_WORD
+    tiles = moe.group_size % NIBBLES_PER_WORD == 0 and group_words > 0 and group_words & (group_words - 1) == 0
+    return moe.expert_format == "int4" and tiles and jax.default_backend() == "gpu"
+
+
 def resolve_impl(moe: MoE, n_tokens: int) -> str:
     """The expert path `moe` runs for n_tokens routed tokens (static: decided at trace time).
 
-    "auto" -> "kernel" for INT4 experts whose group size the kernel tiles (8 x a power of two) on a GPU backend with
-    no multi-device mesh set; otherwise "gather" when M*k < E, else "dense". Explicit impls are returned as given.
+    "auto" -> "kernel" when `kernel_eligible` and no multi-device mesh is set; otherwise "gather" when M*k < E,
+    else "dense". Explicit impls are returned as given.
     """
     if moe.impl != "auto":
         return moe.impl
     mesh = jax.sharding.get_abstract_mesh()
-    group_words = moe.group_size // NIBBLES_PER_WORD
-    tiles = moe.group_size % NIBBLES_PER_WORD == 0 and group_words > 0 and group_words & (group_words - 1) == 0
-    if moe.expert_format == "int4" and tiles and jax.default_backend() == "gpu" and (mesh.empty or mesh.size == 1):
+    if kernel_eligible(moe) and (mesh.empty or mesh.size == 1):
         return "kernel"
     return "gather" if n_tokens * moe.cfg.num_experts_per_tok < moe.cfg.n_routed_experts else "dense"
 
 
-def experts_int4_kernel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict) -> jax.Array:
+def experts_int4_kernel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, out_dtype=None) -> jax.Array:
     """Routed INT4 SwiGLU experts through the grouped Pallas kernel: x [M, D], weights / idx [M, k] -> [M, D].
 
     `experts` maps the INT4_ARRAYS names to stacked arrays ([E, out, in/8] int32, [E, out, in/group] scales) in the
-    model's stored layout, which is the kernel's; any E works (e.g. one device's local experts, with foreign pairs
-    given weight 0 and a valid local id). Interpret mode follows the backend (`resolve_interpret`).
+    model's stored layout, which is the kernel's; any E works (e.g. one device's local experts: ids outside 0..E-1
+    are absent pairs that cost nothing). Interpret mode follows the backend (`resolve_interpret`).
     """
     from pallas_kernels.int4_moe import int4_moe_ffn  # lazy, as in mla.py: Pallas loads only when a kernel runs
 
-    return int4_moe_ffn(x, idx, weights, *(experts[n] for n in INT4_ARRAYS))
+    return int4_moe_ffn(x, idx, weights, *(experts[n] for n in INT4_ARRAYS), out_dtype=out_dtype)
 
 
 def _random_int4(rngs: nnx.Rngs, shape: tuple[int, int, int], group_size: int) -> tuple[jax.Array, jax.Array]:

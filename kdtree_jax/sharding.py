@@ -276,7 +276,7 @@ def moe_expert_parallel(moe, x: jax.Array, mesh: Mesh | None = None) -> jax.Arra
     weight ever crosses devices and no all-to-all is needed. `mesh` defaults to the one set by `jax.set_mesh`.
     Hook: MoE.__call__ can return this when the engine runs on a mesh (see docs/sharding.md).
     """
-    from kdtree_jax.moe import route
+    from kdtree_jax.moe import experts_int4_kernel, kernel_eligible, route
 
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     cfg = moe.cfg
@@ -293,15 +293,20 @@ def moe_expert_parallel(moe, x: jax.Array, mesh: Mesh | None = None) -> jax.Arra
     data = "data" if mesh.shape["data"] > 1 and flat.shape[0] % mesh.shape["data"] == 0 else None
     reduce_axes = tuple(a for a, on in (("expert", ep_axis), ("tensor", width_tp)) if on)
     e_local = cfg.n_routed_experts // n_exp
+    use_kernel = kernel_eligible(moe)  # INT4 on GPU: the grouped kernel runs only the local pairs
 
     def local(xs, w, ids, *experts):
         first = jax.lax.axis_index("expert") * e_local if ep_axis else 0
         lid = ids - first  # [m, k] local expert id, valid in [0, e_local)
         mine = (lid >= 0) & (lid < e_local)
-        wg, wu, wd = _local_expert_weights(moe, dict(zip(names, experts)), jnp.where(mine, lid, 0), xs.dtype)
-        h = jax.nn.silu(jnp.einsum("md,mkdi->mki", xs, wg)) * jnp.einsum("md,mkdi->mki", xs, wu)
-        y = jnp.einsum("mki,mkid->mkd", h, wd)  # [m, k, D] partial over the local width
-        y = jnp.einsum("mk,mkd->md", jnp.where(mine, w, 0.0), y.astype(jnp.float32))
+        w = jnp.where(mine, w, 0.0)
+        if use_kernel:  # foreign pairs keep an out-of-range id: absent for the kernel, no rows, no work
+            y = experts_int4_kernel(xs, w, lid, dict(zip(names, experts)), out_dtype=jnp.float32)
+        else:
+            wg, wu, wd = _local_expert_weights(moe, dict(zip(names, experts)), jnp.where(mine, lid, 0), xs.dtype)
+            h = jax.nn.silu(jnp.einsum("md,mkdi->mki", xs, wg)) * jnp.einsum("md,mkdi->mki", xs, wu)
+            y = jnp.einsum("mki,mkid->mkd", h, wd)  # [m, k, D] partial over the local width
+            y = jnp.einsum("mk,mkd->md", w, y.astype(jnp.float32))
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
     tok = P(data, None)

@@ -80,7 +80,11 @@ def default_block_m(n_pairs: int, n_experts: int) -> int:
 
 
 def route_layout(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLayout:
-    """expert_ids [P] int32 (each in 0..E-1) -> RouteLayout with min(E, P) slots (jit-friendly, static sizes)."""
+    """expert_ids [P] int32 -> RouteLayout with min(E, P) slots (jit-friendly, static sizes).
+
+    An id outside 0..E-1 marks an absent pair (another device's expert under expert parallelism): it takes no row,
+    its dest is R (out of range: scattered nowhere, gathered as zeros), so it costs the kernel nothing.
+    """
     if expert_ids.ndim != 1:
         raise ValueError(f"route_layout: expert_ids must be 1-D [P], got shape {expert_ids.shape}")
     if block_m < MIN_DOT or block_m != next_pow2(block_m):
@@ -88,7 +92,9 @@ def route_layout(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLa
     p = expert_ids.shape[0]
     s = min(n_experts, p)
     ids = expert_ids.astype(jnp.int32)
-    counts = jnp.zeros((n_experts,), jnp.int32).at[ids].add(1)  # [E]
+    present = (ids >= 0) & (ids < n_experts)  # [P]
+    ids = jnp.where(present, ids, n_experts)  # absent pairs sort last and are counted nowhere
+    counts = jnp.zeros((n_experts,), jnp.int32).at[ids].add(1, mode="drop")  # [E]
     touched = counts > 0
     (slot_expert,) = jnp.nonzero(touched, size=s, fill_value=0)  # [S] ascending
     slot_expert = slot_expert.astype(jnp.int32)
@@ -97,17 +103,18 @@ def route_layout(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLa
     slot_start = jnp.cumsum(slot_rows) - slot_rows  # [S] exclusive prefix sum
     expert_slot = jnp.cumsum(touched.astype(jnp.int32)) - 1  # [E] slot of each touched expert
     order = jnp.argsort(ids, stable=True)  # [P] pairs grouped by expert
-    sorted_e = ids[order]
+    sorted_e = jnp.minimum(ids[order], n_experts - 1)  # absent pairs: any valid index, replaced below
     first = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
     dest_sorted = slot_start[expert_slot[sorted_e]] + jnp.arange(p, dtype=jnp.int32) - first[sorted_e]
-    dest = jnp.zeros((p,), jnp.int32).at[order].set(dest_sorted.astype(jnp.int32))  # [P]
     rows = -(-(p + s * (block_m - 1)) // block_m) * block_m  # sum of padded slot rows never exceeds this
+    dest_sorted = jnp.where(present[order], dest_sorted, rows)
+    dest = jnp.zeros((p,), jnp.int32).at[order].set(dest_sorted.astype(jnp.int32))  # [P]
     return RouteLayout(slot_expert, slot_start.astype(jnp.int32), slot_count.astype(jnp.int32), dest, rows, block_m)
 
 
 def scatter_rows(x: jax.Array, layout: RouteLayout) -> jax.Array:
-    """x [P, K] pair rows -> [R, K] in the padded layout (padding rows are zero)."""
-    return jnp.zeros((layout.rows, x.shape[-1]), x.dtype).at[layout.dest].set(x)
+    """x [P, K] pair rows -> [R, K] in the padded layout (padding rows are zero; absent pairs are dropped)."""
+    return jnp.zeros((layout.rows, x.shape[-1]), x.dtype).at[layout.dest].set(x, mode="drop")
 
 
 def _nibble_major(x: jax.Array, words: int) -> jax.Array:
@@ -261,7 +268,7 @@ def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert
     layout = route_layout(expert_ids, n_exp, block_m or default_block_m(x.shape[0], n_exp))
     y = grouped_int4_matmul(scatter_rows(x, layout), ((packed, scale),), layout, block_n=block_n, block_w=block_w,
                             num_warps=num_warps, interpret=interpret)
-    return y[layout.dest]
+    return y.at[layout.dest].get(mode="fill", fill_value=0)
 
 
 def _check_ffn(x, idx, weights, gate, up, down):
@@ -282,12 +289,14 @@ def _check_ffn(x, idx, weights, gate, up, down):
 
 def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, gate_scale, up_packed, up_scale,
                  down_packed, down_scale, *, block_m: int | None = None, block_n: int | None = None,
-                 block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
+                 block_w: int | None = None, num_warps: int = DEFAULT_WARPS, out_dtype=None,
                  interpret: bool | None = None) -> jax.Array:
-    """Routed SwiGLU experts + weighted combine: x [M, D], idx / weights [M, k] -> [M, D] in x's dtype.
+    """Routed SwiGLU experts + weighted combine: x [M, D], idx / weights [M, k] -> [M, D] in out_dtype (x's).
 
     Gate/up run as one fused kernel call (silu(g) * u written directly, h in x's dtype), down as a second call over
-    the same routing layout; the k expert outputs of a token are combined in fp32.
+    the same routing layout; the k expert outputs of a token are combined in fp32. A pair whose id is outside
+    0..E-1 is absent (contributes 0, costs nothing): expert parallelism passes other devices' pairs that way, and
+    out_dtype=float32 keeps its partial sums unrounded until the cross-device reduction.
     """
     m, d = x.shape
     _check_ffn(x, idx, weights, (gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))
@@ -298,8 +307,8 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     x_rows = scatter_rows(jnp.repeat(x, top_k, axis=0), layout)  # [R, D]; pair p = token p // k
     h = grouped_int4_matmul(x_rows, ((gate_packed, gate_scale), (up_packed, up_scale)), layout, swiglu=True, **kw)
     y = grouped_int4_matmul(h, ((down_packed, down_scale),), layout, **kw)  # [R, D]
-    y = y[layout.dest].reshape(m, top_k, d).astype(jnp.float32)
-    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), y).astype(x.dtype)
+    y = y.at[layout.dest].get(mode="fill", fill_value=0).reshape(m, top_k, d).astype(jnp.float32)
+    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), y).astype(out_dtype or x.dtype)
 
 
 # ---- XLA baselines (benchmarks) ---------------------------------------------------------------------------------

@@ -84,8 +84,8 @@ def test_kernel_impl_needs_int4_experts():
 
 
 def test_kernel_on_expert_slices_sums_to_all_experts(rng, hf_weights):
-    """The expert-parallel contract: each device runs its local experts with foreign pairs given weight 0 and local
-    id 0; the partial outputs sum to the full routed FFN (float64 reference)."""
+    """The expert-parallel contract: each device runs its local experts with foreign pairs passed as absent (their
+    local id out of range); the partial outputs sum to the full routed FFN (float64 reference)."""
     moe = build(hf_weights, "kernel").layers[LAYER].mlp
     arrays = {n: getattr(moe, n)[...] for n in INT4_ARRAYS}
     m, n_dev = 6, 2
@@ -99,10 +99,25 @@ def test_kernel_on_expert_slices_sums_to_all_experts(rng, hf_weights):
         mine = (lid >= 0) & (lid < e_local)
         local = {n: a[dev * e_local:(dev + 1) * e_local] for n, a in arrays.items()}
         part = jax.jit(experts_int4_kernel)(jnp.asarray(x), jnp.asarray(np.where(mine, weights, 0.0)),
-                                            jnp.asarray(np.where(mine, lid, 0)), local)
+                                            jnp.asarray(lid), local)
         total += np.asarray(part, np.float64)
     want = int4_moe_ffn_ref(x, idx, weights, *(np.asarray(arrays[n]) for n in INT4_ARRAYS))
     assert_close(total, want, TOL[jnp.float32], "sum over expert slices")
+
+
+def test_absent_pairs_take_no_rows(rng):
+    """Ids outside 0..E-1 get no slot rows, scatter nowhere and gather as zeros."""
+    from pallas_kernels.int4_moe import route_layout, scatter_rows
+
+    ids = rng.integers(-E, 2 * E, 40).astype(np.int32)
+    present = (ids >= 0) & (ids < E)
+    layout = route_layout(jnp.asarray(ids), E, 16)
+    assert int(np.asarray(layout.slot_count).sum()) == int(present.sum())
+    dest = np.asarray(layout.dest)
+    assert (dest[~present] == layout.rows).all() and (dest[present] < layout.rows).all()
+    assert len(np.unique(dest[present])) == int(present.sum())
+    rows = np.asarray(scatter_rows(jnp.asarray(rng.standard_normal((40, 3)) + 5.0, jnp.float32), layout))
+    assert np.count_nonzero(rows.any(axis=1)) == int(present.sum())
 
 
 # ---- whole model --------------------------------------------------------------------------------------------------
