@@ -133,8 +133,14 @@ def int4_expert_bytes(cfg) -> int:
 # ---- MoE swap (local wrapper, active only while tracing) ---------------------------------------------------------
 @contextlib.contextmanager
 def moe_experts(mode: str, record: list, interpret: bool):
-    """Route the model's MoE expert computation through `mode` ("kernel" | "as_is"), recording each layer's idx."""
+    """Route the model's MoE expert computation through `mode` ("kernel" | "as_is"), recording each layer's idx.
+
+    The model's own path choice is pinned to the XLA shape rule (gather / dense) while tracing, so that on a GPU,
+    where "auto" would pick the kernel itself, both modes pass through the recording wrappers below."""
     orig = moe_mod._experts_gather, moe_mod._experts_dense
+    orig_resolve = moe_mod.resolve_impl
+    moe_mod.resolve_impl = lambda moe, n: ("gather" if n * moe.cfg.num_experts_per_tok < moe.cfg.n_routed_experts
+                                           else "dense")
 
     def kernel(moe, x, weights, idx):
         record.append(idx)
@@ -155,6 +161,7 @@ def moe_experts(mode: str, record: list, interpret: bool):
         yield
     finally:
         moe_mod._experts_gather, moe_mod._experts_dense = orig
+        moe_mod.resolve_impl = orig_resolve
 
 
 def _distinct(record: list, n_experts: int) -> jax.Array:
