@@ -30,7 +30,7 @@ def lower_for_h200(fn, *specs):
     Runs the Pallas -> Triton IR lowering, so non-power-of-two blocks, missing lowering rules or scratch use
     fail here rather than on the GPU.
     """
-    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H200)
     with use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
 

@@ -1,0 +1,49 @@
+"""The engine's whole generation program (prefill + every round in one jit) lowers for an abstract H200 with the
+three round kernels compiled through Triton, in each mode and dtype. The per-kernel lowering tests see each kernel
+alone at hand-picked shapes; this sees them at the shapes and inside the control flow the engine gives them."""
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import pallas_kernels._pallas as pallas_mod
+from engine_utils import random_pair
+from kdtree_jax import sampling
+from kdtree_jax.engine import Engine, generate_device
+from pallas_kernels._pallas import lower_for_h200
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+KERNELS = {"ddtree": ("verify_attn", "tree_build", "tree_accept"), "chain": ("verify_attn", "tree_accept"),
+           "ar": ("verify_attn",)}
+
+
+def abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def with_dtype(module, dtype):
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(dtype), state))
+
+
+@pytest.mark.parametrize("mode,dtype", [("ddtree", jnp.float32), ("ddtree", jnp.bfloat16), ("chain", jnp.bfloat16),
+                                        ("ar", jnp.float32)])
+def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)))
+    target, drafter = with_dtype(target, dtype), with_dtype(drafter, dtype)
+    engine = Engine(target, drafter)
+    spec = engine.spec_for(mode=mode, batch=3, prompt_len=12, max_new_tokens=20, budget=16,
+                           params=sampling.SamplingParams())
+    (tg, ts), (dg, ds) = nnx.split(target), nnx.split(drafter)
+
+    def fn(ts, ds, prompts, lens, keys):
+        return generate_device(spec, nnx.merge(tg, ts), nnx.merge(dg, ds) if mode != "ar" else None, prompts, lens,
+                               keys)
+
+    monkeypatch.setattr(pallas_mod, "default_interpret", lambda: False)  # compile the kernels, as on a GPU
+    specs = (abstract(ts), abstract(ds), jax.ShapeDtypeStruct((3, spec.prompt_cap), jnp.int32),
+             jax.ShapeDtypeStruct((3,), jnp.int32), jax.ShapeDtypeStruct((3, 2), jnp.uint32))
+    text = lower_for_h200(fn, *specs).as_text()
+    assert text.count(TRITON_CALL) >= len(KERNELS[mode])
+    for name in KERNELS[mode]:
+        assert f'name = "{name}' in text or f'name = "_{name}' in text, f"{name} missing from the {mode} program"
