@@ -67,7 +67,7 @@ CPU_SMOKE = Sweep(batches=(1, 2), nodes=(1, 5), prefixes=(40, 100), r=32, dr=8, 
                   copy_bytes=16 << 20, matmul_n=256)
 TUNE_SHAPES = ((1, 1, 32768), (8, 1, 32768), (64, 1, 8192), (8, 17, 8192), (1, 257, 8192))  # (batch, N, prefix)
 TUNE_CONFIGS = (  # (block_q, block_k, num_warps, num_stages, num_splits; None = the kernel's default)
-    (None, None, None, 2, None), (64, 32, 8, 3, None), (32, 32, 4, 2, None), (32, 64, 4, 3, None),
+    (None, None, None, 2, None), (64, 32, 8, 2, None), (32, 32, 4, 2, None), (32, 64, 4, 3, None),
     (16, 64, 4, 3, None), (64, 16, 8, 3, None), (32, 32, 4, 3, 32), (32, 32, 4, 3, 128), (64, 32, 8, 2, 64),
 )
 

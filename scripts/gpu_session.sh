@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU measurements still owed, as device calls that each fit the lent machine's 600 s per call.
+#
+#   bash scripts/gpu_session.sh kernels   # compiled kernel tests + verify_attn tune/sweep + tree kernels (1 GPU)
+#   bash scripts/gpu_session.sh kimi      # INT4 expert matmul vs XLA vs bf16; full-width K2.6 layers (1 GPU)
+#   bash scripts/gpu_session.sh engine    # round breakdown; budget profile (auto vs every fixed B) (1 GPU)
+#   bash scripts/gpu_session.sh mesh2     # sharding tests + 2-GPU generation == 1 GPU, timed (nvidia-h200-x2)
+#
+# Run from the repository root on the device machine (PYTHONPATH is set here); logs and JSON go to $OUT (or ./out).
+# Each step bounds its parts with `timeout` so a hang leaves the rest of the call's output.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PY:-python3}
+
+run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, print its tail and the exit code
+    local name=$1 secs=$2
+    shift 2
+    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: exit $? ($(date +%T))"
+    tail -c 2500 "$OUT/$name.log"; echo
+}
+
+nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+case "${1:-}" in
+kernels)
+    run pytest_kernels 240 "$PY" -m pytest -q -rf --durations=10 tests/test_verify_attn.py tests/test_tree_build.py \
+        tests/test_tree_accept.py tests/test_int4_moe.py tests/test_moe_kernel.py tests/test_engine_lowering.py
+    run bench_kernels 330 "$PY" scripts/bench_kernels.py --tune --budget-s 280 --out "$OUT/bench_kernels.json"
+    ;;
+kimi)
+    run bench_int4_moe 220 "$PY" scripts/bench_int4_moe.py --out "$OUT/bench_int4_moe.json"
+    run bench_kimi_layer 340 "$PY" scripts/bench_kimi_layer.py --budget-s 270 --out "$OUT/bench_kimi_layer.json"
+    ;;
+engine)
+    run bench_round 260 "$PY" scripts/bench_round.py --time-limit 200 --out "$OUT/bench_round.json"
+    run profile_budget 320 "$PY" scripts/profile_budget.py --out "$OUT/budget_profile.nvidia-h200.json"
+    ;;
+mesh2)
+    "$PY" -c 'import jax; print(jax.devices())' > "$OUT/devices.txt" 2>&1
+    run pytest_sharding 240 "$PY" -m pytest -q -rf tests/test_sharding.py
+    "$PY" -c 'import json, sys
+texts = [json.loads(l)["text"][:300] for l in open("checkpoints/kdtree-mini/heldout_prompts.jsonl")][:16]
+open(sys.argv[1], "w").write("".join(t.replace("\\", "\\\\").replace("\n", "\\n") + "\n" for t in texts))' "$OUT/prompts.txt"
+    for mesh in none 1x2; do
+        flag=(); [ "$mesh" = none ] || flag=(--mesh "$mesh")
+        run "generate_$mesh" 120 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 128 \
+            --prompt-file "$OUT/prompts.txt" "${flag[@]}"
+    done
+    "$PY" - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+rows = {m: [json.loads(l) for l in open(f"{out}/generate_{m}.log") if l.startswith("{")] for m in ("none", "1x2")}
+same = [a["token_ids"] == b["token_ids"] for a, b in zip(rows["none"], rows["1x2"])]
+print(f"2-GPU vs 1-GPU: {sum(same)}/{len(same)} prompts token-identical")
+EOF
+    ;;
+*)
+    echo "usage: bash scripts/gpu_session.sh kernels|kimi|engine|mesh2" >&2
+    exit 2
+    ;;
+esac
