@@ -10,13 +10,14 @@ import jax.numpy as jnp
 
 
 def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-    """Per-request `buffer[b, start[b] : start[b] + R] = rows[b]`.  buffer: [Bt, S, ...], rows: [Bt, R, ...]."""
+    """Per-request `buffer[b, start[b] : start[b] + R] = rows[b]`.  buffer: [Bt, S, ...], rows: [Bt, R, ...].
 
-    def one(buf, new, s):
-        index = (s,) + (0,) * (buf.ndim - 1)
-        return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), index)
-
-    return jax.vmap(one)(buffer, rows, start)
+    One scatter with explicit (request, row) indices: a vmapped dynamic_update_slice becomes a scatter wrapped in
+    transposes, which XLA materialises as copies of the whole buffer. Rows past S are dropped (never shifted back
+    over earlier rows, as a clamped dynamic_update_slice would)."""
+    bt, r = rows.shape[:2]
+    pos = start[:, None] + jnp.arange(r, dtype=start.dtype)[None, :]  # [Bt, R]
+    return buffer.at[jnp.arange(bt)[:, None], pos].set(rows.astype(buffer.dtype), mode="drop")
 
 
 def compact_latents(latent: jax.Array, start: jax.Array, src_slot: jax.Array) -> jax.Array:
@@ -24,9 +25,11 @@ def compact_latents(latent: jax.Array, start: jax.Array, src_slot: jax.Array) ->
 
     latent: [n_layers, Bt, S, A], start: [Bt], src_slot: [Bt, P] (identity past the accepted length).
     """
+    bt, p = src_slot.shape
     rows = start[:, None] + src_slot  # [Bt, P]
     gathered = jnp.take_along_axis(latent, rows[None, :, :, None], axis=2)  # [n_layers, Bt, P, A]
-    return jax.vmap(write_rows, in_axes=(0, 0, None))(latent, gathered, start)
+    dest = start[:, None] + jnp.arange(p, dtype=start.dtype)[None, :]  # [Bt, P]
+    return latent.at[:, jnp.arange(bt)[:, None], dest].set(gathered, mode="drop")
 
 
 def emitted_tokens(tree_tokens: jax.Array, path: jax.Array, n_accepted: jax.Array, bonus: jax.Array) -> jax.Array:

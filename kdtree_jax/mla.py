@@ -118,25 +118,26 @@ def absorbed_attention_jnp(q: jax.Array, cache: jax.Array, prefix_len: jax.Array
 
 
 def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array, mask: jax.Array,
-               layer_cache: jax.Array, *, use_pallas: bool = False, interpret: bool | None = None
+               cache: jax.Array, *, layer: int | None = None, use_pallas: bool = False, interpret: bool | None = None
                ) -> tuple[jax.Array, jax.Array]:
-    """Absorbed MLA for N new rows over layer_cache [B, S, A] (rows [0, start_b) valid), new rows under `mask`.
+    """Absorbed MLA for N new rows over the cache (rows [0, start_b) valid), new rows under `mask`.
 
+    cache: this layer's [B, S, A], or the model's [L, B, S, A] with a static `layer` (the kernel reads it in place).
     Returns (out [B, N, D], latent rows [B, N, A] in the cache dtype, for the caller to write at
     [start_b, start_b + N)).
     """
     cfg, dt = attn.cfg, x.dtype
     q_nope, q_pe = project_queries(attn, x, cos, sin)
     q_lat = jnp.einsum("bnhk,hkr->bnhr", q_nope, attn.w_uk[...].astype(dt))  # [B, N, H, R]
-    q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(layer_cache.dtype)  # [B, N, H, A]
-    tree_kv = project_latents(attn, x, cos, sin).astype(layer_cache.dtype)  # [B, N, A]
+    q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(cache.dtype)  # [B, N, H, A]
+    tree_kv = project_latents(attn, x, cos, sin).astype(cache.dtype)  # [B, N, A]
     if use_pallas:
         from pallas_kernels.verify_attn import verify_attn  # lazy: the kernel module is optional on CPU
 
-        o_lat = verify_attn(q, layer_cache, start, tree_kv, mask, scale=cfg.softmax_scale,
-                            kv_lora_rank=cfg.kv_lora_rank, interpret=interpret)
+        o_lat = verify_attn(q, cache, start, tree_kv, mask, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
+                            layer=layer, interpret=interpret)
     else:
-        o_lat = absorbed_attention_jnp(q, layer_cache, start, tree_kv, mask, scale=cfg.softmax_scale,
-                                       kv_lora_rank=cfg.kv_lora_rank)
+        o_lat = absorbed_attention_jnp(q, cache if layer is None else cache[layer], start, tree_kv, mask,
+                                       scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
     o = jnp.einsum("bnhr,hvr->bnhv", o_lat.astype(dt), attn.w_uv[...].astype(dt))  # [B, N, H, V]
     return _output(attn, o), tree_kv

@@ -93,8 +93,9 @@ def _check_taps(cfg: ModelConfig, taps: Sequence[int]) -> tuple[int, ...]:
 
 def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: LatentCache, taps: Sequence[int],
          attend, write, valid: jax.Array | None = None) -> ForwardOut:
-    """Shared decoder stack. `attend(attn, x, cos, sin, layer_cache) -> (out, rows)`; `write(latent, layer, rows)`
-    stores the new rows into the full cache (only those rows are touched, so a donated cache updates in place)."""
+    """Shared decoder stack. `attend(attn, x, cos, sin, latent, layer) -> (out, rows)` reads layer `layer` of the
+    whole cache [L, B, S, A]; `write(latent, layer, rows)` stores the new rows into it (only those rows are touched,
+    so a donated cache updates in place)."""
     cfg, dt = model.cfg, model.dtype
     taps = _check_taps(cfg, taps)
     if cache.latent.shape[0] != cfg.num_hidden_layers or cache.latent.shape[-1] != cfg.latent_dim:
@@ -107,7 +108,7 @@ def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: Laten
     latent, tapped = cache.latent, {}
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
-            a, rows = attend(layer.attn, rms_norm(h, layer.input_norm[...], cfg.rms_norm_eps), cos, sin, latent[i])
+            a, rows = attend(layer.attn, rms_norm(h, layer.input_norm[...], cfg.rms_norm_eps), cos, sin, latent, i)
             latent = write(latent, i, rows)
             h = h + a
             h = h + layer.mlp(rms_norm(h, layer.post_norm[...], cfg.rms_norm_eps))
@@ -130,8 +131,8 @@ def forward_prefill(model: KimiModel, tokens: jax.Array, start, cache: LatentCac
     b, t = tokens.shape
     positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
 
-    def attend(attn, x, cos, sin, layer_cache):
-        return mla_prefill(attn, x, cos, sin, start, layer_cache)
+    def attend(attn, x, cos, sin, latent, layer):
+        return mla_prefill(attn, x, cos, sin, start, latent[layer])
 
     def write(latent, layer, rows):  # [B, T, A] at rows [start, start + T) of every request
         return jax.lax.dynamic_update_slice(latent, rows[None], (layer, 0, start, 0))
@@ -155,13 +156,13 @@ def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, st
     start = start.astype(jnp.int32)
     mask = mask.astype(bool)
 
-    def attend(attn, x, cos, sin, layer_cache):
-        return mla_verify(attn, x, cos, sin, start, mask, layer_cache, use_pallas=use_pallas, interpret=interpret)
+    def attend(attn, x, cos, sin, latent, layer):  # the whole cache: the kernel reads the layer in place
+        return mla_verify(attn, x, cos, sin, start, mask, latent, layer=layer, use_pallas=use_pallas,
+                          interpret=interpret)
 
-    def write(latent, layer, rows):  # [B, N, A] at rows [start_b, start_b + N): vmapped dynamic_update_slice
-        def one(latent_b, rows_b, start_b):  # [L, S, A], [N, A], scalar
-            return jax.lax.dynamic_update_slice(latent_b, rows_b[None], (layer, start_b, 0))
-
-        return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(latent, rows, start)
+    def write(latent, layer, rows):  # [B, N, A] at rows [start_b, start_b + N) of layer `layer`: one scatter
+        b, n = rows.shape[:2]
+        pos = start[:, None] + jnp.arange(n, dtype=start.dtype)[None, :]  # [B, N]
+        return latent.at[layer, jnp.arange(b)[:, None], pos].set(rows.astype(latent.dtype), mode="drop")
 
     return _run(model, tokens, positions, cache, taps, attend, write)

@@ -197,11 +197,14 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank):
+def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer):
     if q.ndim != 4:
         raise ValueError(f"verify_attn: q must be [Bt, N, H, A], got shape {q.shape}")
     bt, n, _, a = q.shape
-    expect = {"cache": (cache, (bt, None, a)), "prefix_len": (prefix_len, (bt,)),
+    if layer is not None and not (cache.ndim == 4 and 0 <= layer < cache.shape[0]):
+        raise ValueError(f"verify_attn: with layer={layer} the cache must be [L > layer, Bt, S, A], got {cache.shape}")
+    cache_shape = (bt, None, a) if layer is None else (cache.shape[0], bt, None, a)
+    expect = {"cache": (cache, cache_shape), "prefix_len": (prefix_len, (bt,)),
               "tree_kv": (tree_kv, (bt, n, a)), "tree_mask": (tree_mask, (bt, n, n))}
     for name, (x, shape) in expect.items():
         if x.ndim != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape)):
@@ -239,23 +242,27 @@ def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsiz
                  min_split_blocks=min_split_blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "block_k", "block_q", "num_splits",
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "num_splits",
                                              "num_warps", "num_stages", "interpret"))
-def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int,
+def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int, layer: int | None = None,
                 block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
     """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
 
     q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
-    [0, prefix_len[b]) (clipped to S); tree_kv [Bt, N, A] the tree's own latents; tree_mask [Bt, N, N] bool.
+    [0, prefix_len[b]) (clipped to S), or the whole model's cache [L, Bt, S, A] with a static `layer`: the kernel
+    then reads that layer in place (a sliced operand would be materialised: one extra read + write of the layer's
+    cache per call); tree_kv [Bt, N, A] the tree's own latents; tree_mask [Bt, N, N] bool.
     Tuning knobs (all optional): block_k / block_q (powers of two >= 16); num_splits (split-K programs per query
     tile; default: enough to fill ~one wave of SMs, each reading >= MIN_SPLIT_ROWS rows; an explicit value divides
     every prefix over all of them); num_warps / num_stages (Triton).
     """
-    _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank)
+    _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
     interpret = resolve_interpret(interpret)
+    if layer is None:
+        cache, layer = cache[None], 0  # [1, Bt, S, A]: one code path
     bt, n, h, a = q.shape
-    s, r, dr = cache.shape[1], kv_lora_rank, a - kv_lora_rank
+    s, r, dr = cache.shape[2], kv_lora_rank, a - kv_lora_rank
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
     plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)
 
@@ -264,14 +271,15 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     if (r_pad, dr_pad) != (r, dr):  # tiny configs only; K2's 512 + 64 needs no copy
         q2, cache, tree_kv = (_pad_latent(x, r, r_pad, dr_pad) for x in (q2, cache, tree_kv))
     q2 = _pad_axis(q2, 1, plan.rows)  # [Bt, rows, A']
-    cache = _pad_axis(cache, 1, plan.seq)  # [Bt, seq, A']
+    cache = _pad_axis(cache, 2, plan.seq)  # [L, Bt, seq, A']
     tree_kv = _pad_axis(tree_kv, 1, plan.tree)  # [Bt, tree, A']
     mask = _pad_axis(_pad_axis(tree_mask.astype(jnp.int8), 2, plan.tree), 1, plan.mask_rows)  # [Bt, mask_rows, tree]
     prefix_len = jnp.clip(prefix_len.astype(jnp.int32), 0, s)
 
     ap = r_pad + dr_pad
     full = lambda *shape: pl.BlockSpec((None, *shape), lambda i, j, b: (b,) + (0,) * len(shape))  # noqa: E731
-    in_specs = [pl.BlockSpec((bt,), lambda i, j, b: (0,)), full(plan.rows, ap), full(plan.seq, ap),
+    cache_spec = pl.BlockSpec((None, None, plan.seq, ap), lambda i, j, b: (layer, b, 0, 0))
+    in_specs = [pl.BlockSpec((bt,), lambda i, j, b: (0,)), full(plan.rows, ap), cache_spec,
                 full(plan.tree, ap), full(plan.mask_rows, plan.tree)]
     if plan.n_splits == 1:
         out_shape = jax.ShapeDtypeStruct((bt, plan.rows, r_pad), q.dtype)

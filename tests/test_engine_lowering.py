@@ -7,18 +7,25 @@ import pytest
 from flax import nnx
 
 import pallas_kernels._pallas as pallas_mod
-from engine_utils import random_pair
-from kdtree_jax import sampling
+from engine_utils import drafter_config, random_drafter
+from kdtree_jax import config, sampling
 from kdtree_jax.engine import Engine, generate_device
+from kdtree_jax.weights import init_random
 from pallas_kernels._pallas import lower_for_h200
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+CFG = config.tiny(eos_token_id=(), qk_rope_head_dim=16)  # latent 32 + 16: both powers of two, so no padding copy
 KERNELS = {"ddtree": ("verify_attn", "tree_build", "tree_accept"), "chain": ("verify_attn", "tree_accept"),
            "ar": ("verify_attn",)}
 
 
 def abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def ts_cache_shape(target, spec) -> tuple[int, ...]:
+    cfg = target.cfg
+    return (cfg.num_hidden_layers, spec.batch, spec.capacity, cfg.latent_dim)
 
 
 def with_dtype(module, dtype):
@@ -29,7 +36,8 @@ def with_dtype(module, dtype):
 @pytest.mark.parametrize("mode,dtype", [("ddtree", jnp.float32), ("ddtree", jnp.bfloat16), ("chain", jnp.bfloat16),
                                         ("ar", jnp.float32)])
 def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)))
+    seed = int(rng.integers(1 << 30))
+    target, drafter = init_random(CFG, seed=seed), random_drafter(drafter_config(CFG), seed)
     target, drafter = with_dtype(target, dtype), with_dtype(drafter, dtype)
     engine = Engine(target, drafter)
     spec = engine.spec_for(mode=mode, batch=3, prompt_len=12, max_new_tokens=20, budget=16,
@@ -47,3 +55,8 @@ def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
     assert text.count(TRITON_CALL) >= len(KERNELS[mode])
     for name in KERNELS[mode]:
         assert f'name = "{name}' in text or f'name = "_{name}' in text, f"{name} missing from the {mode} program"
+    # verify_attn reads the whole cache [L, Bt, S, A] in place, never a materialised per-layer slice of it
+    cache_dt = jnp.dtype(target.cache_dtype).name.replace("float", "f")
+    latent = "x".join(map(str, ts_cache_shape(target, spec))) + "x" + cache_dt
+    calls = [line for line in text.splitlines() if TRITON_CALL in line and 'name = "verify_attn"' in line]
+    assert calls and all(f"tensor<{latent}>" in line for line in calls), calls[:1]

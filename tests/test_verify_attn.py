@@ -79,6 +79,21 @@ def test_matches_reference_fp32(rng, interpret, prefix, n, h, r, dr, s, mask, sp
     assert_close(out, ref, TOL[np.float32], f"prefix={prefix} N={n} H={h}")
 
 
+@pytest.mark.parametrize("layer", [0, 2])
+def test_layer_of_the_whole_cache(rng, interpret, layer):
+    """cache [L, Bt, S, A] + static layer reads that layer in place: equal to passing the slice, and to float64."""
+    cases = [make_case(rng, prefix=[70, 9], n=5, h=4, r=32, dr=8, s=96) for _ in range(3)]
+    whole = np.stack([c["cache"] for c in cases])  # [L, Bt, S, A]: the other layers differ
+    case = cases[layer]
+    args = [jnp.asarray(case[k]) for k in ("q", "cache", "prefix_len", "tree_kv", "tree_mask")]
+    kw = dict(scale=0.2, kv_lora_rank=32, interpret=interpret)
+    got = verify_attn(args[0], jnp.asarray(whole), *args[2:], layer=layer, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(verify_attn(*args, **kw)))
+    ref = verify_attn_ref(*(case[k] for k in ("q", "cache", "prefix_len", "tree_kv", "tree_mask")), scale=0.2,
+                          kv_lora_rank=32)
+    assert_close(np.asarray(got, np.float64), ref, TOL[np.float32], f"layer {layer} of the whole cache")
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_matches_reference_bf16(rng, interpret, splits):
     case = make_case(rng, prefix=[200, 33], n=17, h=8, r=64, dr=16, s=256, dtype=jnp.bfloat16)
@@ -184,7 +199,8 @@ def test_bad_shapes_name_the_tensor(field, shape):
         verify_attn(**args, scale=0.1, kv_lora_rank=32, interpret=True)
 
 
-@pytest.mark.parametrize("kw,match", [(dict(kv_lora_rank=40), "kv_lora_rank"),
+@pytest.mark.parametrize("kw,match", [(dict(kv_lora_rank=32, layer=0), "layer=0"),
+                                      (dict(kv_lora_rank=40), "kv_lora_rank"),
                                       (dict(kv_lora_rank=32, block_k=24), "block_k"),
                                       (dict(kv_lora_rank=32, num_splits=0), "num_splits")])
 def test_bad_arguments_name_the_argument(kw, match):
