@@ -64,18 +64,23 @@ def run_mode(engine, prompts, batch, mode, budget, max_new, repeats):
     }, ids
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The pair, prompts and generation length every engine benchmark shares (profile_budget.py too)."""
     p.add_argument("--checkpoint", default=os.path.join(DEFAULT_DIR, "target"))
     p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
     p.add_argument("--prompts", default=os.path.join(DEFAULT_DIR, "heldout_prompts.jsonl"))
     p.add_argument("--n-prompts", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--budgets", default="16,32,64,128,256")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--budgets", default="16,32,64,128,256")
     p.add_argument("--out", default=None, help="write all rows as JSON")
     p.add_argument("--plot", default=None, help="PNG: acceptance length and speedup vs budget")
     args = p.parse_args()

@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_engine import DEFAULT_DIR, load_prompts, run_mode  # noqa: E402
+from bench_engine import add_workload_args, load_prompts, run_mode  # noqa: E402
 
 from kdtree_jax import budget as budget_mod  # noqa: E402
 from kdtree_jax.engine import Engine  # noqa: E402
@@ -103,16 +103,9 @@ def report(profile: budget_mod.BudgetProfile, rows: dict, args) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=os.path.join(DEFAULT_DIR, "target"))
-    p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
-    p.add_argument("--prompts", default=os.path.join(DEFAULT_DIR, "heldout_prompts.jsonl"))
-    p.add_argument("--n-prompts", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_workload_args(p)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--out", default=None,
                    help="profile JSON; default <checkpoint>/../budget_profile.<device kind>.json (where auto looks)")
     args = p.parse_args(argv)
