@@ -31,11 +31,15 @@ K2_LATENT, K2_LORA, K2_HEADS, K2_SCALE = 576, 512, 64, 0.1446796
 GROUP = 32  # INT4 scale group
 
 
-def verify_case(bt: int, n: int, s: int, dtype, heads: int = K2_HEADS, **kw):
-    specs = (SPEC((bt, n, heads, K2_LATENT), dtype), SPEC((bt, s, K2_LATENT), dtype), SPEC((bt,), jnp.int32),
+def verify_case(bt: int, n: int, s: int, dtype, heads: int = K2_HEADS, layers: int | None = None, **kw):
+    """layers: the engine's form, the whole [layers, Bt, S, A] cache read at its last layer (64-bit offsets)."""
+    cache = (bt, s, K2_LATENT) if layers is None else (layers, bt, s, K2_LATENT)
+    specs = (SPEC((bt, n, heads, K2_LATENT), dtype), SPEC(cache, dtype), SPEC((bt,), jnp.int32),
              SPEC((bt, n, K2_LATENT), dtype), SPEC((bt, n, n), jnp.bool_))
-    fn = functools.partial(verify_attn, scale=K2_SCALE, kv_lora_rank=K2_LORA, interpret=False, **kw)
-    return f"verify_attn {jnp.dtype(dtype).name} batch={bt} N={n} H={heads} S={s}", fn, specs
+    layer = None if layers is None else layers - 1
+    fn = functools.partial(verify_attn, scale=K2_SCALE, kv_lora_rank=K2_LORA, layer=layer, interpret=False, **kw)
+    where = "" if layers is None else f" layer {layer} of {layers}"
+    return f"verify_attn {jnp.dtype(dtype).name} batch={bt} N={n} H={heads} S={s}{where}", fn, specs
 
 
 def tree_build_case(bt: int, budget: int, depth: int = 15):
@@ -63,6 +67,7 @@ def engine_cases() -> list:
     B = 256 at batch 64; the INT4 expert FFN from one token to a 512-token prefill chunk."""
     return [
         verify_case(1, 1, 32768, jnp.bfloat16), verify_case(64, 1, 8192, jnp.bfloat16),
+        verify_case(8, 17, 32768, jnp.bfloat16, layers=61),
         verify_case(8, 17, 8192, jnp.bfloat16), verify_case(1, 257, 8192, jnp.bfloat16),
         verify_case(2, 17, 4096, jnp.float32, heads=8), verify_case(8, 65, 4096, jnp.float32),
         tree_build_case(64, 64), tree_build_case(64, 256), tree_accept_case(64, 64), tree_accept_case(64, 256),

@@ -19,6 +19,7 @@ _spec.loader.exec_module(cases)
 ENGINE_SIZES = {
     "verify_attn bf16 AR batch 64": lambda: cases.verify_case(64, 1, 8192, jnp.bfloat16),
     "verify_attn bf16 tree B=256": lambda: cases.verify_case(1, 257, 8192, jnp.bfloat16),
+    "verify_attn bf16 K2.6 whole cache": lambda: cases.verify_case(8, 17, 32768, jnp.bfloat16, layers=61),
     "verify_attn fp32 tree": lambda: cases.verify_case(2, 17, 4096, jnp.float32, heads=8),
     "int4_moe 1 token": lambda: cases.int4_moe_case(1),
     "int4_moe 512 tokens": lambda: cases.int4_moe_case(512),
