@@ -3,8 +3,8 @@
     python scripts/bench_int4_moe.py [--quick] [--out results.json] [--tune]
 
 K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
-routing is uniform random (distinct experts per token), with several input sets (x and routing) cycled so that L2
-never holds the previous call's experts. Bytes = the distinct touched experts' packed words + scales (gate, up,
+routing is uniform random (distinct experts per token); N_SETS input sets (x and routing) run back to back inside
+one jit (`bench_util.per_call_s`: host dispatch amortised, and L2 never holds the previous call's experts). Bytes = the distinct touched experts' packed words + scales (gate, up,
 down); "% copy" = achieved bandwidth / a device copy measured in the same run. The bf16 column runs the same routed
 shape with bf16 experts through XLA (`ragged_dot`, and `gather` for small counts). Every config is guarded: an OOM or
 compile failure is recorded and the sweep goes on. On a CPU backend it runs a tiny smoke sweep (numbers meaningless).
@@ -25,11 +25,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import copy_ceiling, median_s  # noqa: E402
+from bench_util import copy_ceiling, per_call_s  # noqa: E402
 from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,  # noqa: E402
                                      int4_moe_ffn)
 
-N_SETS = 4  # input sets cycled per timing (defeats L2 reuse of the previous call's experts)
+N_SETS = 8  # input sets per timed jit, run back to back (dispatch amortised; routing differs call to call)
 GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts
 
 
@@ -126,16 +126,15 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
         n_dist = distinct_experts(sets)
         row = dict(tokens=tokens, pairs=tokens * shape.top_k, distinct_experts=n_dist,
                    bytes=n_dist * int4_expert_bytes(shape))
-        variants = {"pallas_int4": lambda x, i, w: kernel(x, i, w, *w4),
-                    "xla_dequant": lambda x, i, w: deq(x, i, w, *w4)}
+        variants = {"pallas_int4": lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret),
+                    "xla_dequant": dequant_then_matmul_ffn}
         if tune:
             for bn, bw, warps in TUNE:
-                f = jax.jit(lambda x, i, w, *ws, bn=bn, bw=bw, nw=warps: int4_moe_ffn(
-                    x, i, w, *ws, block_n=bn, block_w=bw, num_warps=nw, interpret=interpret))
-                variants[f"pallas_bn{bn}_bw{bw}_w{warps}"] = lambda x, i, w, f=f: f(x, i, w, *w4)
+                variants[f"pallas_bn{bn}_bw{bw}_w{warps}"] = lambda x, i, w, *ws, bn=bn, bw=bw, nw=warps: (
+                    int4_moe_ffn(x, i, w, *ws, block_n=bn, block_w=bw, num_warps=nw, interpret=interpret))
         for name, fn in variants.items():
             try:
-                row[f"{name}_ms"] = median_s(cycling(fn, sets)) * 1e3
+                row[f"{name}_ms"] = per_call_s(fn, [s + tuple(w4) for s in sets]) * 1e3
             except Exception as e:  # noqa: BLE001  (an OOM or failed compile is a result; keep sweeping)
                 row[f"{name}_error"] = short_error(e)
         try:  # the kernel against the XLA baseline on one input set (both bf16: loose, catches wrong experts)
@@ -172,7 +171,7 @@ def bf16_sweep(shape: Shape, rows: list[dict], dtype):
             todo["bf16_gather"] = gather
         for name, f in todo.items():
             try:
-                row[f"{name}_ms"] = median_s(cycling(lambda x, i, w, f=f: f(x, i, w, wg, wu, wd), sets)) * 1e3
+                row[f"{name}_ms"] = per_call_s(f, [s + (wg, wu, wd) for s in sets]) * 1e3
             except Exception as e:  # noqa: BLE001
                 row[f"{name}_error"] = short_error(e)
         print(json.dumps({k: v for k, v in row.items() if k.startswith(("tokens", "bf16"))}), flush=True)
