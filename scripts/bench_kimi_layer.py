@@ -98,21 +98,26 @@ def _leaf_kind(name: str, sds) -> str:
     return "embed" if name == "embed" else "matrix"
 
 
-def build_model(cfg, dtype):
-    """(graphdef, state) of a KimiModel with INT4 experts; each leaf is filled by its own jitted init on device."""
-    abstract = nnx.eval_shape(lambda: KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=dtype,
-                                                cache_dtype=dtype, expert_format="int4", moe_impl="auto"))
-    graphdef, state = nnx.split(abstract)
+def random_module(build, group: int, seed: int = 0):
+    """(graphdef, state) of the module `build()` makes, each leaf filled by its own jitted init on the device (nothing
+    model-sized on the host); `group` = the INT4 scale group, for the scales' magnitude."""
+    graphdef, state = nnx.split(nnx.eval_shape(build))
     init = jax.jit(_init_leaf, static_argnums=(1, 2, 3, 4))
     counter = iter(range(1 << 30))
 
     def fill(path, sds):
         name = next((str(getattr(p, "key", "")) for p in reversed(path) if str(getattr(p, "key", "")) != "value"),
                     "")
-        key = jax.random.fold_in(jax.random.key(0), next(counter))
-        return init(key, tuple(sds.shape), sds.dtype, _leaf_kind(name, sds), cfg.quantization.group_size)
+        key = jax.random.fold_in(jax.random.key(seed), next(counter))
+        return init(key, tuple(sds.shape), sds.dtype, _leaf_kind(name, sds), group)
 
     return graphdef, jax.tree_util.tree_map_with_path(fill, state)
+
+
+def build_model(cfg, dtype, moe_impl: str = "auto"):
+    """(graphdef, state) of a KimiModel with INT4 experts and random weights made on the device."""
+    return random_module(lambda: KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=dtype, cache_dtype=dtype,
+                                           expert_format="int4", moe_impl=moe_impl), cfg.quantization.group_size)
 
 
 def weight_bytes(state) -> dict:

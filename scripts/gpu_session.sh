@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh kimi      # INT4 expert matmul vs XLA vs bf16; full-width K2.6 layers (1 GPU)
 #   bash scripts/gpu_session.sh engine    # round breakdown; budget profile (auto vs every fixed B) (1 GPU)
 #   bash scripts/gpu_session.sh mesh2     # sharding tests + 2-GPU generation == 1 GPU, timed (nvidia-h200-x2)
+#   bash scripts/gpu_session.sh scaling   # K2-width layers sharded over 2/4/8 GPUs == 1 GPU, per-round time (x2, x8)
 #
 # Run from the repository root on the device machine (PYTHONPATH is set here); logs and JSON go to $OUT (or ./out).
 # Each step bounds its parts with `timeout` so a hang leaves the rest of the call's output.
@@ -56,8 +57,12 @@ same = [a["token_ids"] == b["token_ids"] for a, b in zip(rows["none"], rows["1x2
 print(f"2-GPU vs 1-GPU: {sum(same)}/{len(same)} prompts token-identical")
 EOF
     ;;
+scaling)
+    run bench_mesh_scaling 540 "$PY" scripts/bench_mesh_scaling.py --layers 4 --meshes 1x1x2 1x1x4 1x1x8 \
+        --out "$OUT/bench_mesh_scaling.json"
+    ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh kernels|kimi|engine|mesh2" >&2
+    echo "usage: bash scripts/gpu_session.sh kernels|kimi|engine|mesh2|scaling" >&2
     exit 2
     ;;
 esac
