@@ -21,7 +21,7 @@ from flax import nnx
 from kdtree_jax import budget as budget_mod
 from kdtree_jax import sampling
 from kdtree_jax.drafter import DrafterCache
-from kdtree_jax.model import LatentCache, forward_prefill
+from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
 from kdtree_jax.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
@@ -41,7 +41,10 @@ from kdtree_jax.speculative import (
 def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: jax.Array, keys: jax.Array) -> DecodeState:
     """Fill the target (and drafter) caches from right-padded prompts and pick the first token.
 
-    prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys.
+    prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys. Chunks run through the verify
+    path (absorbed MLA, causal mask, the verify_attn kernel) when the spec uses Pallas: a chunk at a traced start
+    in plain MLA would expand every cache row through kv_b and materialise [Bt, H, chunk, S] scores (~17 GB per
+    layer for K2.6 at batch 8 and 32k); the kernel streams the prefix instead. Without Pallas, plain MLA.
     """
     bt, cap = prompts.shape
     chunk = spec.prefill_chunk
@@ -49,12 +52,19 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
     draft_cache = None if drafter is None else DrafterCache.zeros(drafter.cfg, bt, spec.capacity, drafter.compute_dtype)
     dummy_bonus = jnp.zeros((bt,), jnp.int32)
 
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (bt, chunk, chunk))
+
     def one_chunk(carry, c):
         cache, draft_cache, last = carry
         start = c * chunk
         tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
         valid = start + jnp.arange(chunk)[None, :] < prompt_len[:, None]  # [Bt, chunk]
-        out = forward_prefill(target, tokens, start, cache, taps=spec.taps, valid=valid)
+        if spec.use_pallas:  # a causal "tree" over the cached prefix: flash-style kernel, no [S]-sized temporaries
+            positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (bt, chunk))
+            out = forward_verify(target, tokens, positions, jnp.full((bt,), start, jnp.int32), causal, cache,
+                                 taps=spec.taps, use_pallas=True, valid=valid)
+        else:
+            out = forward_prefill(target, tokens, start, cache, taps=spec.taps, valid=valid)
         row = prompt_len - 1 - start  # [Bt] the prompt's last row, if it is in this chunk
         here = (row >= 0) & (row < chunk)
         logits = jnp.take_along_axis(out.logits, jnp.clip(row, 0, chunk - 1)[:, None, None], axis=1)[:, 0]

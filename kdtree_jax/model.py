@@ -142,12 +142,13 @@ def forward_prefill(model: KimiModel, tokens: jax.Array, start, cache: LatentCac
 
 def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, start: jax.Array, mask: jax.Array,
                    cache: LatentCache, *, taps: Sequence[int] = (), use_pallas: bool = False,
-                   interpret: bool | None = None) -> ForwardOut:
+                   interpret: bool | None = None, valid: jax.Array | None = None) -> ForwardOut:
     """Absorbed MLA over N new rows per request: tokens / positions [B, N], start [B], mask [B, N, N] bool.
 
     Row i attends to cache rows [0, start_b) and to new rows j with mask[b, i, j]; the N latents are written at
     rows [start_b, start_b + N) (the caller keeps start_b + N <= S). AR: N = 1, mask [[True]]; chain: causal;
-    DDTree: ancestor-or-self mask with positions start + depth.
+    DDTree: ancestor-or-self mask with positions start + depth; a prompt chunk: causal, with `valid` [B, N] marking
+    real tokens as in `forward_prefill`.
     """
     b, n = tokens.shape
     if positions.shape != (b, n) or mask.shape != (b, n, n) or start.shape != (b,):
@@ -165,4 +166,4 @@ def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, st
         pos = start[:, None] + jnp.arange(n, dtype=start.dtype)[None, :]  # [B, N]
         return latent.at[layer, jnp.arange(b)[:, None], pos].set(rows.astype(latent.dtype), mode="drop")
 
-    return _run(model, tokens, positions, cache, taps, attend, write)
+    return _run(model, tokens, positions, cache, taps, attend, write, valid)

@@ -269,3 +269,23 @@ def test_trained_pair_is_lossless_with_long_acceptances():
     assert longest > 2
     alone = eng.generate(prompts[:1], 24, mode="ddtree", budget=16)
     assert alone.token_ids[0] == ar.token_ids[0]
+
+
+def test_prefill_through_the_verify_kernel_equals_plain_mla(rng):
+    """Prompt chunks through the verify path (absorbed MLA, causal mask, Pallas kernel) fill the same cache rows,
+    drafter context and first token as plain-MLA prefill, over several chunks and ragged prompts."""
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    prompts = _prompts(rng, target.cfg.vocab_size, 3, lengths=(19, 6, 13))
+    states = {}
+    for use_pallas in (True, False):
+        eng = Engine(target, drafter, None, use_pallas=use_pallas, prefill_chunk=8)
+        spec, arr, lens, keys = eng._prepare(prompts, 6, 0.0, 0, 1.0, "ddtree", 4, 0, False)
+        assert spec.prompt_cap // spec.prefill_chunk == 3
+        states[use_pallas] = jax.jit(lambda a, l, k, spec=spec: engine_mod.prefill(spec, target, drafter, a, l, k))(
+            arr, lens, keys)
+    kernel, plain = states[True], states[False]
+    np.testing.assert_array_equal(np.asarray(kernel.tokens), np.asarray(plain.tokens))  # same first token
+    lat_k, lat_p = np.asarray(kernel.cache.latent), np.asarray(plain.cache.latent)
+    for b, n in enumerate(np.asarray(lens)):
+        np.testing.assert_allclose(lat_k[:, b, :n], lat_p[:, b, :n], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kernel.draft_lp), np.asarray(plain.draft_lp), rtol=1e-4, atol=1e-4)
