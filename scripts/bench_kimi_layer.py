@@ -12,7 +12,11 @@ Measured (median, warm-up, block_until_ready; cache donated and fed back):
     B in {16, 64, 256} (random ancestor-mask trees), batch 1 and 8, cache prefix 4k and 32k (the prefix is a
     runtime value: one compile per (batch, N, MoE)); VERIFY_CALLS steps per jitted call on distinct token sets, in
     a loop that threads the cache, so the host's per-call dispatch is amortised as in the engine's decode loop.
-  - forward_prefill: 4k tokens at start 0, batch 1 and 8.
+  - prefill of 4k tokens, batch 1 and 8, two ways: "prefill_chunked" is what the engine runs (256-token chunks through
+    the verify path: absorbed MLA, causal mask, verify_attn, at a traced start); "prefill" is one plain-MLA
+    forward_prefill over all tokens at start 0 (the model's other form, for comparison). Both rows' roofline uses
+    the plain-MLA FLOPs and one read of the weights; the chunked path reads the weights once per chunk and does
+    ~3.4x the attention FLOPs per score (576 + 512 wide instead of 192 + 128), so its roofline is a lower bound.
   - MoE two ways: "kernel" = the model's expert path swapped (locally, by patching kdtree_jax.moe's expert functions
     while tracing) for `pallas_kernels.int4_moe.int4_moe_ffn`; "as_is" = the model's own path (gather / dense, which
     dequantizes every gathered or every expert), tried only up to --as-is-max-tokens routed tokens.
@@ -52,6 +56,7 @@ from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
 
 N_SETS = 2  # prefill: token sets cycled per timing (different routing each call)
 VERIFY_CALLS = 8  # verify steps per jitted call, each on its own token set (different routing each step)
+PREFILL_CHUNK = 256  # the engine's prefill chunk (Engine.prefill_chunk)
 ROUTED = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
 
 
@@ -201,12 +206,34 @@ def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool):
     return jax.jit(fn, donate_argnums=(5,))
 
 
-def make_prefill(graphdef, n_experts: int, mode: str, interpret: bool):
+def make_prefill(graphdef, cfg, mode: str, interpret: bool, chunk: int | None, use_pallas: bool):
+    """chunk None: one plain-MLA forward_prefill over all T tokens at start 0. chunk C: what the engine runs, T / C
+    chunks through the verify path (absorbed MLA, causal mask, verify_attn) in a scan at a traced start."""
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
     def fn(state, tokens, cache):
-        record = []
-        with moe_experts(mode, record, interpret):
-            out = forward_prefill(nnx.merge(graphdef, state), tokens, 0, cache)
-        return out.logits, out.cache, _distinct(record, n_experts)
+        model = nnx.merge(graphdef, state)
+        if chunk is None:
+            record = []
+            with moe_experts(mode, record, interpret):
+                out = forward_prefill(model, tokens, 0, cache)
+            return out.logits[:, -1], out.cache, _distinct(record, cfg.n_routed_experts)
+        bt, t = tokens.shape
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (bt, chunk, chunk))
+
+        def one(carry, c):
+            cache, distinct = carry
+            start = c * chunk
+            record = []
+            with moe_experts(mode, record, interpret):
+                out = forward_verify(model, jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1),
+                                     jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (bt, chunk)),
+                                     jnp.full((bt,), start, jnp.int32), causal, cache, use_pallas=use_pallas,
+                                     interpret=interpret)
+            return (out.cache, distinct + _distinct(record, cfg.n_routed_experts)), out.logits[:, -1]
+
+        (cache, distinct), last = jax.lax.scan(one, (cache, jnp.zeros((n_moe,), jnp.int32)), jnp.arange(t // chunk))
+        return last[-1], cache, distinct / (t // chunk)
     return jax.jit(fn, donate_argnums=(2,))
 
 
@@ -296,9 +323,11 @@ class Runner:
 
     def prefill_configs(self):
         cfg, t = self.cfg, self.sweep.prefill_tokens
-        for mode in ("kernel", "as_is"):
+        chunk = min(PREFILL_CHUNK, t)
+        for mode, kind, chunked in (("kernel", "prefill_chunked", chunk), ("kernel", "prefill", None),
+                                    ("as_is", "prefill", None)):
             for bt in self.sweep.batches:
-                base = dict(kind="prefill", moe=mode, batch=bt, tokens=t)
+                base = dict(kind=kind, moe=mode, batch=bt, tokens=t, chunk=chunked)
                 if mode == "as_is" and bt * t > self.args.as_is_max_tokens:
                     self.record({**base, "skipped": f"as-is MoE above {self.args.as_is_max_tokens} tokens"})
                     continue
@@ -307,7 +336,8 @@ class Runner:
                     continue
                 try:
                     t_c = time.perf_counter()
-                    fn = make_prefill(self.graphdef, cfg.n_routed_experts, mode, self.interpret)
+                    fn = make_prefill(self.graphdef, cfg, mode, self.interpret, chunked,
+                                      not self.args.no_pallas_attn)
                     rng = np.random.default_rng(bt)
                     token_sets = [(jnp.asarray(rng.integers(0, cfg.vocab_size, (bt, t)), jnp.int32),)
                                   for _ in range(N_SETS)]
