@@ -172,7 +172,8 @@ class ResourceLimitError(ValueError):
 
 def estimate_bytes(spec: DecodeSpec, target, drafter) -> dict[str, int]:
     """Device bytes a generation allocates beyond the weights: caches plus the larger of prefill and verify
-    activations (logits, attention scores and MoE intermediates of one forward, x2 for temporaries)."""
+    activations (logits, attention scores unless the kernel streams them, and MoE intermediates of one forward as
+    the dense path would hold them, x2 for temporaries)."""
     cfg = target.cfg
     bt, cap = spec.batch, spec.capacity
     itemsize = jnp.dtype(target.cache_dtype).itemsize
@@ -184,7 +185,8 @@ def estimate_bytes(spec: DecodeSpec, target, drafter) -> dict[str, int]:
 
     def forward(tokens: int, keys: int) -> int:
         logits = bt * tokens * cfg.vocab_size * 4
-        scores = bt * cfg.num_attention_heads * tokens * keys * 4
+        # the verify_attn kernel (verify and, with Pallas, prefill chunks) streams keys: no [Bt, H, T, S] scores
+        scores = 0 if spec.use_pallas else bt * cfg.num_attention_heads * tokens * keys * 4
         moe = bt * tokens * max(cfg.n_routed_experts, 1) * max(cfg.moe_intermediate_size, 1) * act
         hidden = bt * tokens * max(cfg.intermediate_size, cfg.hidden_size) * act * 4
         return 2 * (logits + scores + moe + hidden)
