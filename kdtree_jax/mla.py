@@ -134,8 +134,14 @@ def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: j
     if use_pallas:
         from pallas_kernels.verify_attn import verify_attn  # lazy: the kernel module is optional on CPU
 
-        o_lat = verify_attn(q, cache, start, tree_kv, mask, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
-                            layer=layer, interpret=interpret)
+        kw = dict(scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, layer=layer, interpret=interpret)
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.size > 1:  # each device runs the kernel on its requests and heads
+            from kdtree_jax.sharding import verify_attn_on_mesh
+
+            o_lat = verify_attn_on_mesh(q, cache, start, tree_kv, mask, **kw)
+        else:
+            o_lat = verify_attn(q, cache, start, tree_kv, mask, **kw)
     else:
         o_lat = absorbed_attention_jnp(q, cache if layer is None else cache[layer], start, tree_kv, mask,
                                        scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)

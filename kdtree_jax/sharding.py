@@ -318,6 +318,28 @@ def moe_expert_parallel(moe, x: jax.Array, mesh: Mesh | None = None) -> jax.Arra
     return y.reshape(x.shape)
 
 
+def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int | None, mesh=None, **kw):
+    """`pallas_kernels.verify_attn` run by every device on its own requests and heads (jax.shard_map).
+
+    GSPMD cannot split a custom call, so a Triton kernel fed a batch-split cache would first have it gathered onto
+    every device. Here each device passes its batch shard of the cache ([L, Bt/data, S, A], replicated over the
+    head split, as LATENT_CACHE_AXES lays it out) and its slice of the heads ("heads" axes) straight to the kernel.
+    """
+    from pallas_kernels.verify_attn import verify_attn
+
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    q_spec = logical_spec(("batch", None, "heads", None), q.shape, mesh, name="verify_attn q")  # as the weights
+    data = q_spec[0]
+    cache_spec = P(data) if layer is None else P(None, data)  # LATENT_CACHE_AXES: batch-split, never head-split
+    row = P(data)
+
+    def local(q, cache, prefix_len, tree_kv, tree_mask):
+        return verify_attn(q, cache, prefix_len, tree_kv, tree_mask, layer=layer, **kw)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, cache_spec, row, row, row), out_specs=q_spec,
+                         check_vma=False)(q, cache, prefix_len, tree_kv, tree_mask)
+
+
 def _width_dim(name: str) -> int:
     """Dim of a stacked routed-expert array that holds the expert width (moe_intermediate_size or its packing)."""
     return 2 if name in ("gate", "up") or name.startswith("down_") else 1
