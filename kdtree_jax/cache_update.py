@@ -9,15 +9,17 @@ import jax
 import jax.numpy as jnp
 
 
-def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
-    """Per-request `buffer[b, start[b] : start[b] + R] = rows[b]`.  buffer: [Bt, S, ...], rows: [Bt, R, ...].
+def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, *, layer: int | None = None) -> jax.Array:
+    """Per-request `buffer[b, start[b] : start[b] + R] = rows[b]`.  buffer: [Bt, S, ...] (or [L, Bt, S, ...] with
+    `layer`: that layer's rows), rows: [Bt, R, ...].
 
     One scatter with explicit (request, row) indices: a vmapped dynamic_update_slice becomes a scatter wrapped in
     transposes, which XLA materialises as copies of the whole buffer. Rows past S are dropped (never shifted back
     over earlier rows, as a clamped dynamic_update_slice would)."""
     bt, r = rows.shape[:2]
     pos = start[:, None] + jnp.arange(r, dtype=start.dtype)[None, :]  # [Bt, R]
-    return buffer.at[jnp.arange(bt)[:, None], pos].set(rows.astype(buffer.dtype), mode="drop")
+    index = (jnp.arange(bt)[:, None], pos) if layer is None else (layer, jnp.arange(bt)[:, None], pos)
+    return buffer.at[index].set(rows.astype(buffer.dtype), mode="drop")
 
 
 def compact_latents(latent: jax.Array, start: jax.Array, src_slot: jax.Array) -> jax.Array:

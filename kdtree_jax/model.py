@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kdtree_jax.cache_update import write_rows
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import init_norm_weight, init_normal, rms_norm, rope_cos_sin, yarn_inv_freq
 from kdtree_jax.mla import MLA, mla_prefill, mla_verify
@@ -162,8 +163,6 @@ def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, st
                           interpret=interpret)
 
     def write(latent, layer, rows):  # [B, N, A] at rows [start_b, start_b + N) of layer `layer`: one scatter
-        b, n = rows.shape[:2]
-        pos = start[:, None] + jnp.arange(n, dtype=start.dtype)[None, :]  # [B, N]
-        return latent.at[layer, jnp.arange(b)[:, None], pos].set(rows.astype(latent.dtype), mode="drop")
+        return write_rows(latent, rows, start, layer=layer)
 
     return _run(model, tokens, positions, cache, taps, attend, write, valid)
