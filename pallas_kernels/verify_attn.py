@@ -259,6 +259,8 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     """
     _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
     interpret = resolve_interpret(interpret)
+    if layer is not None and interpret:  # the interpreter's loop would carry (copy) every layer: hand it one
+        cache, layer = cache[layer], None
     if layer is None:
         cache, layer = cache[None], 0  # [1, Bt, S, A]: one code path
     bt, n, h, a = q.shape
