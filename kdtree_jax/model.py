@@ -110,6 +110,9 @@ def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: Laten
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):
             a, rows = attend(layer.attn, rms_norm(h, layer.input_norm[...], cfg.rms_norm_eps), cos, sin, latent, i)
+            # the new rows do not depend on the attention output, so without this the write could run before the
+            # attention's reads of the cache and XLA keeps the old cache alive with a whole-cache copy per layer
+            a, rows = jax.lax.optimization_barrier((a, rows))
             latent = write(latent, i, rows)
             h = h + a
             h = h + layer.mlp(rms_norm(h, layer.post_norm[...], cfg.rms_norm_eps))

@@ -1,6 +1,9 @@
 """The engine's whole generation program (prefill + every round in one jit) lowers for an abstract H200 with the
 three round kernels compiled through Triton, in each mode and dtype. The per-kernel lowering tests see each kernel
 alone at hand-picked shapes; this sees them at the shapes and inside the control flow the engine gives them."""
+import importlib.util
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -60,3 +63,14 @@ def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
     latent = "x".join(map(str, ts_cache_shape(target, spec))) + "x" + cache_dt
     calls = [line for line in text.splitlines() if TRITON_CALL in line and 'name = "verify_attn"' in line]
     assert calls and all(f"tensor<{latent}>" in line for line in calls), calls[:1]
+
+
+@pytest.mark.parametrize("use_pallas", [False, True])
+def test_decode_loop_never_copies_the_cache(use_pallas):
+    """No `copy` of the whole latent cache in the compiled decode loop: each would read and write the entire cache
+    every round (the vmapped writes and a write unordered with the attention's reads once made 7 to 9)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "hlo_cache_copies.py")
+    spec = importlib.util.spec_from_file_location("_hlo_cache_copies", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.cache_copies("ddtree", use_pallas) == []
