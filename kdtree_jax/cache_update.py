@@ -16,10 +16,14 @@ def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, *, layer: i
     One scatter with explicit (request, row) indices: a vmapped dynamic_update_slice becomes a scatter wrapped in
     transposes, which XLA materialises as copies of the whole buffer. Rows past S are dropped (never shifted back
     over earlier rows, as a clamped dynamic_update_slice would)."""
-    bt, r = rows.shape[:2]
-    pos = start[:, None] + jnp.arange(r, dtype=start.dtype)[None, :]  # [Bt, R]
-    index = (jnp.arange(bt)[:, None], pos) if layer is None else (layer, jnp.arange(bt)[:, None], pos)
+    index = _rows_after(start, rows.shape[1])
+    index = index if layer is None else (layer, *index)
     return buffer.at[index].set(rows.astype(buffer.dtype), mode="drop")
+
+
+def _rows_after(start: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
+    """(request [Bt, 1], row [Bt, R]) indices of rows start[b] .. start[b] + R - 1 of every request."""
+    return jnp.arange(start.shape[0])[:, None], start[:, None] + jnp.arange(r, dtype=start.dtype)[None, :]
 
 
 def compact_latents(latent: jax.Array, start: jax.Array, src_slot: jax.Array) -> jax.Array:
@@ -27,11 +31,9 @@ def compact_latents(latent: jax.Array, start: jax.Array, src_slot: jax.Array) ->
 
     latent: [n_layers, Bt, S, A], start: [Bt], src_slot: [Bt, P] (identity past the accepted length).
     """
-    bt, p = src_slot.shape
     rows = start[:, None] + src_slot  # [Bt, P]
     gathered = jnp.take_along_axis(latent, rows[None, :, :, None], axis=2)  # [n_layers, Bt, P, A]
-    dest = start[:, None] + jnp.arange(p, dtype=start.dtype)[None, :]  # [Bt, P]
-    return latent.at[:, jnp.arange(bt)[:, None], dest].set(gathered, mode="drop")
+    return latent.at[(slice(None), *_rows_after(start, src_slot.shape[1]))].set(gathered, mode="drop")
 
 
 def emitted_tokens(tree_tokens: jax.Array, path: jax.Array, n_accepted: jax.Array, bonus: jax.Array) -> jax.Array:
