@@ -11,7 +11,8 @@ split, so they share its KV blocks through L2 (what makes large trees compute-bo
 walks its share of the prefix blocks (a dynamic trip count from prefix_len, so a short prefix in a long cache costs
 only its own blocks); the last split with work also walks the tree blocks. With one split the kernel normalises
 and writes the output; with several (chosen when Bt * tiles alone would leave SMs idle) each active split writes
-(normalised output, log-sum-exp) and a second small kernel merges the active ones (flash-decoding). Splits read
+(normalised output, log-sum-exp) and XLA merges the active ones (flash-decoding): a fused reduction over the split
+axis, parallel over rows, where a Pallas merge loop over splits measured latency-bound on the H200. Splits read
 >= MIN_SPLIT_ROWS cache rows each, so a short prefix uses few of them and idle splits neither compute nor write.
 
 Triton constraints and how they are met (jax_stack.md §2.3):
@@ -38,15 +39,16 @@ from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 
 NEG = -1e30  # finite "minus infinity" for the running max: NEG - NEG = 0, never inf - inf
 MIN_DOT = 16  # smallest dot dimension Triton handles well
-# Default (block_q, block_k) by input itemsize, from the sm_90 resource report (scripts/kernel_resources.py,
-# BENCHMARKS.md): the largest tiles whose fp32 [block_q, 512] accumulator and q tile stay in registers (no stack
-# spills) with 8 warps and 2 stages and whose shared memory fits a block. 64-row tiles would use Hopper's wgmma but
-# spill 232-544 bytes per thread at K2 width; fp32 at (64, 32) needs 346 KiB of shared memory and cannot launch.
-DEFAULT_TILES = {2: (32, 32), 4: (16, 32)}
-DEFAULT_WARPS = 8
+# Defaults by input itemsize: (block_q for small / large query counts, block_k, warps, stages). bf16 from the H200
+# tuning sweep (BENCHMARKS.md §3, `bench_kernels.py --tune`): 4 warps and 3 stages with 64-row KV blocks were 1.6-2.2x
+# faster than the 8-warp, 2-stage, 32 x 32 tiles the sm_90 resource report suggested (its fp32 accumulator
+# spills cost less than the lost latency hiding); 16-row query tiles won up to ~2k query rows per request (decode,
+# small trees), 32-row tiles on large trees. fp32 keeps 16 x 32 on 8 warps, 2 stages: larger tiles or more stages
+# need more shared memory than a block has (346 KiB at 64 x 32).
+DEFAULTS = {2: ((16, 32), 64, 4, 3), 4: ((16, 16), 32, 8, 2)}
+SMALL_QUERY_ROWS = 2048  # up to this many query rows (N*H) per request the small query tile is used
 SM_COUNT = 132  # H200; splits aim for about one program per SM
-MIN_SPLIT_ROWS = 1024  # a split reads at least this many cache rows, so partial outputs stay small vs the cache
-COMBINE_ROWS = 16  # query rows per program of the split combine (keeps its fp32 tile in registers)
+MIN_SPLIT_ROWS = 256  # a split reads at least this many cache rows, so partial outputs stay small vs the cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,24 +162,15 @@ def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi, w
         lse_ref[pl.ds(r0, bq)] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)
 
 
-def _combine_kernel(plen_ref, o_ref, lse_ref, out_ref, *, plan: _Plan):
-    # plen_ref [Bt] i32 | o_ref [n_splits, rows, r] f32 | lse_ref [n_splits, rows] f32 | out_ref [rows, r]
-    """Merge the active splits' normalised outputs by their log-sum-exps (flash-decoding reduction)."""
-    i, b = pl.program_id(0), pl.program_id(1)
-    bq = COMBINE_ROWS
-    r0 = jnp.minimum(i * bq, plan.rows - bq)
-    _, _, n_active = _split_range(plen_ref[b], 0, plan)
-
-    def split(j, carry):
-        acc, m, l = carry  # [bq, r], [bq], [bq]: sum_j exp(lse_j - m) o_j and sum_j exp(lse_j - m)
-        lse = lse_ref[j, pl.ds(r0, bq)]
-        m_new = jnp.maximum(m, lse)
-        corr, w = jnp.exp(m - m_new), jnp.exp(lse - m_new)  # a split that saw nothing has o = 0
-        return acc * corr[:, None] + w[:, None] * o_ref[j, pl.ds(r0, bq), :], m_new, l * corr + w
-
-    init = (jnp.zeros((bq, plan.r), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, _, l = lax.fori_loop(jnp.int32(0), n_active.astype(jnp.int32), split, init)
-    out_ref[pl.ds(r0, bq), :] = (acc / l[:, None]).astype(out_ref.dtype)  # l >= 1: the top split has weight 1
+def _combine(o, lse, prefix_len, plan: _Plan):
+    """Merge the active splits' normalised outputs o [Bt, splits, rows, r] by their log-sum-exps lse [Bt, splits,
+    rows] (flash-decoding). Inactive splits were never written: masked here before any arithmetic."""
+    _, _, n_active = _split_range(prefix_len, 0, plan)  # [Bt]
+    active = jnp.arange(plan.n_splits)[None, :] < n_active[:, None]  # [Bt, splits]
+    lse = jnp.where(active[..., None], lse, NEG)
+    o = jnp.where(active[..., None, None], o, 0.0)
+    w = jnp.exp(lse - lse.max(axis=1, keepdims=True))  # a row that saw nothing: o = 0 in every split
+    return (w[..., None] * o).sum(axis=1) / w.sum(axis=1)[..., None]  # [Bt, rows, r]; sum(w) >= 1
 
 
 def _pad_latent(x, r, r_pad, dr_pad):
@@ -225,7 +218,8 @@ def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsiz
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if blk is not None and (blk < MIN_DOT or blk != next_pow2(blk)):
             raise ValueError(f"verify_attn: {name}={blk} must be a power of two >= {MIN_DOT}")
-    default_q, default_k = DEFAULT_TILES[min(itemsize, 4)]
+    (small_q, large_q), default_k, _, _ = DEFAULTS[min(itemsize, 4)]
+    default_q = small_q if n * h <= SMALL_QUERY_ROWS else large_q
     bq = min(block_q or default_q, _prev_pow2(rows))
     bk = min(block_k or default_k, _prev_pow2(seq))
     n_q = pl.cdiv(rows, bq)
@@ -246,7 +240,7 @@ def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsiz
                                              "num_warps", "num_stages", "interpret"))
 def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int, layer: int | None = None,
                 block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
-                num_warps: int | None = None, num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
+                num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
     """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
 
     q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
@@ -292,19 +286,11 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
         out_specs = (pl.BlockSpec((None, None, plan.rows, r_pad), lambda i, j, b: (b, j, 0, 0)),
                      pl.BlockSpec((None, None, plan.rows), lambda i, j, b: (b, j, 0)))
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
-    if num_warps is None:  # K2-width accumulators need 8 warps' registers; tiny configs run fine on 4
-        num_warps = DEFAULT_WARPS if plan.block_q * plan.r >= 16 * 256 else 4
+    _, _, default_warps, default_stages = DEFAULTS[min(q.dtype.itemsize, 4)]
     kernel = functools.partial(_kernel, plan=plan, scale=float(scale), precision=precision)
-    res = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-                      grid=(plan.n_q, plan.n_splits, bt), in_specs=in_specs, out_specs=out_specs,
-                      out_shape=out_shape, name="verify_attn")(prefix_len, q2, cache, tree_kv, mask)
+    res = pallas_call(kernel, interpret=interpret, num_warps=num_warps or default_warps,
+                      num_stages=num_stages or default_stages, grid=(plan.n_q, plan.n_splits, bt), in_specs=in_specs,
+                      out_specs=out_specs, out_shape=out_shape, name="verify_attn")(prefix_len, q2, cache, tree_kv, mask)
     if plan.n_splits > 1:  # -> [Bt, rows, r_pad]
-        res = pallas_call(functools.partial(_combine_kernel, plan=plan), interpret=interpret, num_warps=4,
-                          num_stages=num_stages, grid=(pl.cdiv(plan.rows, COMBINE_ROWS), bt),
-                          in_specs=[pl.BlockSpec((bt,), lambda i, b: (0,)),
-                                    pl.BlockSpec((None, plan.n_splits, plan.rows, r_pad), lambda i, b: (b, 0, 0, 0)),
-                                    pl.BlockSpec((None, plan.n_splits, plan.rows), lambda i, b: (b, 0, 0))],
-                          out_specs=pl.BlockSpec((None, plan.rows, r_pad), lambda i, b: (b, 0, 0)),
-                          out_shape=jax.ShapeDtypeStruct((bt, plan.rows, r_pad), q.dtype),
-                          name="verify_attn_combine")(prefix_len, *res)
+        res = _combine(*res, prefix_len, plan).astype(q.dtype)
     return res[:, : n * h, :r].reshape(bt, n, h, r)

@@ -22,9 +22,10 @@ Measured (median, warm-up, block_until_ready; cache donated and fed back):
     dequantizes every gathered or every expert), tried only up to --as-is-max-tokens routed tokens.
 Bytes that must move = every non-routed weight (attention, dense MLP, shared expert, router, norms, lm_head) + the
 distinct experts each MoE layer touched (INT4 words + scales, counted inside the same jitted call) + the latent
-cache prefix read. Roofline = bytes / copy bandwidth measured in the same run. A least-squares cost model
-t = a + b * attn_bytes + c * expert_bytes (attn_bytes = attention weights + cache read) is fitted over the verify
-points of the kernel MoE, with the fit error per point. Every config is guarded (OOM / compile failure recorded,
+cache prefix read. Roofline = bytes / copy bandwidth measured in the same run. A cost model
+t = a + b * attention FLOPs + c * distinct-expert bytes + d * tokens (+ e * cache bytes), coefficients >= 0, fitted
+for the smallest worst-case relative error over the verify points of the kernel MoE, with the fit error per point
+and the leave-one-out worst error; `--refit results.json` refits a saved run without a GPU. Every config is guarded (OOM / compile failure recorded,
 sweep continues) and the whole run stops starting new configs after --budget-s seconds. On a CPU backend it runs a
 tiny-config smoke sweep (numbers meaningless).
 """
@@ -368,22 +369,72 @@ def prefill_flops(cfg, bt: int, t: int, wbytes: dict) -> float:
     return float(bt * (2 * t * active + attn))
 
 
-def fit_cost_model(rows: list[dict]) -> dict:
-    """Least squares t = a + b * attn_bytes + c * expert_bytes over the kernel-MoE verify points."""
+COST_TERMS = ("intercept", "attn_flops", "expert_bytes", "tokens", "cache_bytes")  # candidate cost-model terms
+
+
+def attn_flops(cfg, bt: int, n: int, prefix: int) -> float:
+    """Absorbed-MLA verify attention FLOPs of all layers: every (node, head) row against prefix + tree keys, scores
+    over the latent + rope width and values over the latent width. At 64 heads this, not the cache bytes, sets the
+    attention time (~120 FLOP per cache byte even at N = 1)."""
+    return 2.0 * bt * n * cfg.num_attention_heads * (prefix + n) * (cfg.latent_dim + cfg.kv_lora_rank) \
+        * cfg.num_hidden_layers
+
+
+def _minimax_nonneg(x: np.ndarray, t: np.ndarray, iters: int = 300):
+    """Coefficients c >= 0 minimising max_i |x_i . c / t_i - 1| (Lawson's reweighted least squares) over every subset
+    of the columns; -> (max relative error, column indices, coefficients). Relative error: times span 1 ms..250 ms."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale / t[:, None]  # rows in units of the measured time
+    best = None
+    for mask in range(1, 1 << x.shape[1]):
+        cols = [j for j in range(x.shape[1]) if mask >> j & 1]
+        w = np.full(len(t), 1.0 / len(t))
+        for _ in range(iters):
+            sw = np.sqrt(w)
+            c, *_ = np.linalg.lstsq(xs[:, cols] * sw[:, None], sw, rcond=None)
+            res = np.abs(xs[:, cols] @ c - 1.0)
+            if res.max() < 1e-12:  # exact: nothing left to reweight
+                break
+            w = w * res / np.sum(w * res)
+        if (c < 0).any():
+            continue
+        err = float(np.abs(xs[:, cols] @ c - 1.0).max())
+        if best is None or err < best[0]:
+            best = (err, cols, c / scale[cols])
+    return best
+
+
+def fit_cost_model(rows: list[dict], cfg) -> dict:
+    """Verify time t = sum_k c_k * term_k, c_k >= 0, over the kernel-MoE verify points, terms from COST_TERMS (the
+    subset with the smallest worst-case relative error); also the leave-one-out worst error (each point predicted by
+    a fit without it), the honest figure for a model with this many terms."""
     pts = [r for r in rows if r.get("kind") == "verify" and r.get("moe") == "kernel" and "ms" in r]
-    if len(pts) < 4:
+    if len(pts) < len(COST_TERMS) + 2:
         return dict(error=f"only {len(pts)} points")
-    a = np.array([[1.0, r["attn_bytes"], r["expert_bytes"]] for r in pts])
-    t = np.array([r["ms"] / 1e3 for r in pts])
-    coef, *_ = np.linalg.lstsq(a, t, rcond=None)
-    pred = a @ coef
+
+    def terms(r):
+        return [1.0, attn_flops(cfg, r["batch"], r["nodes"], r["prefix"]), r["expert_bytes"],
+                r["batch"] * r["nodes"], r["cache_bytes"]]
+
+    x, t = np.array([terms(r) for r in pts]), np.array([r["ms"] / 1e3 for r in pts])
+    err, cols, coef = _minimax_nonneg(x, t)
+    pred = x[:, cols] @ coef
     for r, p in zip(pts, pred):
         r["fit_ms"] = float(p * 1e3)
-        r["fit_rel_err"] = float((p - r["ms"] / 1e3) / (r["ms"] / 1e3))
-    return dict(a_ms=float(coef[0] * 1e3), b_s_per_GB=float(coef[1] * 1e9), c_s_per_GB=float(coef[2] * 1e9),
-                attn_GBps=float(1 / coef[1] / 1e9) if coef[1] > 0 else None,
-                expert_GBps=float(1 / coef[2] / 1e9) if coef[2] > 0 else None,
-                max_abs_rel_err=float(np.max(np.abs(pred - t) / t)))
+        r["fit_rel_err"] = float(p / (r["ms"] / 1e3) - 1)
+    loo = []
+    for i in range(len(pts)):
+        keep = np.arange(len(pts)) != i
+        _, c_cols, c = _minimax_nonneg(x[keep], t[keep])
+        loo.append(float(x[i, c_cols] @ c / t[i] - 1))
+    named = {COST_TERMS[j]: float(v) for j, v in zip(cols, coef)}
+    return dict(terms=named, a_ms=named.get("intercept", 0.0) * 1e3,
+                attn_tflops=1 / named["attn_flops"] / 1e12 if named.get("attn_flops") else None,
+                expert_GBps=1 / named["expert_bytes"] / 1e9 if named.get("expert_bytes") else None,
+                us_per_token=named.get("tokens", 0.0) * 1e6,
+                cache_GBps=1 / named["cache_bytes"] / 1e9 if named.get("cache_bytes") else None,
+                max_abs_rel_err=err, loo_max_abs_rel_err=float(np.abs(loo).max()), points=len(pts))
 
 
 def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
@@ -407,6 +458,20 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
     return "\n".join(lines)
 
 
+def refit(path: str, out: str | None) -> dict:
+    """The cost model and table of a saved K2.6-width run (always K2.6 shapes: only a GPU run measures them)."""
+    with open(path) as f:
+        result = json.load(f)
+    cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=result["layers"])
+    result["fit"] = fit_cost_model(result["rows"], cfg)
+    print(markdown(result["rows"], result["copy_gbps"] * 1e9, result["matmul_tflops"] * 1e12))
+    print(f"\ncost model (kernel-MoE verify points): {json.dumps(result['fit'])}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (layer 0 dense, the rest MoE)")
@@ -417,7 +482,10 @@ def main(argv=None):
                         help="measure the model's own MoE path only up to this many routed tokens")
     parser.add_argument("--budget-s", type=float, default=270.0, help="start no new config after this many seconds")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--refit", metavar="JSON", help="refit the cost model of a saved --out file (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.refit:
+        return refit(args.refit, args.out)
 
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu:
@@ -445,12 +513,11 @@ def main(argv=None):
             runner.prefill_configs()
     finally:  # partial tables on any failure
         rows = runner.rows if runner else []
-        result["fit"] = fit_cost_model(rows)
+        result["fit"] = fit_cost_model(rows, cfg)
         result["rows"] = rows
         result["total_s"] = time.perf_counter() - t0
         print("\n" + markdown(rows, copy_bw, peak), flush=True)
-        print(f"\ncost model t = a + b*attn_bytes + c*expert_bytes (kernel-MoE verify points): "
-              f"{json.dumps(result['fit'])}")
+        print(f"\ncost model (kernel-MoE verify points): {json.dumps(result['fit'])}")
         print(f"total {result['total_s']:.0f} s")
         if args.out:
             with open(args.out, "w") as f:

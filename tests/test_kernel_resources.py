@@ -1,6 +1,10 @@
 """Each kernel's default tiles at engine sizes, compiled for sm_90 on the CPU (no GPU): shared memory fits one block
-and no registers spill to local memory. The Triton-IR lowering tests cannot see either; the first GPU run of the
-fp32 verify_attn found the shared-memory overflow the hard way (346 KiB asked, 227 KiB allowed)."""
+and register spills stay small. The Triton-IR lowering tests cannot see either; the first GPU run of the fp32
+verify_attn found the shared-memory overflow the hard way (346 KiB asked, 227 KiB allowed).
+
+Spills are bounded, not forbidden: on the H200 the bf16 verify_attn tiles on 4 warps (up to 280 B of stack per
+thread at B = 256) ran 1.6-2.2x faster than spill-free 8-warp tiles (BENCHMARKS.md §3). A default that spills more
+than SPILL_LIMIT is a change to measure on the GPU before it lands."""
 import importlib.util
 import os
 
@@ -10,6 +14,8 @@ import pytest
 pytest.importorskip("triton", reason="the sm_90 compile needs the triton package (test extra, Linux x86-64)")
 
 from pallas_kernels.triton_report import SHARED_LIMIT, report  # noqa: E402
+
+SPILL_LIMIT = 512  # stack bytes per thread
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "kernel_resources.py")
 _spec = importlib.util.spec_from_file_location("_kernel_resources", _PATH)
@@ -28,17 +34,17 @@ ENGINE_SIZES = {
 
 
 @pytest.mark.parametrize("which", list(ENGINE_SIZES))
-def test_default_tiles_fit_and_do_not_spill(which):
+def test_default_tiles_fit_and_spill_little(which):
     _, fn, specs = ENGINE_SIZES[which]()
     kernels = report(fn, *specs)
     assert kernels, f"{which}: no Triton kernel was lowered"
     for k in kernels:
         assert k.shared_bytes <= SHARED_LIMIT, f"{which} / {k.name}: {k.shared_bytes} B of shared memory"
-        assert not k.spills, f"{which} / {k.name}: spills ({k.stack_bytes} B stack, {k.spill_loads} LDL)"
+        assert k.stack_bytes <= SPILL_LIMIT, f"{which} / {k.name}: spills {k.stack_bytes} B stack ({k.spill_loads} LDL)"
 
 
 def test_report_sees_a_spilling_config():
-    """The check can fail: 64-row K2 tiles on 8 warps spill (the old verify_attn default)."""
-    _, fn, specs = cases.verify_case(1, 1, 4096, jnp.bfloat16, block_q=64, block_k=32, num_warps=8)
+    """The check can fail: 64-row K2 tiles on 4 warps spill far past the limit (and use wgmma)."""
+    _, fn, specs = cases.verify_case(1, 1, 4096, jnp.bfloat16, block_q=64, block_k=64, num_warps=4)
     main = report(fn, *specs)[0]
-    assert main.spills and main.stack_bytes > 0 and main.wgmma > 0
+    assert main.spills and main.stack_bytes > SPILL_LIMIT and main.wgmma > 0

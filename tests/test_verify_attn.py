@@ -9,7 +9,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import lower_for_h200
-from pallas_kernels.verify_attn import verify_attn
+from pallas_kernels.verify_attn import _make_plan, verify_attn
 from pallas_kernels.verify_attn_ref import verify_attn_ref
 
 TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -168,21 +168,24 @@ def test_reference_matches_direct_softmax(rng):
                 np.testing.assert_allclose(ref[b, i, hh], want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("bt,n,h,r,dr,s,dtype,splits,kernels", [
-    (1, 17, 64, 512, 64, 4096, jnp.bfloat16, None, 2),  # engine sizes; few tiles -> split-K + combine kernel
-    (1, 65, 64, 512, 64, 4096, jnp.bfloat16, None, 2),
-    (2, 257, 64, 512, 64, 4096, jnp.bfloat16, None, 1),  # many tiles -> one split, no combine
-    (2, 17, 4, 32, 8, 100, jnp.float32, None, 1),  # tiny engine config: A = 40, padded internally
-    (2, 17, 4, 32, 8, 100, jnp.bfloat16, 3, 2),
-    (1, 1, 4, 32, 8, 7, jnp.bfloat16, None, 1),  # AR, fewer cache rows than one dot tile
+@pytest.mark.parametrize("bt,n,h,r,dr,s,dtype,splits,split", [
+    (1, 17, 64, 512, 64, 4096, jnp.bfloat16, None, True),  # engine sizes; few tiles -> split-K + XLA merge
+    (1, 65, 64, 512, 64, 4096, jnp.bfloat16, None, True),
+    (2, 257, 64, 512, 64, 4096, jnp.bfloat16, None, False),  # many tiles -> one split, no merge
+    (2, 17, 4, 32, 8, 100, jnp.float32, None, False),  # tiny engine config: A = 40, padded internally
+    (2, 17, 4, 32, 8, 100, jnp.bfloat16, 3, True),
+    (1, 1, 4, 32, 8, 7, jnp.bfloat16, None, False),  # AR, fewer cache rows than one dot tile
 ])
-def test_lowers_for_h200(bt, n, h, r, dr, s, dtype, splits, kernels):
+def test_lowers_for_h200(bt, n, h, r, dr, s, dtype, splits, split):
     a = r + dr
     spec = jax.ShapeDtypeStruct
     fn = functools.partial(verify_attn, scale=0.1, kv_lora_rank=r, num_splits=splits, interpret=False)
     lowered = lower_for_h200(fn, spec((bt, n, h, a), dtype), spec((bt, s, a), dtype), spec((bt,), jnp.int32),
                              spec((bt, n, a), dtype), spec((bt, n, n), jnp.bool_))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == kernels
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1  # split-K partials are merged by XLA, no 2nd kernel
+    r_pad, dr_pad = max(r, 16), max(dr, 16)
+    plan = _make_plan(bt, n, h, s, r_pad, dr_pad, None, None, splits, jnp.dtype(dtype).itemsize)
+    assert (plan.n_splits > 1) == split
 
 
 def valid_args():
