@@ -1,6 +1,6 @@
 """INT4 routed-expert FFN on one GPU: the Pallas grouped kernel vs dequantize-then-matmul in XLA vs bf16 experts.
 
-    python scripts/bench_int4_moe.py [--quick] [--out results.json] [--tune]
+    python scripts/bench_int4_moe.py [--quick] [--out results.json] [--tune] [--kernel-only]
 
 K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
 routing is uniform random (distinct experts per token); N_SETS input sets (x and routing) run back to back inside
@@ -113,7 +113,7 @@ def distinct_experts(sets) -> float:
 
 
 # ---- sweep ---------------------------------------------------------------------------------------------------------
-def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool) -> None:
+def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True) -> None:
     """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
     keys = jax.random.split(jax.random.key(0), 3)
     w4 = []
@@ -126,8 +126,9 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
         n_dist = distinct_experts(sets)
         row = dict(tokens=tokens, pairs=tokens * shape.top_k, distinct_experts=n_dist,
                    bytes=n_dist * int4_expert_bytes(shape))
-        variants = {"pallas_int4": lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret),
-                    "xla_dequant": dequant_then_matmul_ffn}
+        variants = {"pallas_int4": lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret)}
+        if baselines:
+            variants["xla_dequant"] = dequant_then_matmul_ffn
         if tune:
             for bn, bw, warps in TUNE:
                 variants[f"pallas_bn{bn}_bw{bw}_w{warps}"] = lambda x, i, w, *ws, bn=bn, bw=bw, nw=warps: (
@@ -146,7 +147,8 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
         rows.append(row)
         print(json.dumps(row), flush=True)
     del w4
-    bf16_sweep(shape, rows, dtype)
+    if baselines:
+        bf16_sweep(shape, rows, dtype)
 
 
 def bf16_sweep(shape: Shape, rows: list[dict], dtype):
@@ -209,6 +211,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 256 only")
     parser.add_argument("--out", help="write all results as JSON to this path")
     parser.add_argument("--tune", action="store_true", help="also time a few (block_n, block_w, warps) choices")
+    parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     shape = (QUICK if args.quick else FULL) if on_gpu else CPU_SMOKE
@@ -222,7 +225,7 @@ def main(argv=None):
           f"{shape.group}; copy (read+write) {copy_bw / 1e9:.0f} GB/s\n", flush=True)
     rows = []
     try:
-        run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune)
+        run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only)
     finally:  # print whatever finished, even after an unexpected failure
         result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
                       int4_bytes_per_expert=int4_expert_bytes(shape), total_s=time.perf_counter() - t0)

@@ -6,6 +6,8 @@
 #   bash scripts/gpu_session.sh engine    # round breakdown; budget profile (auto vs every fixed B) (1 GPU)
 #   bash scripts/gpu_session.sh mesh2     # sharding tests + 2-GPU generation == 1 GPU, timed (nvidia-h200-x2)
 #   bash scripts/gpu_session.sh scaling   # K2-width layers sharded over 2/4/8 GPUs == 1 GPU, per-round time (x2, x8)
+#   bash scripts/gpu_session.sh retune    # after a kernel retune: compiled tests, verify_attn H 64 / 8, K2.6 verify
+#                                         # layers, INT4 kernel (both GPUs of nvidia-h200-x2 in parallel, ~7 min)
 #
 # Run from the repository root on the device machine (PYTHONPATH is set here); logs and JSON go to $OUT (or ./out).
 # Each step bounds its parts with `timeout` so a hang leaves the rest of the call's output.
@@ -56,6 +58,22 @@ rows = {m: [json.loads(l) for l in open(f"{out}/generate_{m}.log") if l.startswi
 same = [a["token_ids"] == b["token_ids"] for a, b in zip(rows["none"], rows["1x2"])]
 print(f"2-GPU vs 1-GPU: {sum(same)}/{len(same)} prompts token-identical")
 EOF
+    ;;
+retune)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run pytest_retune 100 "$PY" -m pytest -q -rf tests/test_verify_attn.py tests/test_moe_kernel.py \
+            tests/test_int4_moe.py
+        run bench_kimi_layer 230 "$PY" scripts/bench_kimi_layer.py --skip-prefill --budget-s 160 \
+            --out "$OUT/bench_kimi_layer.json"
+        run bench_kernels_h8 70 "$PY" scripts/bench_kernels.py --heads 8 --skip-tree --budget-s 35 \
+            --out "$OUT/bench_kernels_h8.json"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run bench_kernels_h64 320 "$PY" scripts/bench_kernels.py --heads 64 --skip-tree --budget-s 250 \
+        --out "$OUT/bench_kernels_h64.json"
+    run bench_int4_moe 90 "$PY" scripts/bench_int4_moe.py --quick --kernel-only --out "$OUT/bench_int4_moe.json"
+    wait
     ;;
 scaling)
     run bench_mesh_scaling 540 "$PY" scripts/bench_mesh_scaling.py --layers 4 --meshes 1x1x2 1x1x4 1x1x8 \
