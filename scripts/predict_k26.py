@@ -1,6 +1,7 @@
 """A bytes-and-FLOPs model of one DDTree round of Kimi K2.6 on 8 H200s, and the budget it would pick (no GPU).
 
     python scripts/predict_k26.py [--mesh 1x1x8] [--bandwidth 2683 4300] [--allreduce-us 15] [--drafter-gb 2.0]
+                                  [--layer-fit docs/results/h200-2026-11-30/bench_kimi_layer.after.json]
 
 Per GPU and verify step of N = 1 + B tree slots at batch Bt and cache prefix P, with the engine's own sharding
 rules (`kdtree_jax/sharding.py`, applied to an abstract K2.6 INT4 model on a simulated 8-device mesh):
@@ -88,6 +89,62 @@ def step_model(cfg, w: dict, mesh, *, bt: int, n: int, prefix: int, bandwidth: f
     return dict(bytes=nbytes, experts=experts, t_mem=t_mem, t_mma=t_mma, t=t)
 
 
+def measured_step(cfg, w: dict, mesh, fit: dict, nonrouted_bytes_fit: float, *, bt: int, n: int, prefix: int,
+                  allreduce_s: float, drafter_bytes: float, bandwidth: float, rng) -> dict:
+    """t_step on the mesh from the terms measured on one GPU (`bench_kimi_layer.py`'s cost model, 2 layers):
+    the fixed cost scales with the non-routed bytes each GPU reads (the fit's effective bandwidth for them), the
+    attention and per-token terms with layers / model-parallel ways, the expert term with the busiest GPU's experts."""
+    terms = fit["terms"]
+    ways = mesh.size // mesh.shape["data"]
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    layers = cfg.num_hidden_layers
+    experts = busiest_gpu_experts(rng, bt * n, cfg, mesh.shape["expert"]) if mesh.shape["expert"] > 1 else min(
+        cfg.n_routed_experts, bt * n * cfg.num_experts_per_tok)
+    fixed_bw = nonrouted_bytes_fit / terms.get("intercept", float("inf"))  # bytes/s the fixed cost stands for
+    attn = 2.0 * bt * n * cfg.num_attention_heads * (prefix + n) * (cfg.latent_dim + cfg.kv_lora_rank)  # one layer
+    parts = dict(
+        fixed=w["other"] / fixed_bw,
+        attention=terms.get("attn_flops", 0.0) * attn * layers / ways,
+        experts=terms.get("expert_bytes", 0.0) * experts * w["expert_bytes"] * n_moe,
+        tokens=terms.get("tokens", 0.0) * bt * n * layers / 2 / ways,  # the fit's 2 layers -> per layer
+        collectives=2 * layers * allreduce_s,
+        drafter=drafter_bytes / mesh.size / bandwidth,
+    )
+    return dict(experts=experts, parts=parts, t=sum(parts.values()))
+
+
+def print_measured(args, cfg, w, mesh, rng):
+    import json
+
+    with open(args.layer_fit) as f:
+        run = json.load(f)
+    fit = run["fit"]
+    nonrouted = run["weight_bytes"]["attention"] + run["weight_bytes"]["other"]
+    bw = max(args.bandwidth) * 1e9
+    print(f"### from the measured layer ({args.layer_fit}: worst fit error {100 * fit['max_abs_rel_err']:.1f}%, "
+          f"leave-one-out {100 * fit['loo_max_abs_rel_err']:.1f}%), all-reduce {args.allreduce_us:.0f} µs\n")
+    print("| batch | prefix | mode | N | busiest-GPU experts/layer | fixed | attention | experts | per-token | "
+          "collectives | drafter | t_step ms | tau | tokens/s | vs ar |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for bt in args.batches:
+        for prefix in args.prefixes:
+            rows = {}
+            for mode, (budget, tau) in TAU.items():
+                n = 1 + budget
+                r = measured_step(cfg, w, mesh, fit, nonrouted, bt=bt, n=n, prefix=prefix,
+                                  allreduce_s=args.allreduce_us * 1e-6,
+                                  drafter_bytes=0.0 if mode == "ar" else args.drafter_gb * 1e9, bandwidth=bw, rng=rng)
+                rows[mode] = (n, tau, r, bt * tau / r["t"])
+            best = max(rows, key=lambda m: rows[m][3])
+            for mode, (n, tau, r, tps) in rows.items():
+                mark = " **(best)**" if mode == best else ""
+                ms = " | ".join(f"{r['parts'][k] * 1e3:.2f}" for k in
+                                ("fixed", "attention", "experts", "tokens", "collectives", "drafter"))
+                print(f"| {bt} | {prefix} | {mode}{mark} | {n} | {r['experts']:.1f} | {ms} | {r['t'] * 1e3:.2f} | "
+                      f"{tau:.2f} | {tps:.0f} | {tps / rows['ar'][3]:.2f}x |")
+    print()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mesh", default="1x1x8", help="data x tensor x expert")
@@ -96,6 +153,7 @@ def main(argv=None):
     p.add_argument("--drafter-gb", type=float, default=2.0, help="drafter weights read per round (assumed)")
     p.add_argument("--prefixes", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--layer-fit", metavar="JSON", help="also predict from a bench_kimi_layer.py run's cost model")
     args = p.parse_args(argv)
     mesh = sh.make_mesh(tuple(int(x) for x in args.mesh.split("x")))
     cfg, w = weight_classes(mesh)
@@ -125,6 +183,8 @@ def main(argv=None):
                           f"{r['t_mem'] * 1e3:.2f} | {r['t_mma'] * 1e3:.2f} | {r['t'] * 1e3:.2f} | {tau:.2f} | "
                           f"{tps:.0f} | {tps / rows['ar'][3]:.2f}x |")
         print()
+    if args.layer_fit:
+        print_measured(args, cfg, w, mesh, rng)
 
 
 if __name__ == "__main__":
