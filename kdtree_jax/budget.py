@@ -25,6 +25,7 @@ from kdtree_jax.atomic import write_text_atomic
 
 PROFILE_VERSION = 1
 DEFAULT_BUDGET = 32  # the fixed budget used when no profile applies (and the engine's default)
+AUTO_AR = "auto-ar"  # budget source when the profile measured AR faster than every budget: the engine runs AR
 PROFILE_PREFIX = "budget_profile"
 
 log = logging.getLogger(__name__)
@@ -291,6 +292,14 @@ def expected_tokens_per_s(profile: BudgetProfile, batch: int, *, fitted: bool = 
                              f"hold for this table (max relative error {fit.max_abs_rel_err:.2f})")
         out[int(k)] = interp_tau(table, k) / cost
     return out
+
+
+def speculation_pays(profile: BudgetProfile, batch: int) -> bool:
+    """Whether the best measured budget beats autoregressive decoding (one token per `ar_step_s`) at the nearest
+    measured batch size. Where it does not (a target whose tree verify costs more than its acceptance gains, e.g. an
+    MoE reading many more experts for a tree, docs/scale_up.md), "auto" runs AR: same tokens, faster. Ties go to AR."""
+    table = profile.batches[nearest_batch(profile, batch)]
+    return max(p.tokens_per_s for p in table.budgets.values()) > 1.0 / table.ar_step_s
 
 
 def choose_budget(profile: BudgetProfile, batch: int, *, fitted: bool = False, candidates=None) -> int:

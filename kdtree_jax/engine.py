@@ -135,7 +135,9 @@ class GenerationStats:
     wall_s: float  # prefill + decode, compile excluded
     compile_s: float
     budget: int | None = None  # the DDTree budget B this generation ran with (None: ar / chain)
-    budget_source: str | None = None  # "fixed" (given), "auto" (from the budget profile), "auto-default" (no profile)
+    budget_source: str | None = None  # "fixed" (given), "auto" (from the budget profile), "auto-default" (no profile),
+    # "auto-ar" (the profile measured AR faster than any budget: ran as ar)
+    mode: str | None = None  # the mode that ran (ddtree asked with budget "auto" may run as ar)
 
 
 @dataclasses.dataclass
@@ -318,7 +320,8 @@ class Engine:
                  chat: bool = False) -> GenerationResult:
         """Generate for a batch of prompts (text or token ids); one compiled computation for all rounds.
 
-        budget: DDTree node budget B, or "auto": the measured best B for this device and batch size (budget.py)."""
+        budget: DDTree node budget B, or "auto": the measured best B for this device and batch size, or AR where the
+        profile measured AR faster (budget.py; `stats.mode` says what ran)."""
         spec, prompts_arr, lens, keys = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, mode,
                                                       budget, seed, chat)
         source = self.resolve_budget(budget, mode, len(lens))[1]  # the profile is cached: no second read
@@ -391,7 +394,9 @@ class Engine:
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the model's "
                     f"context of {cfg.max_position_embeddings} tokens"
                 )
-        budget, _ = self.resolve_budget(budget, mode, len(ids))
+        budget, source = self.resolve_budget(budget, mode, len(ids))
+        if source == budget_mod.AUTO_AR:
+            mode = "ar"
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -414,7 +419,8 @@ class Engine:
 
     def resolve_budget(self, budget: int | str, mode: str, batch: int) -> tuple[int, str]:
         """(B, source): an integer budget as given ("fixed"); "auto" -> the profile's choice for this batch size
-        ("auto"), or the default budget after a one-line warning when no profile applies ("auto-default")."""
+        ("auto"), "auto-ar" when the profile measured AR faster than every budget (the engine then runs mode ar), or
+        the default budget after a one-line warning when no profile applies ("auto-default")."""
         if not isinstance(budget, str):
             return budget, "fixed"
         if budget != "auto":
@@ -427,6 +433,8 @@ class Engine:
             self._auto_profile = (True, profile)
         if profile is None:
             return budget_mod.DEFAULT_BUDGET, "auto-default"
+        if not budget_mod.speculation_pays(profile, batch):
+            return budget_mod.DEFAULT_BUDGET, budget_mod.AUTO_AR
         return budget_mod.choose_budget(profile, batch), "auto"
 
     def profile_key(self) -> budget_mod.ProfileKey:
@@ -472,7 +480,8 @@ class Engine:
             rounds=int(state.round), mean_acceptance_length=float(all_lens.mean()) if all_lens.size else 0.0,
             generated_tokens=total, tokens_per_s=total / wall if wall > 0 else float("nan"), wall_s=wall,
             compile_s=compile_s, budget=spec.budget if spec.mode == "ddtree" else None,
-            budget_source=budget_source if spec.mode == "ddtree" else None,
+            budget_source=budget_source if spec.mode == "ddtree" or budget_source == budget_mod.AUTO_AR else None,
+            mode=spec.mode,
         )
         return GenerationResult(outputs, stats)
 

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ddtree: draft tree; chain: DFlash block; ar: one token per target forward")
     sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=_budget, default=32,
                     help="DDTree node budget B (tree tokens verified per round = 1 + B), or 'auto': the B with the "
-                         "most measured tokens/s for this device and batch size (scripts/profile_budget.py)")
+                         "most measured tokens/s for this device and batch size, or plain ar where the profile "
+                         "measured ar faster than every tree (scripts/profile_budget.py)")
     sm.add_argument("--budget-profile", default=None,
                     help="budget profile JSON for --budget auto; default: budget_profile.<device kind>.json in the "
                          "checkpoint's parent directory")
@@ -151,7 +152,7 @@ def run(argv: list[str] | None = None) -> int:
                     "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
                     "stats": {"rounds": out.rounds, "mean_acceptance_length": out.mean_acceptance_length,
                               "tokens_per_s": result.stats.tokens_per_s, "accept_lengths": out.accept_lengths,
-                              "mode": args.mode, "budget": result.stats.budget,
+                              "mode": result.stats.mode, "budget": result.stats.budget,
                               "budget_source": result.stats.budget_source},
                 }, ensure_ascii=False), flush=True)
             totals["acc"].extend(out.accept_lengths)
@@ -159,7 +160,7 @@ def run(argv: list[str] | None = None) -> int:
         totals["rounds"] += result.stats.rounds
         totals["wall"] += result.stats.wall_s
         totals["compile"] += result.stats.compile_s
-        if result.stats.budget is not None:
+        if result.stats.budget_source is not None:
             totals["budgets"].add((result.stats.budget, result.stats.budget_source))
     mean_acc = sum(totals["acc"]) / len(totals["acc"]) if totals["acc"] else 0.0
     tps = totals["tokens"] / totals["wall"] if totals["wall"] > 0 else float("nan")
@@ -170,10 +171,12 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def _budget_note(totals) -> str:
-    """' budget=16 (auto)' for ddtree: the B each batch ran with (batches of different sizes may differ)."""
+    """' budget=16 (auto)' for ddtree: the B each batch ran with (batches of different sizes may differ); ' budget=ar
+    (auto-ar)' where the budget profile measured AR faster than any tree for that batch size."""
     if not totals["budgets"]:
         return ""
-    return " budget=" + ",".join(f"{b} ({src})" for b, src in sorted(totals["budgets"]))
+    return " budget=" + ",".join(f"{'ar' if b is None else b} ({src})"
+                                 for b, src in sorted(totals["budgets"], key=lambda x: (x[0] is None, x[0] or 0, x[1])))
 
 
 def _run_batch(engine, batch, seeds, args, kw):

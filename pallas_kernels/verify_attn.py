@@ -40,7 +40,7 @@ from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 NEG = -1e30  # finite "minus infinity" for the running max: NEG - NEG = 0, never inf - inf
 MIN_DOT = 16  # smallest dot dimension Triton handles well
 # Defaults by input itemsize: (block_q for small / large query counts, block_k, warps, stages). bf16 from the H200
-# tuning sweep (BENCHMARKS.md §3, `bench_kernels.py --tune`): 4 warps and 3 stages with 64-row KV blocks were 1.6-2.2x
+# tuning sweep (BENCHMARKS.md §3, `bench_kernels.py --tune`): 4 warps and 3 stages with 64-row KV blocks were 1.4-2.2x
 # faster than the 8-warp, 2-stage, 32 x 32 tiles the sm_90 resource report suggested (its fp32 accumulator
 # spills cost less than the lost latency hiding); 16-row query tiles won up to ~2k query rows per request (decode,
 # small trees), 32-row tiles on large trees. fp32 keeps 16 x 32 on 8 warps, 2 stages: larger tiles or more stages
@@ -287,6 +287,8 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
                      pl.BlockSpec((None, None, plan.rows), lambda i, j, b: (b, j, 0)))
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     _, _, default_warps, default_stages = DEFAULTS[min(q.dtype.itemsize, 4)]
+    if plan.block_q * plan.r < 16 * 256:  # tiny configs (the shipped pair): small accumulators run fine on 4 warps
+        default_warps = 4
     kernel = functools.partial(_kernel, plan=plan, scale=float(scale), precision=precision)
     res = pallas_call(kernel, interpret=interpret, num_warps=num_warps or default_warps,
                       num_stages=num_stages or default_stages, grid=(plan.n_q, plan.n_splits, bt), in_specs=in_specs,

@@ -75,15 +75,16 @@ def report(profile: budget_mod.BudgetProfile, rows: dict, args) -> str:
              "| batch | mode | B | tau | ms / round | tau/cost tok/s | measured tok/s | speedup vs ar | auto / this |"
              " cost fit err | identical to ar |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    summary = ["", "| batch | auto B | cost fit a (ms) | b (ms / token) | max fit err | best fixed B | auto / best |",
+    summary = ["", "| batch | auto | cost fit a (ms) | b (ms / token) | max fit err | best fixed | auto / best |",
                "|---|---|---|---|---|---|---|"]
     for batch, by_budget in rows.items():
         table = profile.batches[batch]
-        chosen = budget_mod.choose_budget(profile, batch)
+        chosen = budget_mod.choose_budget(profile, batch) if budget_mod.speculation_pays(profile, batch) else "ar"
         auto_tps = by_budget[chosen]["tokens_per_s"]
         fit = budget_mod.fit_cost(table) if len(table.budgets) >= 2 else None
         ar = by_budget["ar"]
-        lines.append(f"| {batch} | ar | - | 1.00 | {1e3 * ar['round_s']:.3f} | {batch / ar['round_s']:.1f} | "
+        ar_name = "ar (auto)" if chosen == "ar" else "ar"
+        lines.append(f"| {batch} | {ar_name} | - | 1.00 | {1e3 * ar['round_s']:.3f} | {batch / ar['round_s']:.1f} | "
                      f"{ar['tokens_per_s']:.1f} | 1.00 | {auto_tps / ar['tokens_per_s']:.2f} | - | True |")
         for b in sorted(table.budgets):
             r, p = by_budget[b], table.budgets[b]
@@ -93,7 +94,7 @@ def report(profile: budget_mod.BudgetProfile, rows: dict, args) -> str:
                          f"{batch * p.tokens_per_s:.1f} | {r['tokens_per_s']:.1f} | "
                          f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f} | {auto_tps / r['tokens_per_s']:.2f} | {err} | "
                          f"{r['identical_to_ar']} |")
-        best = max((b for b in table.budgets), key=lambda b: by_budget[b]["tokens_per_s"])
+        best = max(["ar", *table.budgets], key=lambda b: by_budget[b]["tokens_per_s"])
         fit_cols = (f"{1e3 * fit.a:.3f} | {1e3 * fit.b:.4f} | {100 * fit.max_abs_rel_err:.1f}%" if fit
                     else "- | - | -")
         summary.append(f"| {batch} | {chosen} | {fit_cols} | {best} | "

@@ -76,6 +76,19 @@ def test_choose_budget_is_brute_force_argmax(rng):
     assert saw_tie and saw_unmeasured_batch  # both rules were exercised
 
 
+def test_speculation_pays_is_best_tokens_per_s_against_ar(rng):
+    saw = set()
+    for _ in range(N_RANDOM_PROFILES):
+        profile = random_profile(rng)
+        for batch in (*profile.batches, int(rng.integers(1, 100))):
+            table = profile.batches[brute_nearest(profile.batches, batch)]
+            best = max(p.tau / p.round_s for p in table.budgets.values())
+            want = best > 1 / table.ar_step_s
+            saw.add(want)
+            assert budget_mod.speculation_pays(profile, batch) == want
+    assert saw == {True, False}  # random tables exercise both answers
+
+
 def test_nearest_batch_ties_go_to_the_larger_batch():
     def measured(*batches):
         return BudgetProfile("cpu", "float32", 1, "t", "d", {
@@ -213,9 +226,10 @@ def shipped():
 def dictating_profile(rng, key: ProfileKey, batches, budgets, want: int) -> BudgetProfile:
     """Random tables in which `want` has the best tau / cost at every batch size."""
     profile = random_profile(rng, key=key, batches=batches, budgets=budgets, ties=False)
-    for t in profile.batches.values():
+    for b, t in profile.batches.items():
         best = max(p.tokens_per_s for p in t.budgets.values())
         t.budgets[want] = BudgetPoint(tau=t.budgets[want].tau, round_s=t.budgets[want].tau / (2 * best))
+        profile.batches[b] = dataclasses.replace(t, ar_step_s=max(t.ar_step_s, 1 / best))  # AR slower than `want`
     return profile
 
 
@@ -236,6 +250,29 @@ def test_engine_auto_budget_runs_the_profiles_choice(shipped, rng, tmp_path):
     assert fixed.stats.budget == want and fixed.stats.budget_source == "fixed"
     assert fixed.token_ids == ar.token_ids and len(eng._compiled) == 2
     assert ar.stats.budget is None and ar.stats.budget_source is None
+    assert (ar.stats.mode, auto.stats.mode) == ("ar", "ddtree")
+
+
+def test_engine_auto_runs_ar_where_the_profile_measured_ar_faster(shipped, rng, tmp_path):
+    eng0, prompts = shipped
+    budgets = [2, 4, 8]
+    profile = random_profile(rng, key=eng0.profile_key(), batches=[2, 16], budgets=budgets, ties=False)
+    for b, t in profile.batches.items():  # AR at twice the best tree's tokens/s
+        best = max(p.tokens_per_s for p in t.budgets.values())
+        profile.batches[b] = dataclasses.replace(t, ar_step_s=1 / (2 * best))
+    path = tmp_path / "profile.json"
+    budget_mod.save_profile(profile, path)
+    eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer, budget_profile=str(path))
+    eng.checkpoint_names = eng0.checkpoint_names
+    assert eng.resolve_budget("auto", "ddtree", len(prompts)) == (budget_mod.DEFAULT_BUDGET, budget_mod.AUTO_AR)
+    ar = eng.generate(prompts, 8, mode="ar")
+    auto = eng.generate(prompts, 8, mode="ddtree", budget="auto")
+    assert auto.stats.mode == "ar" and auto.stats.budget is None and auto.stats.budget_source == budget_mod.AUTO_AR
+    assert {s.mode for s, kind in eng._compiled} == {"ar"}  # no tree program was built
+    assert auto.token_ids == ar.token_ids
+    assert auto.stats.mean_acceptance_length == 1.0
+    fixed = eng.generate(prompts, 8, mode="ddtree", budget=4)  # an explicit budget is never overridden
+    assert fixed.stats.mode == "ddtree" and fixed.stats.budget == 4 and fixed.token_ids == ar.token_ids
 
 
 def test_engine_auto_without_matching_profile_falls_back_with_one_warning(shipped, rng, tmp_path, caplog):
@@ -318,6 +355,11 @@ def test_profile_script_smoke_run_writes_a_loadable_profile(tmp_path):
         assert sorted(t.budgets) == [4, 16] and t.ar_step_s > 0
         assert all(p.tau > 1.0 and p.round_s > 0 for p in t.budgets.values())  # the shipped drafter is trained
     for batch in (1, 2):
-        chosen = budget_mod.choose_budget(profile, batch)
-        assert f"| {batch} | ddtree | **{chosen}** (auto) |" in proc.stdout
+        rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {batch} | ")]
+        auto = [line for line in rows if "(auto)" in line]
+        if budget_mod.speculation_pays(profile, batch):
+            want = f"| {batch} | ddtree | **{budget_mod.choose_budget(profile, batch)}** (auto) |"
+        else:  # e.g. on a 2-core CPU, where verifying a tree costs more than its acceptance gains
+            want = f"| {batch} | ar (auto) |"
+        assert len(auto) == 1 and auto[0].startswith(want), auto
     assert f"wrote {out}" in proc.stdout
