@@ -113,6 +113,25 @@ def measured_step(cfg, w: dict, mesh, fit: dict, nonrouted_bytes_fit: float, *, 
     return dict(experts=experts, parts=parts, t=sum(parts.values()))
 
 
+def print_modes(args, step, columns: str, cells) -> None:
+    """One table row per (batch, prefix, mode): `step(bt, n, prefix, drafter_bytes)` -> dict with "t" (and what
+    `cells(r)` prints between the mode's N and its tau), tokens/s = batch x tau / t, and the ratio to AR's."""
+    print(f"| batch | prefix | mode | N | {columns} | tau | tokens/s | vs ar |")
+    print("|---|---|---|---|" + "---|" * (columns.count("|") + 1) + "---|---|---|")
+    for bt in args.batches:
+        for prefix in args.prefixes:
+            rows = {}
+            for mode, (budget, tau) in TAU.items():
+                r = step(bt, 1 + budget, prefix, 0.0 if mode == "ar" else args.drafter_gb * 1e9)
+                rows[mode] = (1 + budget, tau, r, bt * tau / r["t"])
+            best = max(rows, key=lambda m: rows[m][3])
+            for mode, (n, tau, r, tps) in rows.items():
+                mark = " **(best)**" if mode == best else ""
+                print(f"| {bt} | {prefix} | {mode}{mark} | {n} | {cells(r)} | {tau:.2f} | {tps:.0f} | "
+                      f"{tps / rows['ar'][3]:.2f}x |")
+    print()
+
+
 def print_measured(args, cfg, w, mesh, rng):
     import json
 
@@ -123,26 +142,16 @@ def print_measured(args, cfg, w, mesh, rng):
     bw = max(args.bandwidth) * 1e9
     print(f"### from the measured layer ({args.layer_fit}: worst fit error {100 * fit['max_abs_rel_err']:.1f}%, "
           f"leave-one-out {100 * fit['loo_max_abs_rel_err']:.1f}%), all-reduce {args.allreduce_us:.0f} µs\n")
-    print("| batch | prefix | mode | N | busiest-GPU experts/layer | fixed | attention | experts | per-token | "
-          "collectives | drafter | t_step ms | tau | tokens/s | vs ar |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for bt in args.batches:
-        for prefix in args.prefixes:
-            rows = {}
-            for mode, (budget, tau) in TAU.items():
-                n = 1 + budget
-                r = measured_step(cfg, w, mesh, fit, nonrouted, bt=bt, n=n, prefix=prefix,
-                                  allreduce_s=args.allreduce_us * 1e-6,
-                                  drafter_bytes=0.0 if mode == "ar" else args.drafter_gb * 1e9, bandwidth=bw, rng=rng)
-                rows[mode] = (n, tau, r, bt * tau / r["t"])
-            best = max(rows, key=lambda m: rows[m][3])
-            for mode, (n, tau, r, tps) in rows.items():
-                mark = " **(best)**" if mode == best else ""
-                ms = " | ".join(f"{r['parts'][k] * 1e3:.2f}" for k in
-                                ("fixed", "attention", "experts", "tokens", "collectives", "drafter"))
-                print(f"| {bt} | {prefix} | {mode}{mark} | {n} | {r['experts']:.1f} | {ms} | {r['t'] * 1e3:.2f} | "
-                      f"{tau:.2f} | {tps:.0f} | {tps / rows['ar'][3]:.2f}x |")
-    print()
+    parts = ("fixed", "attention", "experts", "tokens", "collectives", "drafter")
+
+    def step(bt, n, prefix, drafter_bytes):
+        return measured_step(cfg, w, mesh, fit, nonrouted, bt=bt, n=n, prefix=prefix, bandwidth=bw, rng=rng,
+                             allreduce_s=args.allreduce_us * 1e-6, drafter_bytes=drafter_bytes)
+
+    print_modes(args, step, "busiest-GPU experts/layer | fixed | attention | experts | per-token | collectives | "
+                "drafter | t_step ms",
+                lambda r: f"{r['experts']:.1f} | " + " | ".join(f"{r['parts'][k] * 1e3:.2f}" for k in parts)
+                + f" | {r['t'] * 1e3:.2f}")
 
 
 def main(argv=None):
@@ -164,25 +173,14 @@ def main(argv=None):
           f"active params per token {active / 1e9:.1f} B\n")
     for bw in args.bandwidth:
         print(f"### bandwidth {bw:.0f} GB/s, all-reduce {args.allreduce_us:.0f} µs, drafter {args.drafter_gb} GB\n")
-        print("| batch | prefix | mode | N | busiest-GPU experts/layer | GB read/GPU | t_mem ms | t_mma ms | "
-              "t_step ms | tau | tokens/s | vs ar |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for bt in args.batches:
-            for prefix in args.prefixes:
-                rows = {}
-                for mode, (budget, tau) in TAU.items():
-                    n = 1 + budget
-                    r = step_model(cfg, w, mesh, bt=bt, n=n, prefix=prefix, bandwidth=bw * 1e9,
-                                   allreduce_s=args.allreduce_us * 1e-6,
-                                   drafter_bytes=0.0 if mode == "ar" else args.drafter_gb * 1e9, rng=rng)
-                    rows[mode] = (n, tau, r, bt * tau / r["t"])
-                best = max(rows, key=lambda m: rows[m][3])
-                for mode, (n, tau, r, tps) in rows.items():
-                    mark = " **(best)**" if mode == best else ""
-                    print(f"| {bt} | {prefix} | {mode}{mark} | {n} | {r['experts']:.1f} | {r['bytes'] / 1e9:.2f} | "
-                          f"{r['t_mem'] * 1e3:.2f} | {r['t_mma'] * 1e3:.2f} | {r['t'] * 1e3:.2f} | {tau:.2f} | "
-                          f"{tps:.0f} | {tps / rows['ar'][3]:.2f}x |")
-        print()
+
+        def step(bt, n, prefix, drafter_bytes, bw=bw):
+            return step_model(cfg, w, mesh, bt=bt, n=n, prefix=prefix, bandwidth=bw * 1e9, rng=rng,
+                              allreduce_s=args.allreduce_us * 1e-6, drafter_bytes=drafter_bytes)
+
+        print_modes(args, step, "busiest-GPU experts/layer | GB read/GPU | t_mem ms | t_mma ms | t_step ms",
+                    lambda r: f"{r['experts']:.1f} | {r['bytes'] / 1e9:.2f} | {r['t_mem'] * 1e3:.2f} | "
+                              f"{r['t_mma'] * 1e3:.2f} | {r['t'] * 1e3:.2f}")
     if args.layer_fit:
         print_measured(args, cfg, w, mesh, rng)
 
