@@ -8,6 +8,8 @@
 #   bash scripts/gpu_session.sh scaling   # K2-width layers sharded over 2/4/8 GPUs == 1 GPU, per-round time (x2, x8)
 #   bash scripts/gpu_session.sh retune    # after a kernel retune: compiled tests, verify_attn H 64 / 8, K2.6 verify
 #                                         # layers, INT4 kernel (both GPUs of nvidia-h200-x2 in parallel, ~7 min)
+#   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
+#                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
 # Run from the repository root on the device machine (PYTHONPATH is set here); logs and JSON go to $OUT (or ./out).
 # Each step bounds its parts with `timeout` so a hang leaves the rest of the call's output.
@@ -73,6 +75,18 @@ retune)
     run bench_kernels_h64 320 "$PY" scripts/bench_kernels.py --heads 64 --skip-tree --budget-s 250 \
         --out "$OUT/bench_kernels_h64.json"
     run bench_int4_moe 90 "$PY" scripts/bench_int4_moe.py --quick --kernel-only --out "$OUT/bench_int4_moe.json"
+    wait
+    ;;
+owed)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run bench_round 260 "$PY" scripts/bench_round.py --time-limit 200 --out "$OUT/bench_round.json"
+        run profile_budget 320 "$PY" scripts/profile_budget.py --out "$OUT/budget_profile.nvidia-h200.json"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run bench_kernels_h8 300 "$PY" scripts/bench_kernels.py --heads 8 --skip-tree --budget-s 240 \
+        --out "$OUT/bench_kernels_h8.json"
+    run bench_kimi_layer 270 "$PY" scripts/bench_kimi_layer.py --budget-s 200 --out "$OUT/bench_kimi_layer.json"
     wait
     ;;
 scaling)
