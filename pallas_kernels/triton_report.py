@@ -25,6 +25,9 @@ from pallas_kernels._pallas import lower_for_h200
 H200_TARGET = ("cuda", 90, 32)  # (backend, compute capability, warp size)
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 REGISTER_LIMIT = 255  # per thread: a kernel at this cap has probably spilled (check stack_bytes)
+SM_SHARED = 233472  # bytes of shared memory per SM on sm_90 (228 KiB; 1 KiB of it reserved per resident block)
+SM_REGISTERS = 65536  # 32-bit registers per SM
+SM_MAX_BLOCKS = 32
 _CALL_PARAMS = re.compile(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
 
 
@@ -40,6 +43,15 @@ class KernelResources:
     spill_stores: int  # STL instructions
     wgmma: int  # HGMMA instructions (Hopper warpgroup MMA)
     mma: int  # HMMA instructions (Ampere-style mma.sync)
+    async_copies: int = 0  # LDGSTS (cp.async) + UTMALDG (TMA): global loads that software pipelining overlaps
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """Blocks one SM can hold at once (shared memory and registers): a grid of more than 132 x this runs in
+        several waves, and a small last wave costs as much as a full one."""
+        by_shared = SM_SHARED // (self.shared_bytes + 1024)
+        by_registers = SM_REGISTERS // max(1, self.registers * 32 * self.num_warps)
+        return max(0, min(by_shared, by_registers, SM_MAX_BLOCKS))
 
     @property
     def fits(self) -> bool:
@@ -106,7 +118,7 @@ def compile_sm90(name: str, num_warps: int, num_stages: int, ttir: str) -> Kerne
     return KernelResources(name=name, num_warps=num_warps, num_stages=num_stages, registers=field("REG"),
                            stack_bytes=field("STACK"), shared_bytes=int(kernel.metadata.shared),
                            spill_loads=count("LDL"), spill_stores=count("STL"), wgmma=count("HGMMA"),
-                           mma=count("HMMA"))
+                           mma=count("HMMA"), async_copies=count("LDGSTS") + count("UTMALDG"))
 
 
 def _cuobjdump(bindir: str, flag: str, cubin: str) -> str:

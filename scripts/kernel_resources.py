@@ -76,12 +76,13 @@ def engine_cases() -> list:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| case | kernel | warps | stages | regs | stack B | LDL/STL | shared KiB | fits | HGMMA/HMMA |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | kernel | warps | stages | regs | stack B | LDL/STL | shared KiB | fits | blocks / SM | HGMMA/HMMA | "
+             "cp.async+TMA |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['name']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
                      f"{r['stack_bytes']} | {r['spill_loads']}/{r['spill_stores']} | {r['shared_bytes'] / 1024:.0f} | "
-                     f"{'yes' if r['shared_bytes'] <= SHARED_LIMIT else '**no**'} | {r['wgmma']}/{r['mma']} |")
+                     f"{'yes' if r['shared_bytes'] <= SHARED_LIMIT else '**no**'} | {r['blocks_per_sm']} | "
+                     f"{r['wgmma']}/{r['mma']} | {r['async_copies']} |")
     return "\n".join(lines)
 
 
@@ -95,7 +96,7 @@ def main(argv=None):
         if args.only and not case.startswith(args.only):
             continue
         for res in report(fn, *specs):
-            rows.append(dict(case=case, **dataclasses.asdict(res)))
+            rows.append(dict(case=case, **dataclasses.asdict(res), blocks_per_sm=res.blocks_per_sm))
             print(json.dumps(rows[-1]), flush=True)
     print(markdown(rows))
     if args.out:

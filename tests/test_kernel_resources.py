@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the sm_90 compile needs the triton package (test extra, Linux x86-64)")
 
-from pallas_kernels.triton_report import SHARED_LIMIT, report  # noqa: E402
+from pallas_kernels.triton_report import SHARED_LIMIT, KernelResources, report  # noqa: E402
 
 SPILL_LIMIT = 512  # stack bytes per thread
 
@@ -41,6 +41,23 @@ def test_default_tiles_fit_and_spill_little(which):
     for k in kernels:
         assert k.shared_bytes <= SHARED_LIMIT, f"{which} / {k.name}: {k.shared_bytes} B of shared memory"
         assert k.stack_bytes <= SPILL_LIMIT, f"{which} / {k.name}: spills {k.stack_bytes} B stack ({k.spill_loads} LDL)"
+
+
+@pytest.mark.parametrize("which", [k for k in ENGINE_SIZES if k.startswith("verify_attn bf16")])
+def test_verify_attn_loads_are_pipelined_and_resident(which):
+    """The KV loads are asynchronous copies (cp.async: software pipelining overlaps them with the dots), and a block
+    fits an SM at least once: the launch heuristics count on one block per SM."""
+    _, fn, specs = ENGINE_SIZES[which]()
+    (k,) = report(fn, *specs)
+    assert k.async_copies > 0, f"{which}: no cp.async / TMA loads"
+    assert k.blocks_per_sm >= 1
+
+
+def test_blocks_per_sm_follows_shared_memory_and_registers():
+    base = dict(name="k", num_warps=4, num_stages=3, stack_bytes=0, spill_loads=0, spill_stores=0, wgmma=0, mma=0)
+    assert KernelResources(registers=64, shared_bytes=170496, **base).blocks_per_sm == 1  # 166 KiB: one per SM
+    assert KernelResources(registers=64, shared_bytes=50000, **base).blocks_per_sm == 4  # shared memory bound
+    assert KernelResources(registers=255, shared_bytes=0, **base).blocks_per_sm == 2  # 255 x 128 threads: registers
 
 
 def test_report_sees_a_spilling_config():
