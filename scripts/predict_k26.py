@@ -27,11 +27,13 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_kimi_layer import attn_flops  # noqa: E402
 from kdtree_jax import sharding as sh  # noqa: E402
 from kdtree_jax.config import kimi_k2_6  # noqa: E402
 
@@ -73,17 +75,22 @@ def busiest_gpu_experts(rng, tokens: int, cfg, n_gpus: int, samples: int = 64) -
     return float(np.mean(worst))
 
 
+def experts_per_gpu(rng, tokens: int, cfg, mesh) -> float:
+    """Distinct experts per MoE layer the busiest GPU reads: all touched ones without expert parallelism."""
+    if mesh.shape["expert"] > 1:
+        return busiest_gpu_experts(rng, tokens, cfg, mesh.shape["expert"])
+    return min(cfg.n_routed_experts, tokens * cfg.num_experts_per_tok)
+
+
 def step_model(cfg, w: dict, mesh, *, bt: int, n: int, prefix: int, bandwidth: float, allreduce_s: float,
                drafter_bytes: float, rng) -> dict:
     n_gpus = mesh.size
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    experts = busiest_gpu_experts(rng, bt * n, cfg, mesh.shape["expert"]) if mesh.shape["expert"] > 1 else min(
-        cfg.n_routed_experts, bt * n * cfg.num_experts_per_tok)
+    experts = experts_per_gpu(rng, bt * n, cfg, mesh)
     cache = cfg.num_hidden_layers * bt * prefix * cfg.latent_dim * 2  # bf16, whole batch (replicated over heads)
     nbytes = w["other"] + n_moe * experts * w["expert_bytes"] + cache
     active = w["other_params"] + n_moe * cfg.num_experts_per_tok * w["expert_params"]  # params one token uses
-    attn = cfg.num_hidden_layers * 2 * n * cfg.num_attention_heads * (prefix + n) * (cfg.latent_dim + cfg.kv_lora_rank)
-    flops = (2 * active * bt * n + bt * attn) / n_gpus
+    flops = (2 * active * bt * n + attn_flops(cfg, bt, n, prefix)) / n_gpus
     t_mem, t_mma = nbytes / bandwidth, flops / MATMUL_PEAK
     t = max(t_mem, t_mma) + 2 * cfg.num_hidden_layers * allreduce_s + drafter_bytes / n_gpus / bandwidth
     return dict(bytes=nbytes, experts=experts, t_mem=t_mem, t_mma=t_mma, t=t)
@@ -98,13 +105,11 @@ def measured_step(cfg, w: dict, mesh, fit: dict, nonrouted_bytes_fit: float, *, 
     ways = mesh.size // mesh.shape["data"]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     layers = cfg.num_hidden_layers
-    experts = busiest_gpu_experts(rng, bt * n, cfg, mesh.shape["expert"]) if mesh.shape["expert"] > 1 else min(
-        cfg.n_routed_experts, bt * n * cfg.num_experts_per_tok)
+    experts = experts_per_gpu(rng, bt * n, cfg, mesh)
     fixed_bw = nonrouted_bytes_fit / terms.get("intercept", float("inf"))  # bytes/s the fixed cost stands for
-    attn = 2.0 * bt * n * cfg.num_attention_heads * (prefix + n) * (cfg.latent_dim + cfg.kv_lora_rank)  # one layer
     parts = dict(
         fixed=w["other"] / fixed_bw,
-        attention=terms.get("attn_flops", 0.0) * attn * layers / ways,
+        attention=terms.get("attn_flops", 0.0) * attn_flops(cfg, bt, n, prefix) / ways,
         experts=terms.get("expert_bytes", 0.0) * experts * w["expert_bytes"] * n_moe,
         tokens=terms.get("tokens", 0.0) * bt * n * layers / 2 / ways,  # the fit's 2 layers -> per layer
         collectives=2 * layers * allreduce_s,
