@@ -295,7 +295,8 @@ def test_k2_6_int4_per_device_bytes(shape):
 # ---- whole generation ------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.multidevice
-def test_sharded_ddtree_generation_matches_unsharded(rng):
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (2, 4, 1)])
+def test_sharded_ddtree_generation_matches_unsharded(rng, shape):
     from kdtree_jax.drafter import DFlashDrafter
     from kdtree_jax.drafter_config import DrafterConfig
     from kdtree_jax.engine import Engine
@@ -311,7 +312,7 @@ def test_sharded_ddtree_generation_matches_unsharded(rng):
     prompts = [rng.integers(3, CFG.vocab_size, n).tolist() for n in (6, 3)]
     kw = dict(max_new_tokens=8, mode="ddtree", budget=4, temperature=0.0)
     want = Engine(model, drafter, None, use_pallas=False).generate(prompts, **kw)
-    mesh = sh.make_mesh((2, 2, 2))
+    mesh = sh.make_mesh(shape)
     got = Engine(sh.shard_model(model, mesh), drafter, None, mesh=mesh, use_pallas=False).generate(prompts, **kw)
     assert got.token_ids == want.token_ids
     assert all(len(t) == 8 or t[-1] in CFG.eos_token_id for t in got.token_ids)
