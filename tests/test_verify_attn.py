@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from pallas_kernels import verify_attn as va
 from pallas_kernels._pallas import lower_for_h200
 from pallas_kernels.verify_attn import _make_plan, verify_attn
 from pallas_kernels.verify_attn_ref import verify_attn_ref
@@ -101,6 +102,30 @@ def test_matches_reference_bf16(rng, interpret, splits):
     assert_close(out, ref, TOL[jnp.bfloat16], f"bf16 splits={splits}")
 
 
+@pytest.mark.parametrize("block_v,splits", [(16, 1), (32, 3)])
+def test_value_chunks_match_reference(rng, interpret, block_v, splits):
+    """block_v < kv_lora: each program writes its own output columns (and, split, the same lse); a tree with
+    rows that see nothing, over a partly filled cache."""
+    case = make_case(rng, prefix=[90, 0], n=9, h=4, r=64, dr=16, s=120)
+    out, ref = run(case, interpret=interpret, r=64, block_v=block_v, num_splits=splits)
+    assert_close(out, ref, TOL[np.float32], f"block_v={block_v} splits={splits}")
+
+
+@pytest.mark.parametrize("programs,max_splits", [(8, 128), (4, 128), (64, 32), (256, 32), (544, 32), (1, 32),
+                                                 (3, 1)])
+def test_split_count_fills_whole_waves(programs, max_splits):
+    """The default split count is within WAVE_SLACK of the best waves / splits over every allowed count, and no
+    smaller count is: e.g. 8 programs get 16 splits (128 blocks, one wave) rather than 17 (136: a second wave)."""
+    wave = va.SM_COUNT * va.BLOCKS_PER_SM
+    time = lambda sp: -(-programs * sp // wave) / sp  # noqa: E731
+    best = min(time(sp) for sp in range(1, max_splits + 1))
+    got = va._default_splits(programs, max_splits)
+    assert 1 <= got <= max_splits and time(got) <= best * (1 + va.WAVE_SLACK)
+    assert all(time(sp) > best * (1 + va.WAVE_SLACK) for sp in range(1, got))
+    if (programs, max_splits) == (8, 128):
+        assert programs * got <= wave < programs * -(-wave // programs)  # the old cdiv rule overflowed the wave
+
+
 def test_long_prefix(rng, interpret):
     """A 2047-row prefix (not a block multiple) in a 2100-row cache, with the default (size-driven) split count."""
     case = make_case(rng, prefix=[2047], n=5, h=4, r=32, dr=8, s=2100)
@@ -170,7 +195,7 @@ def test_reference_matches_direct_softmax(rng):
 
 @pytest.mark.parametrize("bt,n,h,r,dr,s,dtype,splits,split", [
     (1, 17, 64, 512, 64, 4096, jnp.bfloat16, None, True),  # engine sizes; few tiles -> split-K + XLA merge
-    (1, 65, 64, 512, 64, 4096, jnp.bfloat16, None, True),
+    (1, 65, 64, 512, 64, 4096, jnp.bfloat16, None, False),  # 130 query tiles fill a wave of 132 SMs: no split
     (2, 257, 64, 512, 64, 4096, jnp.bfloat16, None, False),  # many tiles -> one split, no merge
     (2, 17, 4, 32, 8, 100, jnp.float32, None, False),  # tiny engine config: A = 40, padded internally
     (2, 17, 4, 32, 8, 100, jnp.bfloat16, 3, True),
