@@ -53,7 +53,7 @@ MIN_DOT = 16  # smallest dot dimension Triton handles well
 DEFAULTS = {2: ((16, 32), 64, 4, 3), 4: ((16, 16), 32, 8, 2)}
 SMALL_QUERY_ROWS = 2048  # up to this many query rows (N*H) per request the small query tile is used
 SM_COUNT = 132  # H200
-BLOCKS_PER_SM = 1  # resident programs per SM at the default tiles (166 KiB of shared memory; tests/test_kernel_resources)
+BLOCKS_PER_SM = 1  # programs resident per SM at the default tiles (166 KiB of shared memory: test_kernel_resources)
 WAVE_SLACK = 0.05  # the split rule takes the fewest splits within this fraction of the best predicted time
 MIN_SPLIT_ROWS = 256  # a split reads at least this many cache rows, so partial outputs stay small vs the cache
 
@@ -321,7 +321,8 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     res = pallas_call(kernel, interpret=interpret, num_warps=num_warps or default_warps,
                       num_stages=num_stages or default_stages, grid=(plan.n_q * plan.n_v, plan.n_splits, bt),
                       in_specs=in_specs,
-                      out_specs=out_specs, out_shape=out_shape, name="verify_attn")(prefix_len, q2, cache, tree_kv, mask)
+                      out_specs=out_specs, out_shape=out_shape,
+                      name="verify_attn")(prefix_len, q2, cache, tree_kv, mask)
     if plan.n_splits > 1:  # -> [Bt, rows, r_pad]
         res = _combine(*res, prefix_len, plan).astype(q.dtype)
     return res[:, : n * h, :r].reshape(bt, n, h, r)

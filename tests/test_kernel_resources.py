@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("triton", reason="the sm_90 compile needs the triton package (test extra, Linux x86-64)")
 
 from pallas_kernels.triton_report import SHARED_LIMIT, KernelResources, report  # noqa: E402
+from pallas_kernels.verify_attn import BLOCKS_PER_SM  # noqa: E402
 
 SPILL_LIMIT = 512  # stack bytes per thread
 
@@ -46,11 +47,12 @@ def test_default_tiles_fit_and_spill_little(which):
 @pytest.mark.parametrize("which", [k for k in ENGINE_SIZES if k.startswith("verify_attn bf16")])
 def test_verify_attn_loads_are_pipelined_and_resident(which):
     """The KV loads are asynchronous copies (cp.async: software pipelining overlaps them with the dots), and a block
-    fits an SM at least once: the launch heuristics count on one block per SM."""
+    fits an SM exactly BLOCKS_PER_SM times: the split rule fills whole waves of that many blocks per SM."""
     _, fn, specs = ENGINE_SIZES[which]()
     (k,) = report(fn, *specs)
     assert k.async_copies > 0, f"{which}: no cp.async / TMA loads"
-    assert k.blocks_per_sm >= 1
+    assert k.blocks_per_sm == BLOCKS_PER_SM, f"{which}: {k.blocks_per_sm} blocks / SM, the split rule assumes " \
+                                             f"{BLOCKS_PER_SM}"
 
 
 def test_blocks_per_sm_follows_shared_memory_and_registers():
