@@ -131,3 +131,87 @@ def _cuobjdump(bindir: str, flag: str, cubin: str) -> str:
 def report(fn, *specs) -> list[KernelResources]:
     """Resources of every pallas_call in fn(*specs) (kernels called with interpret=False), compiled for H200."""
     return [compile_sm90(*k) for k in capture(fn, *specs)]
+
+
+# ---- instruction mix of the hot loop -----------------------------------------------------------------------------
+# SASS opcode (the part before the first '.') -> what it does, to read a kernel's inner loop at a glance. IMAD and
+# IADD3 also serve as moves and address arithmetic; they still take an integer issue slot.
+MIX_GROUPS = {
+    "global_load": ("LDG", "LDGSTS", "UTMALDG"),
+    "shared": ("LDS", "LDSM", "STS"),  # beyond the cp.async staging reads: layout conversions
+    "int_alu": ("SHF", "LOP3", "IADD3", "SGXT", "IMAD", "LEA", "VIADD", "PRMT"),
+    "convert": ("I2F", "I2FP", "F2F", "F2FP", "F2I"),
+    "fp32": ("FADD", "FMUL", "FFMA"),
+    "half2": ("HADD2", "HMUL2", "HFMA2"),  # packed 16-bit lanes (fp16 / bf16 pairs)
+    "mma": ("HMMA", "HGMMA"),
+}
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*([^;]*);", re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class InstructionMix:
+    """Static SASS opcode counts of one kernel: the whole kernel, and the innermost loop that issues MMAs (the
+    K loop, where the per-weight work is)."""
+
+    name: str
+    loop: dict  # opcode -> count in the innermost loop holding an HMMA / HGMMA (empty if none)
+    kernel: dict  # opcode -> count in the whole kernel
+
+    def group(self, group: str, where: str = "loop") -> int:
+        counts = self.loop if where == "loop" else self.kernel
+        return sum(counts.get(op, 0) for op in MIX_GROUPS[group])
+
+
+def parse_sass(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode without modifiers, operands) of every instruction in a cuobjdump SASS listing."""
+    return [(int(addr, 16), op, args.strip()) for addr, op, _mods, args in _SASS_LINE.findall(sass)]
+
+
+def mma_loop(instrs: list[tuple[int, str, str]]) -> tuple[int, int] | None:
+    """(first, last) address of the innermost loop (a backward BRA's span) that contains an MMA instruction."""
+    mma_at = [a for a, op, _ in instrs if op in MIX_GROUPS["mma"]]
+    spans = []
+    for addr, op, args in instrs:
+        target = re.match(r"(0x[0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            if any(lo <= a <= addr for a in mma_at):
+                spans.append((addr - lo, lo, addr))
+    return min(spans)[1:] if spans else None
+
+
+def opcode_counts(instrs, span: tuple[int, int] | None = None) -> dict:
+    """Opcode -> count, over all instructions or over those inside span (inclusive)."""
+    counts: dict = {}
+    for addr, op, _ in instrs:
+        if span is None or span[0] <= addr <= span[1]:
+            counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def sass_sm90(name: str, num_warps: int, num_stages: int, ttir: str) -> str:
+    """The SASS listing of one kernel's Triton IR compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, f"{name}.ttir")
+        with open(src, "w") as f:
+            f.write(ttir)
+        kernel = triton.compile(src, target=GPUTarget(*H200_TARGET),
+                                options=dict(num_warps=num_warps, num_stages=num_stages))
+        cubin = os.path.join(tmp, f"{name}.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return _cuobjdump(bindir, "--dump-sass", cubin)
+
+
+def instruction_mix(fn, *specs) -> list[InstructionMix]:
+    """Instruction mix of every pallas_call in fn(*specs) (kernels called with interpret=False), compiled for H200."""
+    mixes = []
+    for name, warps, stages, ttir in capture(fn, *specs):
+        instrs = parse_sass(sass_sm90(name, warps, stages, ttir))
+        span = mma_loop(instrs)
+        mixes.append(InstructionMix(name, opcode_counts(instrs, span) if span else {}, opcode_counts(instrs)))
+    return mixes

@@ -20,10 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
+from pallas_kernels.int4_moe import (DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, DEFAULT_WARPS, UNPACK_F32,  # noqa: E402
+                                     UNPACK_MODES, int4_moe_ffn)
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402
 from pallas_kernels.tree_build import tree_build  # noqa: E402
-from pallas_kernels.triton_report import SHARED_LIMIT, report  # noqa: E402
+from pallas_kernels.triton_report import MIX_GROUPS, SHARED_LIMIT, instruction_mix, report  # noqa: E402
 from pallas_kernels.verify_attn import verify_attn  # noqa: E402
 
 SPEC = jax.ShapeDtypeStruct
@@ -54,12 +55,53 @@ def tree_accept_case(bt: int, budget: int, depth: int = 15):
                                                                              interpret=False), specs
 
 
-def int4_moe_case(m: int, d: int = 7168, inter: int = 2048, e: int = 384, k: int = 8, dtype=jnp.bfloat16):
+def int4_moe_case(m: int, d: int = 7168, inter: int = 2048, e: int = 384, k: int = 8, dtype=jnp.bfloat16,
+                  unpack: str = UNPACK_F32):
     specs = (SPEC((m, d), dtype), SPEC((m, k), jnp.int32), SPEC((m, k), jnp.float32),
              SPEC((e, inter, d // 8), jnp.int32), SPEC((e, inter, d // GROUP), jnp.bfloat16),
              SPEC((e, inter, d // 8), jnp.int32), SPEC((e, inter, d // GROUP), jnp.bfloat16),
              SPEC((e, d, inter // 8), jnp.int32), SPEC((e, d, inter // GROUP), jnp.bfloat16))
-    return f"int4_moe tokens={m} E={e} top-{k}", functools.partial(int4_moe_ffn, interpret=False), specs
+    tag = "" if unpack == UNPACK_F32 else f" unpack={unpack}"
+    return (f"int4_moe tokens={m} E={e} top-{k}{tag}", functools.partial(int4_moe_ffn, unpack=unpack, interpret=False),
+            specs)
+
+
+# ---- INT4 unpack: instruction mix of the K loop -------------------------------------------------------------------
+INT4_WEIGHT_SETS = {"int4_swiglu": 2, "int4_matmul": 1}  # gate + up fused, down alone
+UNPACK_GROUPS = ("int_alu", "convert", "fp32", "half2")  # ALU work per weight (unpack, accumulate, addresses)
+WARP = 32
+
+
+def int4_weights_per_thread(kernel: str) -> int:
+    """Weights one thread dequantizes per K-loop iteration with the default K2.6 tiles (every weight once)."""
+    per_set = DEFAULT_BLOCK_N * DEFAULT_BLOCK_W * 8 // (WARP * DEFAULT_WARPS)
+    return INT4_WEIGHT_SETS[kernel] * per_set
+
+
+def int4_mix_rows(tokens=(1, 64), unpacks=UNPACK_MODES) -> list[dict]:
+    """One row per (tokens, unpack, kernel): K-loop opcode groups and ALU instructions per weight."""
+    rows = []
+    for m in tokens:
+        for unpack in unpacks:
+            case, fn, specs = int4_moe_case(m, unpack=unpack)
+            for mix in instruction_mix(fn, *specs):
+                per_thread = int4_weights_per_thread(mix.name)
+                groups = {g: mix.group(g) for g in MIX_GROUPS}
+                alu = sum(groups[g] for g in UNPACK_GROUPS)
+                rows.append(dict(tokens=m, unpack=unpack, name=mix.name, weights_per_thread=per_thread, **groups,
+                                 loop_instructions=sum(mix.loop.values()), alu_per_weight=alu / per_thread,
+                                 loop=mix.loop))
+    return rows
+
+
+def mix_markdown(rows: list[dict]) -> str:
+    head = ["tokens", "unpack", "kernel", "weights/thread/iter", *MIX_GROUPS, "loop instr", "ALU instr/weight"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        cells = [r["tokens"], r["unpack"], r["name"], r["weights_per_thread"], *(r[g] for g in MIX_GROUPS),
+                 r["loop_instructions"], f"{r['alu_per_weight']:.2f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
 
 
 def engine_cases() -> list:
@@ -90,7 +132,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the rows as JSON to this path")
     parser.add_argument("--only", help="only cases whose name starts with this")
+    parser.add_argument("--int4-mix", action="store_true",
+                        help="instead: SASS instruction mix of the INT4 kernels' K loop, per unpack variant")
     args = parser.parse_args(argv)
+    if args.int4_mix:
+        print(mix_markdown(int4_mix_rows()))
+        return
     rows = []
     for case, fn, specs in engine_cases():
         if args.only and not case.startswith(args.only):
