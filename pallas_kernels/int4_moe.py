@@ -23,6 +23,12 @@ value is ever gathered or reshaped across the nibble axis (jax_stack.md §2.3).
 
 With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly.
 
+Unpack variants (static `unpack=`, same bf16 weights bit for bit): "f32" forms each weight in fp32 and rounds it
+(~6 ALU instructions per weight in the sm_90 K loop, `scripts/kernel_resources.py --int4-mix`); "bf16x2" (bf16
+activations only) forms two weights per instruction in inline PTX (~2.9 per weight, loop included). Neither path
+round-trips the dequantized tile through shared memory: Triton loads the packed words straight into the mma operand
+layout (no STS in the K loop), so the unpack ALU work, not layout conversion, is what the variants differ in.
+
 Axes: M tokens, k experts per token, P = M*k pairs, E experts, D hidden, I expert width, K input dim, N output dim,
 R padded routed rows, S slots.
 """
@@ -35,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from kdtree_jax.quant import INT4_OFFSET, NIBBLES_PER_WORD, dequant_int4_jnp
 from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
@@ -51,6 +58,17 @@ NIBBLE_BITS = 4
 NIBBLE_MASK = 0xF
 MAGIC_BITS = 0x4B000000  # fp32 bit pattern of 2^23: its mantissa's low bits hold an integer exactly
 MAGIC = float(1 << 23)
+# bf16x2 unpack (sm_90 PTX): one register holds two bf16 lanes (low half = element i, high half = element i+1)
+UNPACK_F32 = "f32"  # nibble -> fp32 (mantissa trick), * scale in fp32, round to the compute dtype
+UNPACK_BF16X2 = "bf16x2"  # inline PTX: two weights per instruction, straight into bf16 pairs
+UNPACK_MODES = (UNPACK_F32, UNPACK_BF16X2)
+BF16X2_MAGIC = 0x43004300  # bf16 128.0 in both halves: ORing a nibble into the mantissa gives 128 + nibble exactly
+BF16X2_BIAS = 0x43084308  # bf16 136.0 = 128 + INT4_OFFSET in both halves: (128 + nib) - 136 = nib - 8 exactly
+BF16X2_NIBBLE_MASK = 0x000F000F  # the low nibble of each 16-bit half
+LOP3_AND_OR = 0xEA  # lop3 truth table of (a & b) | c
+BYTES_PER_WORD = 4
+PRMT_HIGH_WORD = 4  # prmt selects bytes 4..7 from its second operand
+PRMT_BYTE2_SHIFT = 8  # a prmt selector holds one 4-bit source index per output byte: byte 2's sits at bits 8..11
 
 
 # ---- routing layout (XLA) ---------------------------------------------------------------------------------------
@@ -150,7 +168,50 @@ def _nibble_f32(words, k: int):
     return lax.bitcast_convert_type(nib | MAGIC_BITS, jnp.float32) - (MAGIC + INT4_OFFSET)
 
 
-def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan: _Plan, swiglu: bool, precision):
+def prmt_selector(byte: int) -> int:
+    """prmt.b32 selector putting byte `byte` of the first word in byte 0 and of the second word in byte 2."""
+    return byte | (PRMT_HIGH_WORD + byte) << PRMT_BYTE2_SHIFT
+
+
+def _bf16x2_asm(k: int) -> str:
+    """PTX for plane k of two words (pack=2) as one bf16x2 register: (nib - 8) * scale, each product rounded once.
+
+    prmt gathers byte k//2 of both words into the two 16-bit halves (odd k: one shift brings the high nibble down);
+    one lop3 gives (t & 0x000F000F) | 128.0-pattern = 128 + nib per half; sub.bf16x2 of 136 is exact (integers
+    -8..7) and mul.rn.bf16x2 by the two scales rounds the exact product once, as the fp32 path does. The prmt is
+    the same for planes 2b and 2b+1 (ptxas sees the pasted PTX and can share it). Operands: $0 the plane, $1 / $2
+    the two words, $3 their two bf16 scales. (jax 0.11.2 lowers a multi-result inline asm wrongly: one op per plane.)
+    """
+    byte, high = divmod(k, 2)
+    sel = prmt_selector(byte)
+    shift = [f"shr.u32 t, t, {NIBBLE_BITS};"] if high else []
+    return "\n".join(["{", ".reg .b32 t, u, bias;", f"mov.b32 bias, {BF16X2_BIAS:#010x};",
+                      f"prmt.b32 t, $1, $2, {sel:#x};", *shift,
+                      f"lop3.b32 u, t, {BF16X2_NIBBLE_MASK:#010x}, {BF16X2_MAGIC:#010x}, {LOP3_AND_OR:#x};",
+                      "sub.rn.bf16x2 u, u, bias;", "mul.rn.bf16x2 $0, u, $3;", "}"])
+
+
+def _planes_bf16x2(words, sc, *, interpret: bool):
+    """The eight dequantized planes of a [bn, bw] word tile, bf16 (sc: [bn, bw] bf16 scale of each word).
+
+    Compiled: inline PTX, two weights per instruction. Interpreted (inline asm cannot run there): the same values in
+    jnp — (nib - 8) is exact in bf16 and the bf16 product is the exact product rounded once."""
+    if interpret:
+        return [(_nibble_f32(words, k).astype(jnp.bfloat16) * sc).astype(jnp.bfloat16)
+                for k in range(NIBBLES_PER_WORD)]
+    out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
+    return [plt.elementwise_inline_asm(_bf16x2_asm(k), args=[words, sc], constraints="=r,r,r,r", pack=2,
+                                       result_shape_dtypes=[out])[0] for k in range(NIBBLES_PER_WORD)]
+
+
+def _planes_f32(words, sc, cdt):
+    """The eight dequantized planes of a [bn, bw] word tile in cdt: fp32 nibble times fp32 scale, rounded once."""
+    sc = sc.astype(jnp.float32)
+    return [(_nibble_f32(words, k) * sc).astype(cdt) for k in range(NIBBLES_PER_WORD)]
+
+
+def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan: _Plan, swiglu: bool, precision,
+            unpack: str, interpret: bool):
     # slot_* [S] i32 | x_ref [R, 8*words] nibble-major | refs: (packed [E, N, words] i32, scale [E, N, words/gw])
     # for each weight set, then out_ref [R, N]
     *w_refs, out_ref = refs
@@ -173,11 +234,14 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan:
             new = []
             for (p_ref, s_ref), acc in zip(weights, accs):
                 words = p_ref[e, pl.ds(n0, bn), pl.ds(w0, bw)]  # [bn, bw] int32
-                sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)].astype(jnp.float32)  # [bn, bw/gw]
+                sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)]  # [bn, bw/gw]
                 sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
+                if unpack == UNPACK_BF16X2:
+                    planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret)
+                else:
+                    planes = _planes_f32(words, sc, cdt)
                 for k in range(NIBBLES_PER_WORD):
-                    w = (_nibble_f32(words, k) * sc).astype(cdt)  # [bn, bw]
-                    acc = acc + lax.dot_general(xs[k], w, nt, precision=precision,
+                    acc = acc + lax.dot_general(xs[k], planes[k], nt, precision=precision,
                                                 preferred_element_type=jnp.float32)  # [bm, bn]
                 new.append(acc)
             return tuple(new)
@@ -193,6 +257,14 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan:
         return carry
 
     lax.fori_loop(0, n_blocks, row_block, 0)
+
+
+def _check_unpack(unpack: str, dtype) -> None:
+    """bf16x2 rounds the weights to bf16: only right when the dot runs in bf16 anyway."""
+    if unpack not in UNPACK_MODES:
+        raise ValueError(f"int4 matmul: unpack={unpack!r} must be one of {UNPACK_MODES}")
+    if unpack == UNPACK_BF16X2 and jnp.dtype(dtype) != jnp.bfloat16:
+        raise ValueError(f"int4 matmul: unpack={unpack!r} needs bfloat16 activations, got {jnp.dtype(dtype).name}")
 
 
 def _pad_weights(packed, scale, plan: _Plan):
@@ -226,13 +298,15 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots) 
 
 def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: bool = False, out_dtype=None,
                         block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
-                        num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
+                        num_stages: int = 2, unpack: str = UNPACK_F32, interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their slot's expert: -> [R, N] (fp32 accumulation).
 
     weights: ((packed [E, N, K/8] i32, scale [E, N, K/G]),) or two such pairs (gate, up) with swiglu=True, which
     returns silu(x Wg^T) * (x Wu^T). Rows outside every slot's blocks are left unwritten (garbage).
+    unpack: how weights are dequantized (UNPACK_MODES); "bf16x2" needs bf16 x and gives the same bf16 weights.
     """
     interpret = resolve_interpret(interpret)
+    _check_unpack(unpack, x.dtype)
     if len(weights) != (2 if swiglu else 1):
         raise ValueError(f"grouped_int4_matmul: swiglu={swiglu} needs {2 if swiglu else 1} weight sets, "
                          f"got {len(weights)}")
@@ -253,7 +327,8 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
     xp = _nibble_major(x, plan.words)  # [R, 8*words']
     flat = [a for p, sc in weights for a in _pad_weights(p, sc, plan)]
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
-    kernel = functools.partial(_kernel, plan=plan, swiglu=swiglu, precision=precision)
+    kernel = functools.partial(_kernel, plan=plan, swiglu=swiglu, precision=precision, unpack=unpack,
+                               interpret=interpret)
     any_spec = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)
     args = (layout.slot_expert, layout.slot_start, layout.slot_count, xp, *flat)
     out = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
@@ -266,7 +341,8 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
 
 def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert_ids: jax.Array, *,
                        block_m: int | None = None, block_n: int | None = None, block_w: int | None = None,
-                       num_warps: int = DEFAULT_WARPS, interpret: bool | None = None) -> jax.Array:
+                       num_warps: int = DEFAULT_WARPS, unpack: str = UNPACK_F32,
+                       interpret: bool | None = None) -> jax.Array:
     """y[p] = x[p] @ W[expert_ids[p]]^T for P routed rows: x [P, K], packed [E, N, K/8], scale [E, N, K/G] -> [P, N].
 
     Output in x's dtype, fp32 accumulation; every expert id must lie in 0..E-1.
@@ -277,7 +353,7 @@ def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert
     n_exp = packed.shape[0]
     layout = route_layout(expert_ids, n_exp, block_m or default_block_m(x.shape[0], n_exp))
     y = grouped_int4_matmul(scatter_rows(x, layout), ((packed, scale),), layout, block_n=block_n, block_w=block_w,
-                            num_warps=num_warps, interpret=interpret)
+                            num_warps=num_warps, unpack=unpack, interpret=interpret)
     return y.at[layout.dest].get(mode="fill", fill_value=0)
 
 
@@ -300,7 +376,7 @@ def _check_ffn(x, idx, weights, gate, up, down):
 def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, gate_scale, up_packed, up_scale,
                  down_packed, down_scale, *, block_m: int | None = None, block_n: int | None = None,
                  block_w: int | None = None, num_warps: int = DEFAULT_WARPS, out_dtype=None,
-                 interpret: bool | None = None) -> jax.Array:
+                 unpack: str = UNPACK_F32, interpret: bool | None = None) -> jax.Array:
     """Routed SwiGLU experts + weighted combine: x [M, D], idx / weights [M, k] -> [M, D] in out_dtype (x's).
 
     Gate/up run as one fused kernel call (silu(g) * u written directly, h in x's dtype), down as a second call over
@@ -312,7 +388,7 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     _check_ffn(x, idx, weights, (gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))
     top_k = idx.shape[1]
     n_exp = gate_packed.shape[0]
-    kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, interpret=interpret)
+    kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, unpack=unpack, interpret=interpret)
     layout = route_layout(idx.reshape(-1), n_exp, block_m or default_block_m(m * top_k, n_exp))
     x_rows = scatter_rows(jnp.repeat(x, top_k, axis=0), layout)  # [R, D]; pair p = token p // k
     h = grouped_int4_matmul(x_rows, ((gate_packed, gate_scale), (up_packed, up_scale)), layout, swiglu=True, **kw)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kdtree_jax.quant import quant_int4
+from pallas_kernels import int4_moe
 from pallas_kernels._pallas import lower_for_h200
 from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
                                      int4_expert_matmul, int4_moe_ffn, route_layout)
@@ -188,3 +189,108 @@ def test_k26_shape_on_gpu(rng):
     x = as_input(rng.standard_normal((m, d)), jnp.bfloat16)
     out = int4_moe_ffn(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights), *w)
     assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], "K2.6 shape")
+
+
+# ---- unpack variants ----------------------------------------------------------------------------------------------
+def _prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+    """PTX prmt.b32 (default mode): output byte i = byte (selector >> 4i) & 7 of the 8 bytes {b, a}."""
+    src = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+    return sum(src[(selector >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def _bf16_halves(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A bf16x2 register's (low, high) lanes as float32."""
+    as_f32 = lambda h: ((h & 0xFFFF) << 16).astype(np.uint32).view(np.float32)  # noqa: E731
+    return as_f32(bits), as_f32(bits >> 16)
+
+
+def test_bf16x2_bit_recipe_decodes_every_nibble(rng):
+    """The constants the inline PTX uses, replayed in numpy on random words: prmt gathers the byte of both words,
+    the mask / magic OR gives 128 + nib per lane, minus the bias it is nib - 8, for all eight planes."""
+    w0, w1 = (rng.integers(0, 1 << 32, 4096, dtype=np.uint64) for _ in range(2))
+    bias = _bf16_halves(np.array(int4_moe.BF16X2_BIAS, np.uint64))[0]
+    for k in range(8):
+        sel = int4_moe.prmt_selector(k // 2)
+        assert f"{sel:#x}" in int4_moe._bf16x2_asm(k)
+        t = _prmt(w0, w1, sel) >> (int4_moe.NIBBLE_BITS * (k % 2))
+        lo, hi = _bf16_halves((t & int4_moe.BF16X2_NIBBLE_MASK) | int4_moe.BF16X2_MAGIC)
+        np.testing.assert_array_equal(lo - bias, ((w0 >> (4 * k)) & 0xF).astype(np.float32) - 8, f"plane {k} low")
+        np.testing.assert_array_equal(hi - bias, ((w1 >> (4 * k)) & 0xF).astype(np.float32) - 8, f"plane {k} high")
+
+
+def test_unpack_variants_agree_bitwise_and_match_reference(rng, interpret):
+    """bf16 activations: both unpack paths give the same output bits (same bf16 weights), close to float64."""
+    packed, scale = random_int4(rng, E, 128, 256)
+    idx, _ = random_routing(rng, 9)
+    ids = idx.reshape(-1)
+    x = as_input(rng.standard_normal((ids.size, 256)), jnp.bfloat16)
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids))
+    outs = {u: np.asarray(int4_expert_matmul(*args, unpack=u, interpret=interpret).astype(jnp.float32))
+            for u in int4_moe.UNPACK_MODES}
+    np.testing.assert_array_equal(outs["bf16x2"], outs["f32"])
+    assert_close(outs["bf16x2"], int4_expert_matmul_ref(x, packed, scale, ids), TOL[jnp.bfloat16], "bf16x2")
+
+
+def test_ffn_bf16x2_matches_reference(rng, interpret):
+    w = make_ffn(rng, 256, 128)
+    idx, weights = random_routing(rng, 7)
+    x = as_input(rng.standard_normal((7, 256)), jnp.bfloat16)
+    out = int4_moe_ffn(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w),
+                       unpack="bf16x2", interpret=interpret)
+    assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], "ffn bf16x2")
+
+
+def test_bf16x2_rejects_fp32_activations_and_unknown_modes(rng):
+    w = list(map(jnp.asarray, make_ffn(rng, 64, 32)))
+    x, idx, weights = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32), jnp.zeros((3, 2), jnp.int32), \
+        jnp.ones((3, 2))
+    with pytest.raises(ValueError, match="bfloat16"):
+        int4_moe_ffn(x, idx, weights, *w, unpack="bf16x2")
+    with pytest.raises(ValueError, match="unpack"):
+        int4_moe_ffn(x, idx, weights, *w, unpack="int8")
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_bf16x2_lowers_for_h200(m):
+    fn = functools.partial(int4_moe_ffn, unpack="bf16x2", interpret=False)
+    text = lower_for_h200(fn, *ffn_specs(m, 7168, 2048, 384, 8, jnp.bfloat16)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def _k26_weights(key, d, inter, e):
+    """Random K2.6-sized packed words (every bit pattern) and bf16 scales, made on the device."""
+    w = []
+    for i, (n_out, n_in) in enumerate(((inter, d), (inter, d), (d, inter))):
+        kb, ks = jax.random.split(jax.random.fold_in(key, i))
+        bits = jax.random.bits(kb, (e, n_out, n_in // 8), jnp.uint32)
+        scale = jax.random.uniform(ks, (e, n_out, n_in // GROUP), jnp.float32, 0.5, 1.5) / (4.0 * n_in**0.5)
+        w += [jax.lax.bitcast_convert_type(bits, jnp.int32), scale.astype(jnp.bfloat16)]
+    return w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_k26_unpack_variants_bitwise_on_gpu(rng, m):
+    """Compiled: the inline-PTX bf16x2 unpack and the fp32 unpack give identical output bits at K2.6 shapes, and
+    both match the float64 reference."""
+    d, inter, e, k = 7168, 2048, 384, 8
+    w = _k26_weights(jax.random.key(int(rng.integers(1 << 30))), d, inter, e)
+    idx, weights = random_routing(rng, m, e, k)
+    x = as_input(rng.standard_normal((m, d)), jnp.bfloat16)
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights), *w)
+    outs = {u: np.asarray(jax.jit(functools.partial(int4_moe_ffn, unpack=u))(*args).astype(jnp.float32))
+            for u in int4_moe.UNPACK_MODES}
+    np.testing.assert_array_equal(outs["bf16x2"], outs["f32"])
+    assert_close(outs["bf16x2"], int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], f"K2.6 bf16x2 m={m}")
+
+
+@pytest.mark.gpu
+def test_bf16x2_compiled_matches_interpreted(rng):
+    """The inline PTX against its jnp stand-in (what CPU runs): identical bits on a small expert matmul."""
+    packed, scale = random_int4(rng, E, 128, 256)
+    ids = rng.integers(0, E, 24).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
+    args = (x, jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids))
+    got = int4_expert_matmul(*args, unpack="bf16x2", interpret=False)
+    want = int4_expert_matmul(*args, unpack="bf16x2", interpret=True)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
