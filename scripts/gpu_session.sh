@@ -8,6 +8,8 @@
 #   bash scripts/gpu_session.sh scaling   # K2-width layers sharded over 2/4/8 GPUs == 1 GPU, per-round time (x2, x8)
 #   bash scripts/gpu_session.sh retune    # after a kernel retune: compiled tests, verify_attn H 64 / 8, K2.6 verify
 #                                         # layers, INT4 kernel (both GPUs of nvidia-h200-x2 in parallel, ~7 min)
+#   bash scripts/gpu_session.sh split     # verify_attn tune (wave split rule, value chunks) H 64 | compiled tests, top-K
+#                                         # variants, tune H 8 (nvidia-h200-x2, ~10 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -87,6 +89,19 @@ owed)
     run bench_kernels_h8 300 "$PY" scripts/bench_kernels.py --heads 8 --skip-tree --budget-s 240 \
         --out "$OUT/bench_kernels_h8.json"
     run bench_kimi_layer 270 "$PY" scripts/bench_kimi_layer.py --budget-s 200 --out "$OUT/bench_kimi_layer.json"
+    wait
+    ;;
+split)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run bench_kernels_tune_h64 570 "$PY" scripts/bench_kernels.py --tune --heads 64 --skip-tree --budget-s 500 \
+            --out "$OUT/bench_kernels_tune_h64.json"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run pytest_verify 150 "$PY" -m pytest -q -rf tests/test_verify_attn.py
+    run bench_topk 150 "$PY" scripts/bench_topk.py --out "$OUT/bench_topk.json"
+    run bench_kernels_tune_h8 260 "$PY" scripts/bench_kernels.py --tune --heads 8 --skip-tree --budget-s 220 \
+        --out "$OUT/bench_kernels_tune_h8.json"
     wait
     ;;
 scaling)
