@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("triton", reason="the sm_90 compile needs the triton package (test extra, Linux x86-64)")
 
-from pallas_kernels.triton_report import SHARED_LIMIT, KernelResources, report  # noqa: E402
+from pallas_kernels.triton_report import (SHARED_LIMIT, KernelResources, mma_loop, opcode_counts,  # noqa: E402
+                                          parse_sass, report)
 from pallas_kernels.verify_attn import BLOCKS_PER_SM  # noqa: E402
 
 SPILL_LIMIT = 512  # stack bytes per thread
@@ -30,6 +31,7 @@ ENGINE_SIZES = {
     "verify_attn fp32 tree": lambda: cases.verify_case(2, 17, 4096, jnp.float32, heads=8),
     "int4_moe 1 token": lambda: cases.int4_moe_case(1),
     "int4_moe 512 tokens": lambda: cases.int4_moe_case(512),
+    "int4_moe 1 token bf16x2": lambda: cases.int4_moe_case(1, unpack="bf16x2"),
     "tree_build batch 64 B=256": lambda: cases.tree_build_case(64, 256),
 }
 
@@ -67,3 +69,37 @@ def test_report_sees_a_spilling_config():
     _, fn, specs = cases.verify_case(1, 1, 4096, jnp.bfloat16, block_q=64, block_k=64, num_warps=4)
     main = report(fn, *specs)[0]
     assert main.spills and main.stack_bytes > SPILL_LIMIT and main.wgmma > 0
+
+
+# ---- INT4 unpack: K-loop instruction mix ---------------------------------------------------------------------------
+BF16X2_MAX_ALU_RATIO = 0.6  # bf16x2 K loop: at most this share of the fp32 path's ALU instructions per weight
+
+
+def test_mma_loop_is_the_innermost_backward_branch_with_an_mma():
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R4, R6, R4 ;
+        /*0030*/               @P0 BRA 0x10 ;
+        /*0040*/                   LOP3.LUT R2, R2, 0xf, RZ, 0xc0, !PT ;
+        /*0050*/               @P1 BRA 0x0 ;
+        /*0060*/                   BRA 0x60;
+    """
+    instrs = parse_sass(sass)
+    assert [op for _, op, _ in instrs] == ["MOV", "LDS", "HMMA", "BRA", "LOP3", "BRA", "BRA"]
+    assert mma_loop(instrs) == (0x10, 0x30)
+    assert opcode_counts(instrs, (0x10, 0x30)) == {"LDS": 1, "HMMA": 1, "BRA": 1}
+
+
+def test_int4_bf16x2_unpack_cuts_loop_alu_without_layout_conversions():
+    """Compile-time facts at 1 token (K2.6): the bf16x2 K loop has no conversions, no spills, no shared-memory
+    stores (the dequantized tile stays in the mma operand registers) and far fewer ALU instructions per weight."""
+    rows = {(r["unpack"], r["name"]): r for r in cases.int4_mix_rows(tokens=(1,))}
+    for name in cases.INT4_WEIGHT_SETS:
+        f32, bx = rows[("f32", name)], rows[("bf16x2", name)]
+        for r in (f32, bx):
+            assert r["mma"] > 0 and r["loop"].get("STS", 0) == 0, f"{name} {r['unpack']}: {r['loop']}"
+            assert r["loop"].get("LDL", 0) == r["loop"].get("STL", 0) == 0, f"{name} {r['unpack']} spills in its loop"
+        assert bx["convert"] == 0 and bx["half2"] > 0 and bx["mma"] == f32["mma"]
+        assert bx["alu_per_weight"] <= BF16X2_MAX_ALU_RATIO * f32["alu_per_weight"], (
+            f"{name}: {bx['alu_per_weight']:.2f} vs {f32['alu_per_weight']:.2f} ALU instructions per weight")
