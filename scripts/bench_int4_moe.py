@@ -1,6 +1,6 @@
 """INT4 routed-expert FFN on one GPU: the Pallas grouped kernel vs dequantize-then-matmul in XLA vs bf16 experts.
 
-    python scripts/bench_int4_moe.py [--quick] [--out results.json] [--tune] [--kernel-only]
+    python scripts/bench_int4_moe.py [--quick] [--out results.json] [--tune] [--kernel-only] [--unpack f32,bf16x2]
 
 K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
 routing is uniform random (distinct experts per token); N_SETS input sets (x and routing) run back to back inside
@@ -8,6 +8,10 @@ one jit (`bench_util.per_call_s`: host dispatch amortised, and L2 never holds th
 down); "% copy" = achieved bandwidth / a device copy measured in the same run. The bf16 column runs the same routed
 shape with bf16 experts through XLA (`ragged_dot`, and `gather` for small counts). Every config is guarded: an OOM or
 compile failure is recorded and the sweep goes on. On a CPU backend it runs a tiny smoke sweep (numbers meaningless).
+--unpack times each listed INT4 unpack variant (`int4_moe.UNPACK_MODES`) on the same inputs and weights, and checks
+each variant's output against the first one's on one input set (they should agree bit for bit). On CPU the bf16x2
+variant runs its jnp stand-in in the interpreter (inline PTX needs a GPU), and the smoke sweep uses bf16 activations
+when it is asked for (bf16x2 requires them).
 """
 from __future__ import annotations
 
@@ -26,8 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_util import copy_ceiling, per_call_s  # noqa: E402
-from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,  # noqa: E402
-                                     int4_moe_ffn)
+from pallas_kernels.int4_moe import (UNPACK_BF16X2, UNPACK_F32, UNPACK_MODES, bf16_gather_ffn,  # noqa: E402
+                                     bf16_ragged_dot_ffn, dequant_then_matmul_ffn, int4_moe_ffn)
 
 N_SETS = 8  # input sets per timed jit, run back to back (dispatch amortised; routing differs call to call)
 GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts
@@ -50,16 +54,10 @@ CPU_SMOKE = Shape(d=256, inter=128, experts=16, top_k=2, tokens=(1, 5), copy_byt
 TUNE = ((64, 64, 4), (32, 64, 4), (128, 64, 8), (64, 32, 4), (64, 128, 8), (32, 128, 4))  # block_n, block_w, warps
 
 
+CPU_UNPACK_NOTE = "CPU: bf16x2 runs its jnp stand-in in the Pallas interpreter, not the inline PTX (needs a GPU)"
+
+
 # ---- timing helpers (also used by bench_kimi_layer.py) -----------------------------------------------------------
-
-
-
-
-
-
-
-
-
 def short_error(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:160] if text else ''}"
@@ -113,20 +111,45 @@ def distinct_experts(sets) -> float:
 
 
 # ---- sweep ---------------------------------------------------------------------------------------------------------
-def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True) -> None:
+def unpack_key(unpack: str) -> str:
+    """Row key of an unpack variant's timing (the fp32 path keeps the historical `pallas_int4`)."""
+    return "pallas_int4" if unpack == UNPACK_F32 else f"pallas_int4_{unpack}"
+
+
+def parse_unpacks(text: str) -> tuple[str, ...]:
+    unpacks = tuple(u.strip() for u in text.split(",") if u.strip())
+    bad = [u for u in unpacks if u not in UNPACK_MODES]
+    if bad or not unpacks:
+        raise SystemExit(f"--unpack: {bad or text!r} not in {UNPACK_MODES}")
+    return unpacks
+
+
+def check_variants(row: dict, outs: dict, unpacks) -> None:
+    """Each variant's output vs the first variant's on the same inputs: bitwise equality and the largest gap."""
+    first = unpacks[0]
+    for u in unpacks[1:]:
+        if u in outs and first in outs:
+            row[f"{u}_same_bits_as_{first}"] = bool(np.array_equal(outs[u], outs[first]))
+            row[f"{u}_max_abs_diff_vs_{first}"] = float(np.max(np.abs(outs[u] - outs[first])))
+
+
+def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True,
+              unpacks=(UNPACK_F32,)) -> None:
     """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
     keys = jax.random.split(jax.random.key(0), 3)
     w4 = []
     for key, (n_out, n_in) in zip(keys, ((shape.inter, shape.d), (shape.inter, shape.d), (shape.d, shape.inter))):
         w4 += list(random_int4(key, shape.experts, n_out, n_in, shape.group))
-    kernel = jax.jit(lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret))
+    ffn = {u: (lambda x, i, w, *ws, u=u: int4_moe_ffn(x, i, w, *ws, unpack=u, interpret=interpret)) for u in unpacks}
     deq = jax.jit(dequant_then_matmul_ffn)
     for tokens in shape.tokens:
         sets = make_sets(shape, tokens, dtype, seed=tokens)
         n_dist = distinct_experts(sets)
         row = dict(tokens=tokens, pairs=tokens * shape.top_k, distinct_experts=n_dist,
                    bytes=n_dist * int4_expert_bytes(shape))
-        variants = {"pallas_int4": lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret)}
+        if interpret and UNPACK_BF16X2 in unpacks:
+            row["unpack_note"] = CPU_UNPACK_NOTE
+        variants = {unpack_key(u): ffn[u] for u in unpacks}
         if baselines:
             variants["xla_dequant"] = dequant_then_matmul_ffn
         if tune:
@@ -138,10 +161,17 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
                 row[f"{name}_ms"] = per_call_s(fn, [s + tuple(w4) for s in sets]) * 1e3
             except Exception as e:  # noqa: BLE001  (an OOM or failed compile is a result; keep sweeping)
                 row[f"{name}_error"] = short_error(e)
-        try:  # the kernel against the XLA baseline on one input set (both bf16: loose, catches wrong experts)
-            got = np.asarray(kernel(*sets[0], *w4).astype(jnp.float32))
-            want = np.asarray(deq(*sets[0], *w4).astype(jnp.float32))
-            row["rel_diff_vs_xla"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        outs = {}
+        for u in unpacks:
+            try:
+                outs[u] = np.asarray(jax.jit(ffn[u])(*sets[0], *w4).astype(jnp.float32))
+            except Exception as e:  # noqa: BLE001
+                row[f"{u}_check_error"] = short_error(e)
+        check_variants(row, outs, unpacks)
+        try:  # the first variant against the XLA baseline on one input set (both bf16: loose, catches wrong experts)
+            if unpacks[0] in outs:
+                want = np.asarray(deq(*sets[0], *w4).astype(jnp.float32))
+                row["rel_diff_vs_xla"] = float(np.linalg.norm(outs[unpacks[0]] - want) / np.linalg.norm(want))
         except Exception as e:  # noqa: BLE001
             row["check_error"] = short_error(e)
         rows.append(row)
@@ -179,11 +209,32 @@ def bf16_sweep(shape: Shape, rows: list[dict], dtype):
         print(json.dumps({k: v for k, v in row.items() if k.startswith(("tokens", "bf16"))}), flush=True)
 
 
-def markdown(rows: list[dict], copy_bw: float) -> str:
-    def ms(row, name):
-        return f"{row[name + '_ms']:.3f}" if name + "_ms" in row else ("OOM" if "RESOURCE" in row.get(
-            name + "_error", "") else ("err" if name + "_error" in row else "—"))
+def ms(row, name):
+    return f"{row[name + '_ms']:.3f}" if name + "_ms" in row else ("OOM" if "RESOURCE" in row.get(
+        name + "_error", "") else ("err" if name + "_error" in row else "—"))
 
+
+def unpack_markdown(rows: list[dict], copy_bw: float, unpacks) -> str:
+    """One line per (tokens, unpack variant): time, bandwidth, speed relative to the first variant, same bits."""
+    first = unpacks[0]
+    lines = [f"| tokens | unpack | pallas ms | GB/s | % copy | {first} ms / this | same bits as {first} | max abs diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = r.get(unpack_key(first) + "_ms")
+        for u in unpacks:
+            t = r.get(unpack_key(u) + "_ms")
+            gbps = r["bytes"] / (t / 1e3) / 1e9 if t else None
+            bw = f"{gbps:.0f} | {100 * gbps * 1e9 / copy_bw:.0f}%" if gbps else "— | —"
+            ratio = f"{base / t:.2f}" if t and base else "—"
+            same = r.get(f"{u}_same_bits_as_{first}", "—" if u != first else "(ref)")
+            diff = r.get(f"{u}_max_abs_diff_vs_{first}")
+            lines.append(f"| {r['tokens']} | {u} | {ms(r, unpack_key(u))} | {bw} | {ratio} | {same} | "
+                         f"{'—' if diff is None else f'{diff:.1e}'} |")
+    notes = sorted({r["unpack_note"] for r in rows if "unpack_note" in r})
+    return "\n".join(lines + [f"\nnote: {n}" for n in notes])
+
+
+def markdown(rows: list[dict], copy_bw: float) -> str:
     lines = ["| tokens | distinct experts | INT4 MB | roofline ms | pallas ms | GB/s | % copy | xla dequant ms | "
              "bf16 ragged_dot ms | bf16 gather ms | bf16 roofline ms | rel diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -212,12 +263,18 @@ def main(argv=None):
     parser.add_argument("--out", help="write all results as JSON to this path")
     parser.add_argument("--tune", action="store_true", help="also time a few (block_n, block_w, warps) choices")
     parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
+    parser.add_argument("--unpack", default=UNPACK_F32,
+                        help=f"comma-separated INT4 unpack variants to time side by side, from {UNPACK_MODES}")
     args = parser.parse_args(argv)
+    unpacks = parse_unpacks(args.unpack)
     on_gpu = jax.default_backend() == "gpu"
     shape = (QUICK if args.quick else FULL) if on_gpu else CPU_SMOKE
-    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    dtype = jnp.bfloat16 if on_gpu or UNPACK_BF16X2 in unpacks else jnp.float32
     if not on_gpu:
-        print(f"warning: backend {jax.default_backend()}: tiny smoke sweep in the Pallas interpreter", file=sys.stderr)
+        print(f"warning: backend {jax.default_backend()}: tiny smoke sweep in the Pallas interpreter "
+              f"({jnp.dtype(dtype).name} activations)", file=sys.stderr)
+        if UNPACK_BF16X2 in unpacks:
+            print(f"warning: {CPU_UNPACK_NOTE}", file=sys.stderr)
     t0 = time.perf_counter()
     device = jax.devices()[0].device_kind
     copy_bw = copy_ceiling(shape.copy_bytes)
@@ -225,11 +282,14 @@ def main(argv=None):
           f"{shape.group}; copy (read+write) {copy_bw / 1e9:.0f} GB/s\n", flush=True)
     rows = []
     try:
-        run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only)
+        run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only,
+                  unpacks=unpacks)
     finally:  # print whatever finished, even after an unexpected failure
         result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
-                      int4_bytes_per_expert=int4_expert_bytes(shape), total_s=time.perf_counter() - t0)
-        print(markdown(rows, copy_bw) + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
+                      unpacks=unpacks, int4_bytes_per_expert=int4_expert_bytes(shape),
+                      total_s=time.perf_counter() - t0)
+        print(markdown(rows, copy_bw) + "\n\n" + unpack_markdown(rows, copy_bw, unpacks)
+              + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
