@@ -268,11 +268,14 @@ def _k26_weights(key, d, inter, e):
     return w
 
 
+K26_REF_MAX_TOKENS = 4  # the float64 reference dequantizes every touched expert on the host: ~0.3 s each
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 4, 64])
 def test_k26_unpack_variants_bitwise_on_gpu(rng, m):
-    """Compiled: the inline-PTX bf16x2 unpack and the fp32 unpack give identical output bits at K2.6 shapes, and
-    both match the float64 reference."""
+    """Compiled: the inline-PTX bf16x2 unpack and the fp32 unpack give identical output bits at K2.6 shapes; at
+    small token counts both also match the float64 reference."""
     d, inter, e, k = 7168, 2048, 384, 8
     w = _k26_weights(jax.random.key(int(rng.integers(1 << 30))), d, inter, e)
     idx, weights = random_routing(rng, m, e, k)
@@ -280,8 +283,10 @@ def test_k26_unpack_variants_bitwise_on_gpu(rng, m):
     args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights), *w)
     outs = {u: np.asarray(jax.jit(functools.partial(int4_moe_ffn, unpack=u))(*args).astype(jnp.float32))
             for u in int4_moe.UNPACK_MODES}
+    assert np.isfinite(outs["f32"]).all() and np.abs(outs["f32"]).max() > 0
     np.testing.assert_array_equal(outs["bf16x2"], outs["f32"])
-    assert_close(outs["bf16x2"], int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], f"K2.6 bf16x2 m={m}")
+    if m <= K26_REF_MAX_TOKENS:
+        assert_close(outs["bf16x2"], int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], f"K2.6 bf16x2 m={m}")
 
 
 @pytest.mark.gpu
