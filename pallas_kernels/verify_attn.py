@@ -6,11 +6,8 @@ are flattened to R_q = N*H rows and processed as 2-D tiles of `block_q` rows; ea
 is loaded once per tile and feeds both dots: scores = q_lat·c_kv + q_pe·k_pe (two power-of-two dots, 512 + 64),
 values = c_kv itself (see kimi_k2_format.md §3.6).
 
-Grid (query tiles x value chunks, splits, Bt), tiles fastest: the programs resident at once are mostly tiles of one
-request and split, so they share its KV blocks through L2 (what makes large trees compute-bound, not HBM-bound).
-A value chunk (`block_v` < kv_lora columns, a tuning knob) gives each program only part of the output: every chunk
-recomputes the scores (the 576-wide dot), but its fp32 accumulator shrinks to [block_q, block_v], which lets 64-row
-query tiles (all 64 heads of a node, Hopper's warpgroup MMA size) stay in registers. Split j
+Grid (query tiles, splits, Bt), tiles fastest: the programs resident at once are mostly tiles of one request and
+split, so they share its KV blocks through L2 (what makes large trees compute-bound, not HBM-bound). Split j
 walks its share of the prefix blocks (a dynamic trip count from prefix_len, so a short prefix in a long cache costs
 only its own blocks); the last split with work also walks the tree blocks. With one split the kernel normalises
 and writes the output; with several (chosen when Bt * tiles alone would leave SMs idle) each active split writes
@@ -44,16 +41,16 @@ from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 
 NEG = -1e30  # finite "minus infinity" for the running max: NEG - NEG = 0, never inf - inf
 MIN_DOT = 16  # smallest dot dimension Triton handles well
-# Defaults by input itemsize: (block_q for small / large query counts, block_k, warps, stages). bf16 from the H200
-# tuning sweep (BENCHMARKS.md §3, `bench_kernels.py --tune`): 4 warps and 3 stages with 64-row KV blocks were 1.4-2.2x
-# faster than the 8-warp, 2-stage, 32 x 32 tiles the sm_90 resource report suggested (its fp32 accumulator
-# spills cost less than the lost latency hiding); 16-row query tiles won up to ~2k query rows per request (decode,
-# small trees), 32-row tiles on large trees. fp32 keeps 16 x 32 on 8 warps, 2 stages: larger tiles or more stages
-# need more shared memory than a block has (346 KiB at 64 x 32).
-DEFAULTS = {2: ((16, 32), 64, 4, 3), 4: ((16, 16), 32, 8, 2)}
-SMALL_QUERY_ROWS = 2048  # up to this many query rows (N*H) per request the small query tile is used
+# Defaults by input itemsize: ((block_q, block_k, resident blocks per SM), the same when a request's N*H query rows
+# fit one MIN_DOT-row tile, warps, stages); residency is the sm_90 resource report's (shared memory and registers,
+# checked by tests/test_kernel_resources.py) and sizes the split rule's wave. bf16 from the H200 tuning sweeps (BENCHMARKS.md §3, `bench_kernels.py --tune`):
+# 4 warps and 3 stages beat the 8-warp, 2-stage tiles the sm_90 resource report suggested by 1.4-2.2x (session 3);
+# with the wave split rule, 32 x 64 tiles won 4 of 5 H = 64 shapes (ties on the fifth) and 16 x 32 every H = 8 decode
+# shape (one query tile per request: more, smaller KV blocks in flight). 64-row tiles with wgmma (an output split in
+# value chunks to stay in registers) lost on all five H = 64 shapes. fp32 keeps 16 x 32 on 8 warps, 2 stages: larger
+# tiles or more stages need more shared memory than a block has (346 KiB at 64 x 32).
+DEFAULTS = {2: ((32, 64, 1), (16, 32, 2), 4, 3), 4: ((16, 32, 1), (16, 32, 1), 8, 2)}
 SM_COUNT = 132  # H200
-BLOCKS_PER_SM = 1  # programs resident per SM at the default tiles (166 KiB of shared memory: test_kernel_resources)
 WAVE_SLACK = 0.05  # the split rule takes the fewest splits within this fraction of the best predicted time
 MIN_SPLIT_ROWS = 256  # a split reads at least this many cache rows, so partial outputs stay small vs the cache
 
@@ -72,9 +69,7 @@ class _Plan:
     sel: int  # mask rows one query tile can touch, padded to a power of two >= 16
     block_q: int
     block_k: int
-    block_v: int  # value columns per program (r: the whole output)
     n_q: int  # query tiles
-    n_v: int  # value chunks (r // block_v)
     n_splits: int
     min_split_blocks: int  # prefix blocks an active split reads at least
 
@@ -83,21 +78,21 @@ def _prev_pow2(n: int) -> int:
     return 1 << (int(n).bit_length() - 1)
 
 
-def _default_splits(programs: int, max_splits: int) -> int:
-    """Split-K count for `programs` (query tiles x value chunks x Bt) equal programs: the fewest splits whose
+def _default_splits(programs: int, max_splits: int, resident: int) -> int:
+    """Split-K count for `programs` (query tiles x Bt) equal programs, `resident` of which fit one SM at once (a wave
+    is SM_COUNT x resident programs): the fewest splits whose
     predicted time, waves / splits (a program's work shrinks as 1 / splits, a partly filled last wave costs a whole
-    one), is within WAVE_SLACK of the best. 8 programs at 32k get 16 splits (128 blocks, one wave) where
-    cdiv(132, 8) = 17 splits gave 136 blocks: a second wave of 4."""
-    wave = SM_COUNT * BLOCKS_PER_SM
+    one), is within WAVE_SLACK of the best. With one resident program, 8 programs at 32k get 16 splits (128 blocks,
+    one wave) where cdiv(132, 8) = 17 splits gave 136 blocks: a second wave of 4."""
+    wave = SM_COUNT * resident
     cost = {sp: pl.cdiv(programs * sp, wave) / sp for sp in range(1, max(1, max_splits) + 1)}
     best = min(cost.values())
     return min(sp for sp, c in cost.items() if c <= best * (1 + WAVE_SLACK))
 
 
-def _online_update(carry, q_lat, q_pe, k_lat, k_pe, k_val, valid, *, scale, precision):
-    """One flash step: fold a KV block (k_lat [bk, r], k_pe [bk, dr], values k_val [bk, bv], valid [bq or 1, bk])
-    into (o, m, l)."""
-    o, m, l = carry  # [bq, bv] f32, [bq] f32, [bq] f32
+def _online_update(carry, q_lat, q_pe, k_lat, k_pe, valid, *, scale, precision):
+    """One flash step: fold a KV block (k_lat [bk, r], k_pe [bk, dr], valid [bq or 1, bk]) into (o, m, l)."""
+    o, m, l = carry  # [bq, r] f32, [bq] f32, [bq] f32
     nt = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
     s = lax.dot_general(q_lat, k_lat, nt, precision=precision, preferred_element_type=jnp.float32)
     s += lax.dot_general(q_pe, k_pe, nt, precision=precision, preferred_element_type=jnp.float32)
@@ -105,7 +100,7 @@ def _online_update(carry, q_lat, q_pe, k_lat, k_pe, k_val, valid, *, scale, prec
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)  # [bq, bk]
     corr = jnp.exp(m - m_new)
-    pv = jnp.dot(p.astype(k_val.dtype), k_val, precision=precision, preferred_element_type=jnp.float32)
+    pv = jnp.dot(p.astype(k_lat.dtype), k_lat, precision=precision, preferred_element_type=jnp.float32)
     return o * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
 
 
@@ -126,11 +121,10 @@ def _kernel(plen_ref, q_ref, cache_ref, tree_ref, mask_ref, *out_refs, plan: _Pl
     # plen_ref [Bt] i32 | q_ref [rows, r+dr] | cache_ref [seq, r+dr] | tree_ref [tree, r+dr]
     # mask_ref [mask_rows, tree] int8
     # out_refs: (out [rows, r]) with one split, else (o [rows, r] f32, lse [rows] f32) of this split
-    iv, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    i, v = iv % plan.n_q, iv // plan.n_q  # query tile, value chunk
+    i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     prefix = plen_ref[b]
     lo, hi, n_active = _split_range(prefix, j, plan)
-    attend = functools.partial(_attend, q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, v, prefix, lo, hi,
+    attend = functools.partial(_attend, q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi,
                                j == n_active - 1, plan=plan, scale=scale, precision=precision)
     if plan.n_splits == 1:
         attend()
@@ -138,23 +132,19 @@ def _kernel(plen_ref, q_ref, cache_ref, tree_ref, mask_ref, *out_refs, plan: _Pl
         pl.when(j < n_active)(attend)
 
 
-def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, v, prefix, lo, hi, with_tree, *, plan: _Plan,
+def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi, with_tree, *, plan: _Plan,
             scale: float, precision):
-    """Query tile i, value chunk v over prefix blocks [lo, hi) (+ the tree blocks if with_tree); writes this split's
-    result."""
-    bq, bk, bv, r, dr = plan.block_q, plan.block_k, plan.block_v, plan.r, plan.dr
-    v0 = pl.multiple_of(v * bv, bv)
+    """Query tile i over prefix blocks [lo, hi) (+ the tree blocks if with_tree); writes this split's result."""
+    bq, bk, r, dr = plan.block_q, plan.block_k, plan.r, plan.dr
     r0 = jnp.minimum(i * bq, plan.rows - bq)  # the last tile ends at the last row
     q_lat = q_ref[pl.ds(r0, bq), pl.ds(0, r)]  # [bq, r]
     q_pe = q_ref[pl.ds(r0, bq), pl.ds(r, dr)]  # [bq, dr]
     step = functools.partial(_online_update, q_lat=q_lat, q_pe=q_pe, scale=scale, precision=precision)
-    carry = (jnp.zeros((bq, bv), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    carry = (jnp.zeros((bq, r), jnp.float32), jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32))
 
     def kv(ref, row0):
-        """Scores' keys [bk, r] + [bk, dr] and this chunk's values [bk, bv] (the same latents when unchunked)."""
-        k_lat = ref[pl.ds(row0, bk), pl.ds(0, r)]
-        k_val = k_lat if plan.n_v == 1 else ref[pl.ds(row0, bk), pl.ds(v0, bv)]
-        return dict(k_lat=k_lat, k_pe=ref[pl.ds(row0, bk), pl.ds(r, dr)], k_val=k_val)
+        """A block's latents [bk, r] (keys and values) and rope keys [bk, dr]."""
+        return dict(k_lat=ref[pl.ds(row0, bk), pl.ds(0, r)], k_pe=ref[pl.ds(row0, bk), pl.ds(r, dr)])
 
     def prefix_block(blk, carry):
         start = jnp.minimum(blk * bk, plan.seq - bk)  # the last block ends at the last row; overlap masked below
@@ -181,11 +171,11 @@ def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, v, prefix, lo, hi
     o = o / jnp.where(seen, l, 1.0)[:, None]  # rows that saw nothing have o = 0
     if plan.n_splits == 1:
         (out_ref,) = out_refs
-        out_ref[pl.ds(r0, bq), pl.ds(v0, bv)] = o.astype(out_ref.dtype)
+        out_ref[pl.ds(r0, bq), :] = o.astype(out_ref.dtype)
     else:
         o_ref, lse_ref = out_refs
-        o_ref[pl.ds(r0, bq), pl.ds(v0, bv)] = o
-        lse_ref[pl.ds(r0, bq)] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)  # equal for every chunk
+        o_ref[pl.ds(r0, bq), :] = o
+        lse_ref[pl.ds(r0, bq)] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)
 
 
 def _combine(o, lse, prefix_len, plan: _Plan):
@@ -239,45 +229,45 @@ def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
         raise ValueError(f"verify_attn: prefix_len must be integer, got {prefix_len.dtype}")
 
 
-def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsize, block_v=None) -> _Plan:
+def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsize) -> _Plan:
     rows, seq = max(n * h, MIN_DOT), max(s, MIN_DOT)
-    for name, blk in (("block_q", block_q), ("block_k", block_k), ("block_v", block_v)):
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if blk is not None and (blk < MIN_DOT or blk != next_pow2(blk)):
             raise ValueError(f"verify_attn: {name}={blk} must be a power of two >= {MIN_DOT}")
-    (small_q, large_q), default_k, _, _ = DEFAULTS[min(itemsize, 4)]
-    default_q = small_q if n * h <= SMALL_QUERY_ROWS else large_q
+    tiles, one_tile, _, _ = DEFAULTS[min(itemsize, 4)]
+    default_q, default_k, resident = one_tile if n * h <= MIN_DOT else tiles
     bq = min(block_q or default_q, _prev_pow2(rows))
     bk = min(block_k or default_k, _prev_pow2(seq))
-    bv = min(block_v or r_pad, r_pad)
-    n_q, n_v = pl.cdiv(rows, bq), r_pad // bv
+    n_q = pl.cdiv(rows, bq)
     min_split_blocks = 1  # an explicit num_splits divides any prefix over all of them (tests, tuning)
     if num_splits is None:
-        num_splits = _default_splits(bt * n_q * n_v, s // MIN_SPLIT_ROWS)
+        if (block_q or default_q, block_k or default_k) != (default_q, default_k):
+            resident = 1  # a tile the report has not measured: assume the least
+        num_splits = _default_splits(bt * n_q, s // MIN_SPLIT_ROWS, resident)
         min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, bk)
     if num_splits < 1:
         raise ValueError(f"verify_attn: num_splits={num_splits} must be >= 1")
     sel = next_pow2(max(MIN_DOT, (bq - 1) // h + 2))  # nodes a tile of bq rows starting anywhere can span
     tree = pl.cdiv(n, bk) * bk
     return _Plan(r=r_pad, dr=dr_pad, heads=h, rows=rows, seq=seq, tree=tree, mask_rows=pl.cdiv(rows, h) + sel,
-                 sel=sel, block_q=bq, block_k=bk, block_v=bv, n_q=n_q, n_v=n_v, n_splits=num_splits,
+                 sel=sel, block_q=bq, block_k=bk, n_q=n_q, n_splits=num_splits,
                  min_split_blocks=min_split_blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "block_v",
-                                             "num_splits", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
 def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int, layer: int | None = None,
-                block_k: int | None = None, block_q: int | None = None, block_v: int | None = None,
-                num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                interpret: bool | None = None) -> jax.Array:
+                block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
     """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
 
     q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
     [0, prefix_len[b]) (clipped to S), or the whole model's cache [L, Bt, S, A] with a static `layer`: the kernel
     then reads that layer in place (a sliced operand would be materialised: one extra read + write of the layer's
     cache per call); tree_kv [Bt, N, A] the tree's own latents; tree_mask [Bt, N, N] bool.
-    Tuning knobs (all optional): block_k / block_q / block_v (powers of two >= 16; block_v: output columns per
-    program); num_splits (split-K programs per query tile; default: whole waves of SMs, each split reading >=
-    MIN_SPLIT_ROWS rows; an explicit value divides every prefix over all of them); num_warps / num_stages (Triton).
+    Tuning knobs (all optional): block_k / block_q (powers of two >= 16); num_splits (split-K programs per query
+    tile; default: whole waves of SMs, each split reading >= MIN_SPLIT_ROWS rows; an explicit value divides every
+    prefix over all of them); num_warps / num_stages (Triton).
     """
     _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
     interpret = resolve_interpret(interpret)
@@ -288,7 +278,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     bt, n, h, a = q.shape
     s, r, dr = cache.shape[2], kv_lora_rank, a - kv_lora_rank
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
-    plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize, block_v)
+    plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)
 
     tree_kv = tree_kv.astype(q.dtype)
     q2 = q.reshape(bt, n * h, a)  # [Bt, N*H, A]: row n*H + h
@@ -319,8 +309,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
         default_warps = 4
     kernel = functools.partial(_kernel, plan=plan, scale=float(scale), precision=precision)
     res = pallas_call(kernel, interpret=interpret, num_warps=num_warps or default_warps,
-                      num_stages=num_stages or default_stages, grid=(plan.n_q * plan.n_v, plan.n_splits, bt),
-                      in_specs=in_specs,
+                      num_stages=num_stages or default_stages, grid=(plan.n_q, plan.n_splits, bt), in_specs=in_specs,
                       out_specs=out_specs, out_shape=out_shape,
                       name="verify_attn")(prefix_len, q2, cache, tree_kv, mask)
     if plan.n_splits > 1:  # -> [Bt, rows, r_pad]

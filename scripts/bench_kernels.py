@@ -10,7 +10,7 @@ FLOPs = 2 * N*H * (prefix + N) * (A + R). Ceilings: a 2 GiB elementwise copy (re
 bf16 matmul. "% copy" = achieved bandwidth / copy bandwidth (the target is >= 60% where the call is memory-bound,
 i.e. AR); "% roofline" = max(bytes / copy bw, FLOPs / matmul peak) / time, the fair figure for trees, which are
 compute-bound (intensity ~ 2*N*H flop per cache byte, far above the ~190 flop/byte machine balance).
-`--tune` first times a few (block_q, block_k, block_v, warps, stages, splits) choices on representative shapes for
+`--tune` first times a few (block_q, block_k, warps, stages, splits) choices on representative shapes for
 each `--heads` value, the kernel's defaults and its split rule's predecessor (CDIV_RULE) among them.
 Timing: `bench_util.per_call_s` (calls back to back inside one jit, host dispatch amortised) over enough
 distinct caches that one rotation reads >= 256 MB, so no call is served from the previous call's L2.
@@ -36,7 +36,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_util import copy_ceiling, matmul_peak, per_call_s  # noqa: E402
-from pallas_kernels.verify_attn import MIN_SPLIT_ROWS, SM_COUNT, _make_plan, verify_attn  # noqa: E402
+from pallas_kernels.verify_attn import (MIN_SPLIT_ROWS, SM_COUNT, _default_splits, _make_plan,  # noqa: E402
+                                       verify_attn)
 
 SCALE = 0.1446796  # K2.6 softmax scale (kimi_k2_format.md §1)
 MIN_BENCH_S = 0.3  # keep timing a shape until this much time is spent (after at least MIN_REPS calls)
@@ -71,21 +72,22 @@ TUNE_SHAPES = {  # heads -> (batch, N, prefix)
     8: ((1, 1, 32768), (8, 1, 8192), (8, 1, 32768), (64, 1, 8192), (64, 1, 32768), (8, 17, 8192)),
 }
 CDIV_RULE = "cdiv"  # num_splits = the session-3 rule min(cdiv(132, Bt * tiles), S // 256), for a side-by-side
-TUNE_CONFIGS = {  # heads -> (block_q, block_k, block_v, num_warps, num_stages, num_splits); None = kernel default
-    # 64-row query tiles (a node's 64 heads: warpgroup-MMA size) stay in registers only with a chunked output
-    # (block_v); these three compile for sm_90 with wgmma, no spills, one block per SM (kernel_resources.py)
-    64: ((None, None, None, None, None, None), (None, None, None, None, None, CDIV_RULE),
-         (64, 32, 256, 8, 2, None), (64, 32, 128, 8, 3, None), (64, 32, 128, 4, 3, None),
-         (32, 64, None, 4, 3, None), (32, 32, None, 4, 3, 32)),
-    8: ((None, None, None, None, None, None), (None, None, None, None, None, CDIV_RULE),
-        (16, 32, None, 4, 3, None), (16, 64, None, 4, 2, None), (16, 32, None, 4, 2, None), (16, 32, None, 4, 4, None)),
+ONE_RESIDENT = "wave1"  # num_splits = the wave rule assuming one resident block per SM whatever the tile
+TUNE_CONFIGS = {  # heads -> (block_q, block_k, num_warps, num_stages, num_splits); None = the kernel's default
+    64: ((None, None, None, None, None), (None, None, None, None, CDIV_RULE), (16, 64, 4, 3, None),
+         (32, 32, 4, 3, None), (32, 64, 4, 2, None), (32, 32, 4, 3, 32)),
+    8: ((None, None, None, None, None), (None, None, None, None, CDIV_RULE), (None, None, None, None, ONE_RESIDENT),
+        (16, 64, 4, 3, None), (16, 32, 4, 4, None), (16, 64, 4, 2, None), (32, 64, 4, 2, None)),
 }
 
 
-def cdiv_rule_splits(bt: int, n: int, h: int, s: int, block_q: int | None) -> int:
-    """The split count of the session-3 rule (one program per SM, rounded up): the baseline of the wave rule."""
+def baseline_splits(rule: str, bt: int, n: int, h: int, s: int, block_q: int | None) -> int:
+    """Split counts of earlier rules, the baselines of the wave rule: CDIV_RULE (session 3: one program per SM,
+    rounded up) or ONE_RESIDENT (whole waves of one block per SM)."""
     plan = _make_plan(bt, n, h, s, 512, 64, block_q, None, 1, 2)  # K2 widths, bf16
-    return min(-(-SM_COUNT // (bt * plan.n_q)), max(1, s // MIN_SPLIT_ROWS))
+    if rule == CDIV_RULE:
+        return min(-(-SM_COUNT // (bt * plan.n_q)), max(1, s // MIN_SPLIT_ROWS))
+    return _default_splits(bt * plan.n_q, s // MIN_SPLIT_ROWS, 1)
 
 
 def ancestor_masks(rng, bt: int, n: int) -> np.ndarray:
@@ -180,21 +182,21 @@ def tune(sweep: Sweep, heads: int, interpret: bool, deadline: float) -> list[dic
         k = n_sets(bt, prefix, prefix + n, a, itemsize)
         q, caches, tree_kv, mask = make_inputs(sweep, bt, n, heads, prefix + n, seed=7, caches=k)
         nbytes = bt * prefix * a * itemsize
-        for bq, bk, bv, warps, stages, splits in TUNE_CONFIGS[heads]:
+        for bq, bk, warps, stages, splits in TUNE_CONFIGS[heads]:
             if time.perf_counter() > deadline:
                 break
-            if splits == CDIV_RULE:
-                splits = cdiv_rule_splits(bt, n, heads, prefix + n, bq)
-            row = dict(batch=bt, nodes=n, heads=heads, prefix=prefix, block_q=bq, block_k=bk, block_v=bv,
-                       num_warps=warps, num_stages=stages, num_splits=splits)
+            if splits in (CDIV_RULE, ONE_RESIDENT):
+                splits = baseline_splits(splits, bt, n, heads, prefix + n, bq)
+            row = dict(batch=bt, nodes=n, heads=heads, prefix=prefix, block_q=bq, block_k=bk, num_warps=warps,
+                       num_stages=stages, num_splits=splits)
 
-            def call(q, c, p, t, m, bq=bq, bk=bk, bv=bv, w=warps, st=stages, sp=splits):
-                return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, block_q=bq, block_k=bk, block_v=bv,
-                                   num_warps=w, num_stages=st, num_splits=sp, interpret=interpret)
+            def call(q, c, p, t, m, bq=bq, bk=bk, w=warps, st=stages, sp=splits):
+                return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, block_q=bq, block_k=bk, num_warps=w,
+                                   num_stages=st, num_splits=sp, interpret=interpret)
 
             try:
-                row["splits_used"] = _make_plan(bt, n, heads, prefix + n, r, sweep.dr, bq, bk, splits, itemsize,
-                                                bv).n_splits
+                row["splits_used"] = _make_plan(bt, n, heads, prefix + n, r, sweep.dr, bq, bk, splits,
+                                                itemsize).n_splits
                 row["rel_err_row0"] = rel_err_row0(call, q, caches[0], prefix, tree_kv, mask, r)
                 row["ms"] = median_per_call_s(call, timed_sets(q, caches, prefix, tree_kv, mask)) * 1e3
                 row["cache_gbps"] = nbytes / row["ms"] / 1e6
@@ -207,13 +209,13 @@ def tune(sweep: Sweep, heads: int, interpret: bool, deadline: float) -> list[dic
 
 
 def tune_table(rows: list[dict]) -> str:
-    lines = ["| batch | N | H | prefix | block_q | block_k | block_v | warps | stages | splits (used) | ms | "
-             "cache GB/s | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | N | H | prefix | block_q | block_k | warps | stages | splits (used) | ms | cache GB/s | "
+             "rel err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         res = (f"{x['ms']:.3f} | {x['cache_gbps']:.0f} | {x['rel_err_row0']:.1e}" if "ms" in x
                else f"{x['error']} | - | -")
         lines.append(f"| {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | {x['block_q']} | "
-                     f"{x['block_k']} | {x.get('block_v')} | {x['num_warps']} | {x['num_stages']} | "
+                     f"{x['block_k']} | {x['num_warps']} | {x['num_stages']} | "
                      f"{x['num_splits']} ({x.get('splits_used', '-')}) | {res} |")
     return "\n".join(lines)
 

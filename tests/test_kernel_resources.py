@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="the sm_90 compile needs the triton package
 
 from pallas_kernels.triton_report import (SHARED_LIMIT, KernelResources, mma_loop, opcode_counts,  # noqa: E402
                                           parse_sass, report)
-from pallas_kernels.verify_attn import BLOCKS_PER_SM  # noqa: E402
+from pallas_kernels.verify_attn import DEFAULTS, MIN_DOT  # noqa: E402
 
 SPILL_LIMIT = 512  # stack bytes per thread
 
@@ -28,6 +28,7 @@ ENGINE_SIZES = {
     "verify_attn bf16 AR batch 64": lambda: cases.verify_case(64, 1, 8192, jnp.bfloat16),
     "verify_attn bf16 tree B=256": lambda: cases.verify_case(1, 257, 8192, jnp.bfloat16),
     "verify_attn bf16 K2.6 whole cache": lambda: cases.verify_case(8, 17, 32768, jnp.bfloat16, layers=61),
+    "verify_attn bf16 AR 8 heads (8-way TP)": lambda: cases.verify_case(8, 1, 32768, jnp.bfloat16, heads=8),
     "verify_attn fp32 tree": lambda: cases.verify_case(2, 17, 4096, jnp.float32, heads=8),
     "int4_moe 1 token": lambda: cases.int4_moe_case(1),
     "int4_moe 512 tokens": lambda: cases.int4_moe_case(512),
@@ -49,12 +50,15 @@ def test_default_tiles_fit_and_spill_little(which):
 @pytest.mark.parametrize("which", [k for k in ENGINE_SIZES if k.startswith("verify_attn bf16")])
 def test_verify_attn_loads_are_pipelined_and_resident(which):
     """The KV loads are asynchronous copies (cp.async: software pipelining overlaps them with the dots), and a block
-    fits an SM exactly BLOCKS_PER_SM times: the split rule fills whole waves of that many blocks per SM."""
+    fits an SM as many times as `verify_attn.DEFAULTS` declares for its tile: the split rule fills whole waves of
+    that many blocks per SM."""
     _, fn, specs = ENGINE_SIZES[which]()
     (k,) = report(fn, *specs)
     assert k.async_copies > 0, f"{which}: no cp.async / TMA loads"
-    assert k.blocks_per_sm == BLOCKS_PER_SM, f"{which}: {k.blocks_per_sm} blocks / SM, the split rule assumes " \
-                                             f"{BLOCKS_PER_SM}"
+    _, n, h, _ = specs[0].shape
+    tiles, one_tile, _, _ = DEFAULTS[2]
+    resident = (one_tile if n * h <= MIN_DOT else tiles)[2]
+    assert k.blocks_per_sm == resident, f"{which}: {k.blocks_per_sm} blocks / SM, DEFAULTS declares {resident}"
 
 
 def test_blocks_per_sm_follows_shared_memory_and_registers():

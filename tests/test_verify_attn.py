@@ -102,27 +102,19 @@ def test_matches_reference_bf16(rng, interpret, splits):
     assert_close(out, ref, TOL[jnp.bfloat16], f"bf16 splits={splits}")
 
 
-@pytest.mark.parametrize("block_v,splits", [(16, 1), (32, 3)])
-def test_value_chunks_match_reference(rng, interpret, block_v, splits):
-    """block_v < kv_lora: each program writes its own output columns (and, split, the same lse); a tree with
-    rows that see nothing, over a partly filled cache."""
-    case = make_case(rng, prefix=[90, 0], n=9, h=4, r=64, dr=16, s=120)
-    out, ref = run(case, interpret=interpret, r=64, block_v=block_v, num_splits=splits)
-    assert_close(out, ref, TOL[np.float32], f"block_v={block_v} splits={splits}")
-
-
-@pytest.mark.parametrize("programs,max_splits", [(8, 128), (4, 128), (64, 32), (256, 32), (544, 32), (1, 32),
-                                                 (3, 1)])
-def test_split_count_fills_whole_waves(programs, max_splits):
+@pytest.mark.parametrize("programs,max_splits,resident", [(8, 128, 1), (4, 128, 1), (64, 32, 1), (256, 32, 1),
+                                                          (544, 32, 1), (1, 32, 1), (3, 1, 1), (8, 128, 2),
+                                                          (64, 32, 2)])
+def test_split_count_fills_whole_waves(programs, max_splits, resident):
     """The default split count is within WAVE_SLACK of the best waves / splits over every allowed count, and no
     smaller count is: e.g. 8 programs get 16 splits (128 blocks, one wave) rather than 17 (136: a second wave)."""
-    wave = va.SM_COUNT * va.BLOCKS_PER_SM
+    wave = va.SM_COUNT * resident
     time = lambda sp: -(-programs * sp // wave) / sp  # noqa: E731
     best = min(time(sp) for sp in range(1, max_splits + 1))
-    got = va._default_splits(programs, max_splits)
+    got = va._default_splits(programs, max_splits, resident)
     assert 1 <= got <= max_splits and time(got) <= best * (1 + va.WAVE_SLACK)
     assert all(time(sp) > best * (1 + va.WAVE_SLACK) for sp in range(1, got))
-    if (programs, max_splits) == (8, 128):
+    if (programs, max_splits, resident) == (8, 128, 1):
         assert programs * got <= wave < programs * -(-wave // programs)  # the old cdiv rule overflowed the wave
 
 
