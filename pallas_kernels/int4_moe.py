@@ -28,6 +28,8 @@ Unpack variants (static `unpack=`, same bf16 weights bit for bit): "f32" forms e
 activations only) forms two weights per instruction in inline PTX (~2.9 per weight, loop included). Neither path
 round-trips the dequantized tile through shared memory: Triton loads the packed words straight into the mma operand
 layout (no STS in the K loop), so the unpack ALU work, not layout conversion, is what the variants differ in.
+The default (`unpack=None`) is bf16x2 for bf16 activations: 1.32-1.34x faster on the H200 at 1, 16 and 256 tokens,
+same output bits (BENCHMARKS.md §4a); f32 otherwise.
 
 Axes: M tokens, k experts per token, P = M*k pairs, E experts, D hidden, I expert width, K input dim, N output dim,
 R padded routed rows, S slots.
@@ -259,12 +261,15 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan:
     lax.fori_loop(0, n_blocks, row_block, 0)
 
 
-def _check_unpack(unpack: str, dtype) -> None:
-    """bf16x2 rounds the weights to bf16: only right when the dot runs in bf16 anyway."""
+def _resolve_unpack(unpack: str | None, dtype) -> str:
+    """bf16x2 rounds the weights to bf16: only right when the dot runs in bf16 anyway, and then the default."""
+    if unpack is None:
+        return UNPACK_BF16X2 if jnp.dtype(dtype) == jnp.bfloat16 else UNPACK_F32
     if unpack not in UNPACK_MODES:
         raise ValueError(f"int4 matmul: unpack={unpack!r} must be one of {UNPACK_MODES}")
     if unpack == UNPACK_BF16X2 and jnp.dtype(dtype) != jnp.bfloat16:
         raise ValueError(f"int4 matmul: unpack={unpack!r} needs bfloat16 activations, got {jnp.dtype(dtype).name}")
+    return unpack
 
 
 def _pad_weights(packed, scale, plan: _Plan):
@@ -298,15 +303,16 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots) 
 
 def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: bool = False, out_dtype=None,
                         block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
-                        num_stages: int = 2, unpack: str = UNPACK_F32, interpret: bool | None = None) -> jax.Array:
+                        num_stages: int = 2, unpack: str | None = None, interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their slot's expert: -> [R, N] (fp32 accumulation).
 
     weights: ((packed [E, N, K/8] i32, scale [E, N, K/G]),) or two such pairs (gate, up) with swiglu=True, which
     returns silu(x Wg^T) * (x Wu^T). Rows outside every slot's blocks are left unwritten (garbage).
-    unpack: how weights are dequantized (UNPACK_MODES); "bf16x2" needs bf16 x and gives the same bf16 weights.
+    unpack: how weights are dequantized (UNPACK_MODES; None: bf16x2 for bf16 x, else f32); "bf16x2" needs bf16 x and
+    gives the same bf16 weights.
     """
     interpret = resolve_interpret(interpret)
-    _check_unpack(unpack, x.dtype)
+    unpack = _resolve_unpack(unpack, x.dtype)
     if len(weights) != (2 if swiglu else 1):
         raise ValueError(f"grouped_int4_matmul: swiglu={swiglu} needs {2 if swiglu else 1} weight sets, "
                          f"got {len(weights)}")
@@ -341,7 +347,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
 
 def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert_ids: jax.Array, *,
                        block_m: int | None = None, block_n: int | None = None, block_w: int | None = None,
-                       num_warps: int = DEFAULT_WARPS, unpack: str = UNPACK_F32,
+                       num_warps: int = DEFAULT_WARPS, unpack: str | None = None,
                        interpret: bool | None = None) -> jax.Array:
     """y[p] = x[p] @ W[expert_ids[p]]^T for P routed rows: x [P, K], packed [E, N, K/8], scale [E, N, K/G] -> [P, N].
 
@@ -376,7 +382,7 @@ def _check_ffn(x, idx, weights, gate, up, down):
 def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, gate_scale, up_packed, up_scale,
                  down_packed, down_scale, *, block_m: int | None = None, block_n: int | None = None,
                  block_w: int | None = None, num_warps: int = DEFAULT_WARPS, out_dtype=None,
-                 unpack: str = UNPACK_F32, interpret: bool | None = None) -> jax.Array:
+                 unpack: str | None = None, interpret: bool | None = None) -> jax.Array:
     """Routed SwiGLU experts + weighted combine: x [M, D], idx / weights [M, k] -> [M, D] in out_dtype (x's).
 
     Gate/up run as one fused kernel call (silu(g) * u written directly, h in x's dtype), down as a second call over

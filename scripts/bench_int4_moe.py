@@ -263,7 +263,7 @@ def main(argv=None):
     parser.add_argument("--out", help="write all results as JSON to this path")
     parser.add_argument("--tune", action="store_true", help="also time a few (block_n, block_w, warps) choices")
     parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
-    parser.add_argument("--unpack", default=UNPACK_F32,
+    parser.add_argument("--unpack", default=f"{UNPACK_F32},{UNPACK_BF16X2}",
                         help=f"comma-separated INT4 unpack variants to time side by side, from {UNPACK_MODES}")
     args = parser.parse_args(argv)
     unpacks = parse_unpacks(args.unpack)

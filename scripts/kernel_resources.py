@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.int4_moe import (DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, DEFAULT_WARPS, UNPACK_F32,  # noqa: E402
+from pallas_kernels.int4_moe import (DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, DEFAULT_WARPS,  # noqa: E402
                                      UNPACK_MODES, int4_moe_ffn)
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402
 from pallas_kernels.tree_build import tree_build  # noqa: E402
@@ -56,12 +56,13 @@ def tree_accept_case(bt: int, budget: int, depth: int = 15):
 
 
 def int4_moe_case(m: int, d: int = 7168, inter: int = 2048, e: int = 384, k: int = 8, dtype=jnp.bfloat16,
-                  unpack: str = UNPACK_F32):
+                  unpack: str | None = None):
+    """unpack None: the kernel's default for the dtype (what the engine runs)."""
     specs = (SPEC((m, d), dtype), SPEC((m, k), jnp.int32), SPEC((m, k), jnp.float32),
              SPEC((e, inter, d // 8), jnp.int32), SPEC((e, inter, d // GROUP), jnp.bfloat16),
              SPEC((e, inter, d // 8), jnp.int32), SPEC((e, inter, d // GROUP), jnp.bfloat16),
              SPEC((e, d, inter // 8), jnp.int32), SPEC((e, d, inter // GROUP), jnp.bfloat16))
-    tag = "" if unpack == UNPACK_F32 else f" unpack={unpack}"
+    tag = "" if unpack is None else f" unpack={unpack}"
     return (f"int4_moe tokens={m} E={e} top-{k}{tag}", functools.partial(int4_moe_ffn, unpack=unpack, interpret=False),
             specs)
 

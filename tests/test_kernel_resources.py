@@ -32,7 +32,7 @@ ENGINE_SIZES = {
     "verify_attn fp32 tree": lambda: cases.verify_case(2, 17, 4096, jnp.float32, heads=8),
     "int4_moe 1 token": lambda: cases.int4_moe_case(1),
     "int4_moe 512 tokens": lambda: cases.int4_moe_case(512),
-    "int4_moe 1 token bf16x2": lambda: cases.int4_moe_case(1, unpack="bf16x2"),
+    "int4_moe 1 token f32 unpack": lambda: cases.int4_moe_case(1, unpack="f32"),
     "tree_build batch 64 B=256": lambda: cases.tree_build_case(64, 256),
 }
 
