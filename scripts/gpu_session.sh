@@ -10,6 +10,8 @@
 #                                         # layers, INT4 kernel (both GPUs of nvidia-h200-x2 in parallel, ~7 min)
 #   bash scripts/gpu_session.sh split     # verify_attn tune (wave split rule, value chunks) H 64 | compiled tests, top-K
 #                                         # variants, tune H 8 (nvidia-h200-x2, ~10 min)
+#   bash scripts/gpu_session.sh defaults  # after the wave-rule retune: K2.6 layers + verify_attn H 64 sweep | H 8 tune,
+#                                         # sweep, nsys trace of a small decode call (nvidia-h200-x2, ~9 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -102,6 +104,26 @@ split)
     run bench_topk 150 "$PY" scripts/bench_topk.py --out "$OUT/bench_topk.json"
     run bench_kernels_tune_h8 260 "$PY" scripts/bench_kernels.py --tune --heads 8 --skip-tree --budget-s 220 \
         --out "$OUT/bench_kernels_tune_h8.json"
+    wait
+    ;;
+defaults)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run bench_kimi_layer 300 "$PY" scripts/bench_kimi_layer.py --budget-s 250 --out "$OUT/bench_kimi_layer.json"
+        run bench_kernels_h64 250 "$PY" scripts/bench_kernels.py --heads 64 --skip-tree --budget-s 200 \
+            --out "$OUT/bench_kernels_h64.json"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run bench_kernels_tune_h8 240 "$PY" scripts/bench_kernels.py --tune --heads 8 --skip-tree --budget-s 200 \
+        --out "$OUT/bench_kernels_tune_h8.json"
+    run bench_kernels_h8 170 "$PY" scripts/bench_kernels.py --heads 8 --skip-tree --budget-s 130 \
+        --out "$OUT/bench_kernels_h8.json"
+    if command -v nsys > /dev/null; then
+        run trace_verify_attn 80 nsys profile -o "$OUT/trace_va" --force-overwrite true --stats=true \
+            "$PY" scripts/trace_verify_attn.py --batch 1 --heads 8 --prefix 1024
+    else
+        echo "no nsys on this machine" > "$OUT/trace_verify_attn.log"
+    fi
     wait
     ;;
 scaling)
