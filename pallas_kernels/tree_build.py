@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
+from pallas_kernels.topk import check_topk_args, topk_logprobs_pallas
+from pallas_kernels.topk import supported as topk_supported
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -46,15 +48,21 @@ class Tree:
     vis: jax.Array  # [Bt, N, N] bool; vis[i, j] = j is i or an ancestor of i; pad rows see only themselves
 
 
-def topk_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def topk_logprobs(logits: jax.Array, k: int, *, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-depth top-k true log-probs: full-vocab logsumexp in f32 (no renormalisation over the top-k).
 
-    logits [Bt, D, V] -> lp [Bt, D, k] f32, ids [Bt, D, k] int32.
+    logits [Bt, D, V] -> lp [Bt, D, k] f32, ids [Bt, D, k] int32; ties -> lower index first (as lax.top_k).
+    The Pallas kernel (`topk.py`) whenever it supports k; XLA's top_k was the largest bookkeeping cost of a round.
     """
-    if logits.ndim != 3:
-        raise ValueError(f"topk_logprobs: logits must be [Bt, D, V], got shape {logits.shape}")
-    if not 1 <= k <= logits.shape[-1]:
-        raise ValueError(f"topk_logprobs: k={k} must be in 1..V={logits.shape[-1]}")
+    check_topk_args(logits, k)
+    if not topk_supported(logits.shape[-1], k):
+        return topk_logprobs_xla(logits, k)
+    return topk_logprobs_pallas(logits, k, interpret=resolve_interpret(interpret))
+
+
+def topk_logprobs_xla(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`topk_logprobs` with XLA's logsumexp and lax.top_k: the fallback above MAX_K and the benchmark baseline."""
+    check_topk_args(logits, k)
     x = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [Bt, D, 1]
     top, ids = lax.top_k(x, k)  # [Bt, D, k]
