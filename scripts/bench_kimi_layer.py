@@ -52,6 +52,7 @@ import kdtree_jax.moe as moe_mod  # noqa: E402
 from bench_int4_moe import cycling, is_oom, short_error  # noqa: E402
 from bench_util import copy_ceiling, matmul_peak, median_s  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
+from kdtree_jax.layers import rms_norm  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
 from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
 
@@ -146,7 +147,9 @@ def int4_expert_bytes(cfg) -> int:
 # ---- MoE swap (local wrapper, active only while tracing) ---------------------------------------------------------
 @contextlib.contextmanager
 def moe_experts(mode: str, record: list, interpret: bool):
-    """Route the model's MoE expert computation through `mode` ("kernel" | "as_is"), recording each layer's idx.
+    """Route the model's MoE expert computation through `mode` ("kernel" | "as_is" | "skip"), recording each layer's
+    idx. "skip" returns zeros for the routed experts (router, shared expert and the rest still run): the AR breakdown's
+    step without the routed experts.
 
     The model's own path choice is pinned to the XLA shape rule (gather / dense) while tracing, so that on a GPU,
     where "auto" would pick the kernel itself, both modes pass through the recording wrappers below."""
@@ -166,8 +169,14 @@ def moe_experts(mode: str, record: list, interpret: bool):
             return fn(moe, x, weights, idx)
         return experts
 
+    def skip(moe, x, weights, idx):
+        record.append(idx)
+        return jnp.zeros_like(x)
+
     if mode == "kernel":
         moe_mod._experts_gather = moe_mod._experts_dense = kernel
+    elif mode == "skip":
+        moe_mod._experts_gather = moe_mod._experts_dense = skip
     else:
         moe_mod._experts_gather, moe_mod._experts_dense = wrap(orig[0]), wrap(orig[1])
     try:
@@ -205,6 +214,22 @@ def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool):
         cache, acc, distinct = jax.lax.fori_loop(0, token_sets.shape[0], step, init)
         return acc, cache, distinct / token_sets.shape[0]
     return jax.jit(fn, donate_argnums=(5,))
+
+
+def make_head(graphdef, cfg):
+    """The step's parts outside the decoder layers, alone: embedding lookup, final norm, lm_head (VERIFY_CALLS times
+    in one jit, as make_verify)."""
+    def fn(state, token_sets):
+        model = nnx.merge(graphdef, state)
+
+        def step(i, acc):
+            h = model.embed[...][token_sets[i]].astype(model.dtype)
+            logits = jnp.einsum("btd,dv->btv", rms_norm(h, model.norm[...], cfg.rms_norm_eps),
+                                model.lm_head[...].astype(model.dtype), preferred_element_type=jnp.float32)
+            return acc + logits[0, 0, 0]
+
+        return jax.lax.fori_loop(0, token_sets.shape[0], step, jnp.float32(0))
+    return jax.jit(fn)
 
 
 def make_prefill(graphdef, cfg, mode: str, interpret: bool, chunk: int | None, use_pallas: bool):
@@ -318,9 +343,28 @@ class Runner:
                     first = False
                 row["ms"] = median_s(call, min_reps=3, max_reps=10, min_total_s=0.1) * 1e3 / VERIFY_CALLS
                 self.bytes_of(row, np.mean(np.stack([np.asarray(d) for d in distinct]), axis=0), bt * prefix)
+                if mode == "skip":  # routed experts not read
+                    row["bytes"] -= row["expert_bytes"]
+                    row["expert_bytes"] = 0
                 self.record(row)
         except Exception as e:  # noqa: BLE001  (OOM / compile failure: record and go on)
             self.record({**base, "error": short_error(e), "oom": is_oom(e)})
+
+    def ar_breakdown(self):
+        """The AR step (N = 1) side by side with the same step without the routed experts and with the head alone:
+        experts = full - skip, decoder layers without experts = skip - head."""
+        capacity = max(self.sweep.prefixes) + 1
+        for bt in self.sweep.batches:
+            for mode in ("kernel", "skip"):
+                base = dict(kind="verify", moe=mode, batch=bt, nodes=1, pallas_attn=not self.args.no_pallas_attn)
+                self.verify_one(base, bt, 1, capacity, mode)
+            fn = make_head(self.graphdef, self.cfg)
+            tokens = jnp.asarray(np.random.default_rng(bt).integers(0, self.cfg.vocab_size, (VERIFY_CALLS, bt, 1)),
+                                 jnp.int32)
+            sec = median_s(lambda: fn(self.state, tokens), min_reps=3, max_reps=10, min_total_s=0.1)
+            head_bytes = (self.cfg.vocab_size + bt + 1) * self.cfg.hidden_size * jnp.dtype(self.dtype).itemsize
+            self.record(dict(kind="head", moe="-", batch=bt, nodes=1, ms=sec * 1e3 / VERIFY_CALLS,
+                             distinct_experts=[], bytes=head_bytes))  # lm_head + embedding rows + norm
 
     def prefill_configs(self):
         cfg, t = self.cfg, self.sweep.prefill_tokens
@@ -482,6 +526,8 @@ def main(argv=None):
                         help="measure the model's own MoE path only up to this many routed tokens")
     parser.add_argument("--budget-s", type=float, default=270.0, help="start no new config after this many seconds")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--ar-breakdown", action="store_true",
+                        help="only the AR step, without the routed experts, and the head alone (side by side)")
     parser.add_argument("--refit", metavar="JSON", help="refit the cost model of a saved --out file (no GPU needed)")
     args = parser.parse_args(argv)
     if args.refit:
@@ -508,8 +554,11 @@ def main(argv=None):
         result["weight_bytes"] = runner.wbytes
         result["int4_bytes_per_expert"] = runner.expert_bytes
         print(f"weights on device: {json.dumps(runner.wbytes)} (build {time.perf_counter() - t0:.0f} s)", flush=True)
-        runner.verify_configs()
-        if not args.skip_prefill:
+        if args.ar_breakdown:
+            runner.ar_breakdown()
+        else:
+            runner.verify_configs()
+        if not (args.skip_prefill or args.ar_breakdown):
             runner.prefill_configs()
     finally:  # partial tables on any failure
         rows = runner.rows if runner else []
