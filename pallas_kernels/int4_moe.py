@@ -11,7 +11,10 @@ word j is input column 8j+k, offset 8 — and scale bf16 [E, N, K/G]: W[e, n, i]
 Routing layout (XLA, outside the kernel): the P (token, expert) pairs are sorted by expert; each touched expert
 gets a *slot* whose rows start at a multiple of `block_m` (padded with zero rows), so every row block belongs to
 exactly one expert and the kernel never needs a masked store. Slots = min(E, P) (static); unused slots have
-count 0 and their programs exit at once.
+count 0 and their programs exit at once. Up to PAIRWISE_ROUTE_MAX_PAIRS pairs (decode) the layout comes from [P, P]
+comparisons in three stacked reductions instead of a sort and E-wide scatters / prefix sums (CPU HLO of the glue
+before the first kernel at 1 token: 10 top-level fusions instead of 41), and the routed rows are one gather of the
+nibble-major tokens (`gather_token_rows`) instead of repeat + scatter + reorder; same layout, same bits.
 
 Kernel grid (N tiles, slots), N tiles fastest so the programs running together share their slot's activation rows
 through L2. A program loops over its slot's row blocks (dynamic trip count) and, inside, over K tiles of
@@ -22,6 +25,8 @@ x_k @ W_k^T in fp32. x_k are the input columns {8j + k}: the wrapper stores the 
 value is ever gathered or reshaped across the nibble axis (jax_stack.md §2.3).
 
 With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly.
+`split_k` (static) splits the K loop over more programs, for few rows: fp32 partials, added in XLA (not bit-identical
+to the unsplit kernel; within the same tolerance of the float64 reference).
 
 Unpack variants (static `unpack=`, same bf16 weights bit for bit): "f32" forms each weight in fp32 and rounds it
 (~6 ALU instructions per weight in the sm_90 K loop, `scripts/kernel_resources.py --int4-mix`); "bf16x2" (bf16
@@ -50,12 +55,14 @@ from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 
 MIN_DOT = 16  # smallest dot dimension Triton handles well (and the smallest row block)
 MAX_BLOCK_M = 64  # row-block cap: larger blocks waste rows on experts with few tokens
+PAIRWISE_ROUTE_MAX_PAIRS = 512  # route by [P, P] comparisons up to here (64 tokens at top-8): 1/4 M int compares
 # Tiles and warps from the sm_90 resource report (scripts/kernel_resources.py, BENCHMARKS.md): with 64 words per K
 # tile the fused gate/up kernel spilled 216 (1 token) to 1176 (512 tokens) bytes per thread on 4 warps; 32 words on
 # 8 warps keeps both kernels in registers from 1 to 512 routed tokens.
 DEFAULT_BLOCK_N = 64  # output columns per program
 DEFAULT_BLOCK_W = 32  # packed words per K tile (= 256 input columns)
 DEFAULT_WARPS = 8
+DEFAULT_STAGES = 2  # software pipeline depth of the K loop (Triton num_stages)
 NIBBLE_BITS = 4
 NIBBLE_MASK = 0xF
 MAGIC_BITS = 0x4B000000  # fp32 bit pattern of 2^23: its mantissa's low bits hold an integer exactly
@@ -106,11 +113,26 @@ def route_layout(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLa
 
     An id outside 0..E-1 marks an absent pair (another device's expert under expert parallelism): it takes no row,
     its dest is R (out of range: scattered nowhere, gathered as zeros), so it costs the kernel nothing.
+    Up to PAIRWISE_ROUTE_MAX_PAIRS pairs (decode, small verify trees) the layout comes from [P, P] comparisons
+    (`route_layout_pairwise`, a few fused ops); beyond, from a sort and E-wide counts (`route_layout_sorted`). Both
+    give the same layout.
     """
     if expert_ids.ndim != 1:
         raise ValueError(f"route_layout: expert_ids must be 1-D [P], got shape {expert_ids.shape}")
     if block_m < MIN_DOT or block_m != next_pow2(block_m):
         raise ValueError(f"route_layout: block_m={block_m} must be a power of two >= {MIN_DOT}")
+    if expert_ids.shape[0] <= PAIRWISE_ROUTE_MAX_PAIRS:
+        return route_layout_pairwise(expert_ids, n_experts, block_m)
+    return route_layout_sorted(expert_ids, n_experts, block_m)
+
+
+def _padded_rows(n_pairs: int, slots: int, block_m: int) -> int:
+    """R: the sum of the slots' block-padded rows never exceeds this."""
+    return -(-(n_pairs + slots * (block_m - 1)) // block_m) * block_m
+
+
+def route_layout_sorted(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLayout:
+    """`route_layout` by a stable sort of the pairs and E-wide counts / prefix sums (any P; ~35 small XLA ops)."""
     p = expert_ids.shape[0]
     s = min(n_experts, p)
     ids = expert_ids.astype(jnp.int32)
@@ -128,10 +150,47 @@ def route_layout(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLa
     sorted_e = jnp.minimum(ids[order], n_experts - 1)  # absent pairs: any valid index, replaced below
     first = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
     dest_sorted = slot_start[expert_slot[sorted_e]] + jnp.arange(p, dtype=jnp.int32) - first[sorted_e]
-    rows = -(-(p + s * (block_m - 1)) // block_m) * block_m  # sum of padded slot rows never exceeds this
+    rows = _padded_rows(p, s, block_m)
     dest_sorted = jnp.where(present[order], dest_sorted, rows)
     dest = jnp.zeros((p,), jnp.int32).at[order].set(dest_sorted.astype(jnp.int32))  # [P]
     return RouteLayout(slot_expert, slot_start.astype(jnp.int32), slot_count.astype(jnp.int32), dest, rows, block_m)
+
+
+def route_layout_pairwise(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLayout:
+    """`route_layout` from [P, P] comparisons of the pairs' experts: no sort, nothing E-wide, no scatter.
+
+    Pair i's rank among its expert's pairs (stable order) and its expert's row count, then its slot (touched experts
+    below it) and first row (their padded rows summed) are masked sums over the other pairs; the first pair of each
+    expert then fills its slot through a [P, S] one-hot sum. Sums that share a mask are stacked into one reduction
+    (three in all: each a kernel launch on a GPU). O(P^2) work, so for small P only.
+    """
+    p = expert_ids.shape[0]
+    s = min(n_experts, p)
+    ids = expert_ids.astype(jnp.int32)
+    present = (ids >= 0) & (ids < n_experts)  # [P]
+    key = jnp.where(present, ids, n_experts)  # absent pairs share one key above every expert
+    pair = jnp.arange(p, dtype=jnp.int32)
+    same = (key[:, None] == key[None, :]).astype(jnp.int32)  # [P, P] (i, j): j has i's expert
+    earlier = (pair[None, :] < pair[:, None]).astype(jnp.int32)
+    rank, count = _masked_sums(jnp.stack([same * earlier, same], axis=-1), axis=1)  # [P] each
+    first = present & (rank == 0)  # [P] one representative pair per touched expert
+    padded = (count + block_m - 1) // block_m * block_m  # [P] slot rows of i's expert
+    below = (first[None, :] & (key[None, :] < key[:, None])).astype(jnp.int32)  # [P, P] j: an expert below i's
+    slot, start = _masked_sums(jnp.stack([below, below * padded[None, :]], axis=-1), axis=1)  # [P] each
+    rows = _padded_rows(p, s, block_m)
+    dest = jnp.where(present, start + rank, rows)  # [P]
+    hit = (first[:, None] & (slot[:, None] == jnp.arange(s, dtype=jnp.int32)[None, :])).astype(jnp.int32)  # [P, S]
+    last_rows = jnp.broadcast_to(jnp.where(first, padded, 0)[:, None], (p, s))  # summed: rows of all used slots
+    per_slot = [hit * v[:, None] for v in (key, count, start)] + [hit, last_rows]
+    slot_expert, slot_count, slot_start, used, total = _masked_sums(jnp.stack(per_slot, axis=-1), axis=0)  # [S]
+    slot_start = jnp.where(used > 0, slot_start, total)  # unused slots start after the last used one
+    return RouteLayout(slot_expert, slot_start, slot_count, dest, rows, block_m)
+
+
+def _masked_sums(stacked: jax.Array, axis: int) -> list[jax.Array]:
+    """int32 sums of a [..., c] stack of masked terms along `axis`, as c arrays: one reduction for c sums."""
+    sums = jnp.sum(stacked, axis=axis, dtype=jnp.int32)
+    return [sums[..., c] for c in range(stacked.shape[-1])]
 
 
 def scatter_rows(x: jax.Array, layout: RouteLayout) -> jax.Array:
@@ -144,6 +203,29 @@ def _nibble_major(x: jax.Array, words: int) -> jax.Array:
     r, k = x.shape
     x = jnp.pad(x, ((0, 0), (0, words * NIBBLES_PER_WORD - k)))
     return x.reshape(r, words, NIBBLES_PER_WORD).swapaxes(1, 2).reshape(r, words * NIBBLES_PER_WORD)
+
+
+def row_pairs(layout: RouteLayout, n_pairs: int) -> jax.Array:
+    """[R] the pair held by each padded row, n_pairs for padding rows: the inverse of layout.dest.
+
+    Small P: one [R, P] comparison (a fused reduction); larger P: a scatter of P indices (R * P would be large)."""
+    if n_pairs <= PAIRWISE_ROUTE_MAX_PAIRS:  # dest is injective on present pairs: the sum picks the one match
+        match = layout.dest[None, :] == jnp.arange(layout.rows, dtype=jnp.int32)[:, None]  # [R, P]
+        held = jnp.sum(jnp.where(match, jnp.arange(1, n_pairs + 1, dtype=jnp.int32)[None, :], 0), axis=1)
+        return jnp.where(held > 0, held - 1, n_pairs)
+    return jnp.full((layout.rows,), n_pairs, jnp.int32).at[layout.dest].set(jnp.arange(n_pairs, dtype=jnp.int32),
+                                                                             mode="drop")
+
+
+def gather_token_rows(x: jax.Array, layout: RouteLayout, top_k: int, words: int) -> jax.Array:
+    """x [M, K] tokens -> [R, 8*words] padded routed rows, nibble-major: one row gather (pair p = token p // k).
+
+    Same values as `_nibble_major(scatter_rows(repeat(x, k)), words)`, but the column reorder touches only the M
+    token rows and no [P, K] copy or [R, K] scatter is made. Padding rows are zero."""
+    m = x.shape[0]
+    pairs = row_pairs(layout, m * top_k)
+    tokens = jnp.where(pairs < m * top_k, pairs // top_k, m)  # m: out of range, gathered as zeros
+    return _nibble_major(x, words).at[tokens].get(mode="fill", fill_value=0)
 
 
 # ---- kernel -------------------------------------------------------------------------------------------------------
@@ -159,6 +241,7 @@ class _Plan:
     block_n: int
     block_w: int
     slots: int
+    split_k: int = 1  # programs per (N tile, slot), each over 1/split_k of the K tiles, writing fp32 partials
 
 
 def _nibble_f32(words, k: int):
@@ -212,13 +295,21 @@ def _planes_f32(words, sc, cdt):
     return [(_nibble_f32(words, k) * sc).astype(cdt) for k in range(NIBBLES_PER_WORD)]
 
 
+def _silu_mul(g, u):
+    """silu(g) * u in fp32 (the fused SwiGLU epilogue, in the kernel and after a split-K reduction alike)."""
+    return g / (1.0 + jnp.exp(-g)) * u
+
+
 def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan: _Plan, swiglu: bool, precision,
             unpack: str, interpret: bool):
     # slot_* [S] i32 | x_ref [R, 8*words] nibble-major | refs: (packed [E, N, words] i32, scale [E, N, words/gw])
-    # for each weight set, then out_ref [R, N]
-    *w_refs, out_ref = refs
+    # for each weight set, then out_ref [R, N] (split_k > 1: one fp32 [split_k, R, N] partial per weight set)
+    n_sets = 2 if swiglu else 1
+    w_refs, out_refs = refs[:2 * n_sets], refs[2 * n_sets:]
     weights = [(w_refs[i], w_refs[i + 1]) for i in range(0, len(w_refs), 2)]
     j, s = pl.program_id(0), pl.program_id(1)
+    q = pl.program_id(2) if plan.split_k > 1 else 0  # K range (read here: the interpreter has no program_id in loops)
+    k_tiles = plan.words // plan.block_w // plan.split_k
     bm, bn, bw, gw = plan.block_m, plan.block_n, plan.block_w, plan.group_words
     e = slot_expert_ref[s]
     row0 = slot_start_ref[s]
@@ -249,13 +340,14 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan:
             return tuple(new)
 
         zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in weights)
-        accs = lax.fori_loop(0, plan.words // bw, k_tile, zeros)
-        if swiglu:
-            g, u = accs
-            y = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u in fp32
+        if plan.split_k == 1:
+            accs = lax.fori_loop(0, k_tiles, k_tile, zeros)
+            y = _silu_mul(*accs) if swiglu else accs[0]
+            out_refs[0][pl.ds(r0, bm), pl.ds(n0, bn)] = y.astype(out_refs[0].dtype)
         else:
-            (y,) = accs
-        out_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = y.astype(out_ref.dtype)
+            accs = lax.fori_loop(q * k_tiles, (q + 1) * k_tiles, k_tile, zeros)
+            for o_ref, acc in zip(out_refs, accs):
+                o_ref[q, pl.ds(r0, bm), pl.ds(n0, bn)] = acc
         return carry
 
     lax.fori_loop(0, n_blocks, row_block, 0)
@@ -282,7 +374,18 @@ def _pad_weights(packed, scale, plan: _Plan):
     return packed, scale  # zero scales: padded weights are exactly 0
 
 
-def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots) -> _Plan:
+def _k_tiling(k_in: int, group_size: int, block_w: int | None) -> tuple[int, int]:
+    """(words per K tile, packed words per row padded to whole tiles) for K = k_in input columns."""
+    gw = group_size // NIBBLES_PER_WORD
+    words = k_in // NIBBLES_PER_WORD
+    bw = block_w or min(DEFAULT_BLOCK_W, max(MIN_DOT, next_pow2(words)))
+    while bw > MIN_DOT and words % bw:  # largest tile that divides K (K2.6: 896 and 256 words -> 32)
+        bw //= 2
+    bw = max(bw, gw)
+    return bw, -(-words // bw) * bw
+
+
+def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots, split_k: int = 1) -> _Plan:
     if group_size % NIBBLES_PER_WORD:
         raise ValueError(f"int4 matmul: group_size {group_size} must be a multiple of 8")
     gw = group_size // NIBBLES_PER_WORD
@@ -291,32 +394,36 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots) 
     for name, blk in (("block_n", block_n), ("block_w", block_w)):
         if blk is not None and (blk < MIN_DOT or blk != next_pow2(blk)):
             raise ValueError(f"int4 matmul: {name}={blk} must be a power of two >= {MIN_DOT}")
-    words = k_in // NIBBLES_PER_WORD
-    bw = block_w or min(DEFAULT_BLOCK_W, max(MIN_DOT, next_pow2(words)))
-    while bw > MIN_DOT and words % bw:  # largest tile that divides K (K2.6: 896 and 256 words -> 64)
-        bw //= 2
-    bw = max(bw, gw)
+    bw, words = _k_tiling(k_in, group_size, block_w)
+    if split_k < 1 or (words // bw) % split_k:
+        raise ValueError(f"int4 matmul: split_k={split_k} must divide the {words // bw} K tiles of {bw} words")
     bn = block_n or min(DEFAULT_BLOCK_N, max(MIN_DOT, next_pow2(n_out)))
-    return _Plan(rows=rows, words=-(-words // bw) * bw, n_out=-(-n_out // bn) * bn, group_words=gw, block_m=block_m,
-                 block_n=bn, block_w=bw, slots=slots)
+    return _Plan(rows=rows, words=words, n_out=-(-n_out // bn) * bn, group_words=gw, block_m=block_m, block_n=bn,
+                 block_w=bw, slots=slots, split_k=split_k)
 
 
 def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: bool = False, out_dtype=None,
                         block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
-                        num_stages: int = 2, unpack: str | None = None, interpret: bool | None = None) -> jax.Array:
+                        num_stages: int = DEFAULT_STAGES, split_k: int = 1, nibble_major: bool = False,
+                        unpack: str | None = None, interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their slot's expert: -> [R, N] (fp32 accumulation).
 
     weights: ((packed [E, N, K/8] i32, scale [E, N, K/G]),) or two such pairs (gate, up) with swiglu=True, which
     returns silu(x Wg^T) * (x Wu^T). Rows outside every slot's blocks are left unwritten (garbage).
     unpack: how weights are dequantized (UNPACK_MODES; None: bf16x2 for bf16 x, else f32); "bf16x2" needs bf16 x and
     gives the same bf16 weights.
+    nibble_major: x is already [R, 8*words'] in the kernel's column order (`gather_token_rows`), words' = K/8 padded
+    to whole K tiles; otherwise the wrapper reorders it (a copy of x).
+    split_k > 1: each (N tile, slot) runs as split_k programs over consecutive K ranges (more programs, shorter
+    loops, for few rows); their fp32 partial sums are added in XLA before the SwiGLU epilogue and the rounding, so
+    results match the unsplit kernel to fp32 summation order, not bit for bit.
     """
     interpret = resolve_interpret(interpret)
     unpack = _resolve_unpack(unpack, x.dtype)
     if len(weights) != (2 if swiglu else 1):
         raise ValueError(f"grouped_int4_matmul: swiglu={swiglu} needs {2 if swiglu else 1} weight sets, "
                          f"got {len(weights)}")
-    r, k_in = x.shape
+    r, x_cols = x.shape
     if r != layout.rows:
         raise ValueError(f"grouped_int4_matmul: x has {r} rows, layout has {layout.rows}")
     e, n_out, words = weights[0][0].shape
@@ -326,23 +433,33 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
                              f"{p.dtype} {p.shape}")
         if sc.ndim != 3 or sc.shape[:2] != (e, n_out) or (words * NIBBLES_PER_WORD) % sc.shape[-1]:
             raise ValueError(f"grouped_int4_matmul: scale {i} must be [{e}, {n_out}, K/G], got {sc.shape}")
-    if words * NIBBLES_PER_WORD != k_in:
-        raise ValueError(f"grouped_int4_matmul: x has K={k_in} columns, packed weights hold {words * 8}")
-    group_size = words * NIBBLES_PER_WORD // weights[0][1].shape[-1]
-    plan = _make_plan(r, k_in, n_out, group_size, layout.block_m, block_n, block_w, layout.slot_expert.shape[0])
-    xp = _nibble_major(x, plan.words)  # [R, 8*words']
+    k_in = words * NIBBLES_PER_WORD
+    group_size = k_in // weights[0][1].shape[-1]
+    plan = _make_plan(r, k_in, n_out, group_size, layout.block_m, block_n, block_w, layout.slot_expert.shape[0],
+                      split_k)
+    want_cols = plan.words * NIBBLES_PER_WORD if nibble_major else k_in
+    if x_cols != want_cols:
+        raise ValueError(f"grouped_int4_matmul: x has {x_cols} columns, the packed weights need {want_cols}"
+                         f"{' (nibble-major, padded to whole K tiles)' if nibble_major else ''}")
+    xp = x if nibble_major else _nibble_major(x, plan.words)  # [R, 8*words']
     flat = [a for p, sc in weights for a in _pad_weights(p, sc, plan)]
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(_kernel, plan=plan, swiglu=swiglu, precision=precision, unpack=unpack,
                                interpret=interpret)
-    any_spec = lambda a: pl.BlockSpec(a.shape, lambda j, s: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)
+    any_spec = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)
     args = (layout.slot_expert, layout.slot_start, layout.slot_count, xp, *flat)
-    out = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-                      grid=(plan.n_out // plan.block_n, plan.slots), in_specs=[any_spec(a) for a in args],
-                      out_specs=pl.BlockSpec((r, plan.n_out), lambda j, s: (0, 0)),
-                      out_shape=jax.ShapeDtypeStruct((r, plan.n_out), out_dtype or x.dtype),
-                      name="int4_swiglu" if swiglu else "int4_matmul")(*args)
-    return out[:, :n_out]
+    grid = (plan.n_out // plan.block_n, plan.slots) + ((split_k,) if split_k > 1 else ())
+    if split_k == 1:
+        out_shape = [jax.ShapeDtypeStruct((r, plan.n_out), out_dtype or x.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((split_k, r, plan.n_out), jnp.float32) for _ in weights]
+    outs = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages, grid=grid,
+                       in_specs=[any_spec(a) for a in args], out_specs=[any_spec(o) for o in out_shape],
+                       out_shape=out_shape, name="int4_swiglu" if swiglu else "int4_matmul")(*args)
+    if split_k == 1:
+        return outs[0][:, :n_out]
+    accs = [o[:, :, :n_out].sum(axis=0) for o in outs]  # fp32 partials, added in split order
+    return (_silu_mul(*accs) if swiglu else accs[0]).astype(out_dtype or x.dtype)
 
 
 def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert_ids: jax.Array, *,
@@ -379,28 +496,54 @@ def _check_ffn(x, idx, weights, gate, up, down):
             raise ValueError(f"int4_moe_ffn: {name} scale {sc.shape} does not fit packed {p.shape}")
 
 
+def moe_route(x: jax.Array, idx: jax.Array, n_experts: int, *, group_size: int, block_m: int | None = None,
+              block_w: int | None = None) -> tuple[RouteLayout, jax.Array]:
+    """The glue before the first kernel: x [M, D], idx [M, k] -> (layout, [R, 8*words'] nibble-major routed rows)."""
+    m, d = x.shape
+    n_pairs = idx.size
+    layout = route_layout(idx.reshape(-1), n_experts, block_m or default_block_m(n_pairs, n_experts))
+    _, words = _k_tiling(d, group_size, block_w)
+    return layout, gather_token_rows(x, layout, idx.shape[1], words)
+
+
+def moe_gate_up(xp: jax.Array, layout: RouteLayout, gate, up, **kw) -> jax.Array:
+    """Fused gate/up kernel on nibble-major routed rows: -> h [R, I] = silu(x Wg^T) * (x Wu^T) in xp's dtype."""
+    return grouped_int4_matmul(xp, (gate, up), layout, swiglu=True, nibble_major=True, **kw)
+
+
+def moe_down(h: jax.Array, layout: RouteLayout, down, **kw) -> jax.Array:
+    """Down kernel (reorders h to nibble-major first): h [R, I] -> y [R, D]."""
+    return grouped_int4_matmul(h, (down,), layout, **kw)
+
+
+def moe_combine(y: jax.Array, layout: RouteLayout, weights: jax.Array, out_dtype) -> jax.Array:
+    """Each token's k expert rows of y [R, D], weighted and added in fp32: weights [M, k] -> [M, D] in out_dtype."""
+    m, top_k = weights.shape
+    y = y.at[layout.dest].get(mode="fill", fill_value=0).reshape(m, top_k, y.shape[-1]).astype(jnp.float32)
+    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), y).astype(out_dtype)
+
+
 def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, gate_scale, up_packed, up_scale,
                  down_packed, down_scale, *, block_m: int | None = None, block_n: int | None = None,
-                 block_w: int | None = None, num_warps: int = DEFAULT_WARPS, out_dtype=None,
-                 unpack: str | None = None, interpret: bool | None = None) -> jax.Array:
+                 block_w: int | None = None, num_warps: int = DEFAULT_WARPS, num_stages: int = DEFAULT_STAGES,
+                 split_k: int = 1, out_dtype=None, unpack: str | None = None,
+                 interpret: bool | None = None) -> jax.Array:
     """Routed SwiGLU experts + weighted combine: x [M, D], idx / weights [M, k] -> [M, D] in out_dtype (x's).
 
     Gate/up run as one fused kernel call (silu(g) * u written directly, h in x's dtype), down as a second call over
     the same routing layout; the k expert outputs of a token are combined in fp32. A pair whose id is outside
     0..E-1 is absent (contributes 0, costs nothing): expert parallelism passes other devices' pairs that way, and
     out_dtype=float32 keeps its partial sums unrounded until the cross-device reduction.
+    split_k applies to the gate/up call only (see `grouped_int4_matmul`).
     """
-    m, d = x.shape
     _check_ffn(x, idx, weights, (gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))
-    top_k = idx.shape[1]
-    n_exp = gate_packed.shape[0]
-    kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, unpack=unpack, interpret=interpret)
-    layout = route_layout(idx.reshape(-1), n_exp, block_m or default_block_m(m * top_k, n_exp))
-    x_rows = scatter_rows(jnp.repeat(x, top_k, axis=0), layout)  # [R, D]; pair p = token p // k
-    h = grouped_int4_matmul(x_rows, ((gate_packed, gate_scale), (up_packed, up_scale)), layout, swiglu=True, **kw)
-    y = grouped_int4_matmul(h, ((down_packed, down_scale),), layout, **kw)  # [R, D]
-    y = y.at[layout.dest].get(mode="fill", fill_value=0).reshape(m, top_k, d).astype(jnp.float32)
-    return jnp.einsum("mk,mkd->md", weights.astype(jnp.float32), y).astype(out_dtype or x.dtype)
+    kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, num_stages=num_stages, unpack=unpack,
+              interpret=interpret)
+    group = x.shape[1] // gate_scale.shape[-1]
+    layout, xp = moe_route(x, idx, gate_packed.shape[0], group_size=group, block_m=block_m, block_w=block_w)
+    h = moe_gate_up(xp, layout, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k, **kw)
+    y = moe_down(h, layout, (down_packed, down_scale), **kw)  # [R, D]
+    return moe_combine(y, layout, weights, out_dtype or x.dtype)
 
 
 # ---- XLA baselines (benchmarks) ---------------------------------------------------------------------------------

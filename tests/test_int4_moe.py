@@ -11,7 +11,8 @@ from kdtree_jax.quant import quant_int4
 from pallas_kernels import int4_moe
 from pallas_kernels._pallas import lower_for_h200
 from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
-                                     int4_expert_matmul, int4_moe_ffn, route_layout)
+                                     int4_expert_matmul, int4_moe_ffn, route_layout, route_layout_pairwise,
+                                     route_layout_sorted)
 from pallas_kernels.int4_moe_ref import int4_expert_matmul_ref, int4_moe_ffn_ref
 
 TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -299,3 +300,105 @@ def test_bf16x2_compiled_matches_interpreted(rng):
     got = int4_expert_matmul(*args, unpack="bf16x2", interpret=False)
     want = int4_expert_matmul(*args, unpack="bf16x2", interpret=True)
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+# ---- decode glue: pairwise routing, one-gather rows, split-K ---------------------------------------------------
+LAYOUT_FIELDS = ("slot_expert", "slot_start", "slot_count", "dest")
+
+
+def routing_with_absent(rng, m, e, k, absent_frac=0.3):
+    """Distinct experts per token, then a fraction moved outside 0..E-1 (another device's experts); the first pair
+    stays present so the output is never all zeros."""
+    idx, weights = random_routing(rng, m, e, k)
+    shift = rng.choice([-e, e], idx.shape) * (rng.random(idx.shape) < absent_frac)
+    shift[0, 0] = 0
+    return (idx + shift).astype(np.int32), weights
+
+
+def present_only(idx, weights, e):
+    """What the float64 reference sees for absent pairs: a valid id with weight 0 (they contribute nothing)."""
+    present = (idx >= 0) & (idx < e)
+    return np.where(present, idx, 0).astype(np.int32), np.where(present, weights, 0.0)
+
+
+@pytest.mark.parametrize("p,e,block_m,absent", [(1, 8, 16, False), (8, 384, 16, False), (37, 8, 16, True),
+                                                (128, 384, 32, True), (64, 4, 16, False), (12, 8, 64, True)])
+def test_pairwise_route_equals_sorted_route(rng, p, e, block_m, absent):
+    """The [P, P]-comparison layout is the sort-based one, field for field (absent ids included)."""
+    ids = rng.integers(-e if absent else 0, 2 * e if absent else e, p).astype(np.int32)
+    got = jax.jit(route_layout_pairwise, static_argnums=(1, 2))(jnp.asarray(ids), e, block_m)
+    want = jax.jit(route_layout_sorted, static_argnums=(1, 2))(jnp.asarray(ids), e, block_m)
+    assert (got.rows, got.block_m) == (want.rows, want.block_m)
+    for f in LAYOUT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)), f)
+
+
+@pytest.mark.parametrize("m,k,e", [(1, 8, 384), (5, 2, 8), (80, 8, 384)])  # 80 x 8 > PAIRWISE_ROUTE_MAX_PAIRS
+def test_gather_token_rows_equals_scatter_of_repeated_rows(rng, m, k, e):
+    """One row gather of the nibble-major tokens = the old repeat + scatter + reorder, bit for bit."""
+    d = 96  # 12 words: padded to 16 in nibble-major order
+    idx, _ = routing_with_absent(rng, m, e, k)
+    x = jnp.asarray(rng.standard_normal((m, d)) + 3.0, jnp.bfloat16)
+    layout = route_layout(jnp.asarray(idx.reshape(-1)), e, int4_moe.default_block_m(idx.size, e))
+    got = np.asarray(int4_moe.gather_token_rows(x, layout, k, 16).astype(jnp.float32))
+    rows = int4_moe.scatter_rows(jnp.repeat(x, k, axis=0), layout)
+    want = np.asarray(int4_moe._nibble_major(rows, 16).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    assert np.count_nonzero(got.any(axis=1)) == int(((idx >= 0) & (idx < e)).sum())
+
+
+def ffn_scatter_path(x, idx, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, *,
+                     interpret):
+    """The FFN as it was composed before the decode glue: sorted route, repeat + scatter, wrapper reorders."""
+    m, k = idx.shape
+    e = gate_packed.shape[0]
+    layout = route_layout_sorted(idx.reshape(-1), e, int4_moe.default_block_m(idx.size, e))
+    rows = int4_moe.scatter_rows(jnp.repeat(x, k, axis=0), layout)
+    h = int4_moe.grouped_int4_matmul(rows, ((gate_packed, gate_scale), (up_packed, up_scale)), layout, swiglu=True,
+                                     interpret=interpret)
+    y = int4_moe.grouped_int4_matmul(h, ((down_packed, down_scale),), layout, interpret=interpret)
+    return int4_moe.moe_combine(y, layout, weights, x.dtype)
+
+
+@pytest.mark.parametrize("tokens,d,inter,e,k,dtype", [(1, 64, 32, 8, 2, jnp.bfloat16), (5, 256, 128, 8, 2, np.float32),
+                                                     (6, 160, 96, 16, 4, jnp.bfloat16)])
+def test_ffn_bitwise_equals_scatter_path_and_matches_reference(rng, interpret, tokens, d, inter, e, k, dtype):
+    """The decode glue changes no output bit (absent pairs included) and the FFN still matches float64."""
+    w = make_ffn(rng, d, inter, e)
+    idx, weights = routing_with_absent(rng, tokens, e, k)
+    x = as_input(rng.standard_normal((tokens, d)), dtype)
+    args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w))
+    got = np.asarray(int4_moe_ffn(*args, interpret=interpret).astype(jnp.float32))
+    want = np.asarray(ffn_scatter_path(*args, interpret=interpret).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    assert_close(got, int4_moe_ffn_ref(x, *present_only(idx, weights, e), *w), TOL[dtype], f"ffn tokens {tokens}")
+
+
+@pytest.mark.parametrize("split_k,dtype", [(2, np.float32), (4, jnp.bfloat16), (8, np.float32)])
+def test_ffn_split_k_matches_reference(rng, interpret, split_k, dtype):
+    """Split-K gate/up (fp32 partials added before SwiGLU): within the usual tolerance of float64 and of the unsplit
+    kernel (not bit-identical: the fp32 sums are grouped differently)."""
+    d, inter, tokens = 1024, 64, 3  # 128 words: 8 K tiles of 16
+    w = make_ffn(rng, d, inter)
+    idx, weights = random_routing(rng, tokens)
+    x = as_input(rng.standard_normal((tokens, d)), dtype)
+    args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w))
+    out = int4_moe_ffn(*args, block_w=16, split_k=split_k, interpret=interpret)
+    ref = int4_moe_ffn_ref(x, idx, weights, *w)
+    assert_close(out, ref, TOL[dtype], f"split_k {split_k}")
+    unsplit = np.asarray(int4_moe_ffn(*args, block_w=16, interpret=interpret).astype(jnp.float32), np.float64)
+    assert_close(out, unsplit, TOL[dtype], f"split_k {split_k} vs unsplit")
+
+
+def test_split_k_must_divide_the_k_tiles(rng):
+    w = list(map(jnp.asarray, make_ffn(rng, 256, 64)))  # 32 words: 1 K tile of 32
+    x, (idx, weights) = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32), random_routing(rng, 2)
+    with pytest.raises(ValueError, match="split_k"):
+        int4_moe_ffn(x, jnp.asarray(idx), jnp.asarray(weights), *w, split_k=2)
+
+
+@pytest.mark.parametrize("m,split_k,stages", [(1, 4, 3), (16, 2, 4), (1, 1, 4)])
+def test_split_k_and_stages_lower_for_h200(m, split_k, stages):
+    fn = functools.partial(int4_moe_ffn, split_k=split_k, num_stages=stages, block_n=32, interpret=False)
+    text = lower_for_h200(fn, *ffn_specs(m, 7168, 2048, 384, 8, jnp.bfloat16)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2

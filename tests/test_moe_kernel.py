@@ -105,19 +105,27 @@ def test_kernel_on_expert_slices_sums_to_all_experts(rng, hf_weights):
     assert_close(total, want, TOL[jnp.float32], "sum over expert slices")
 
 
-def test_absent_pairs_take_no_rows(rng):
-    """Ids outside 0..E-1 get no slot rows, scatter nowhere and gather as zeros."""
-    from pallas_kernels.int4_moe import route_layout, scatter_rows
+@pytest.mark.parametrize("method", ["pairwise", "sorted"])
+def test_absent_pairs_take_no_rows(rng, method):
+    """Ids outside 0..E-1 get no slot rows, scatter nowhere and gather as zeros (both routing methods; the token-row
+    gather too)."""
+    from pallas_kernels import int4_moe
+    from pallas_kernels.int4_moe import scatter_rows
 
     ids = rng.integers(-E, 2 * E, 40).astype(np.int32)
     present = (ids >= 0) & (ids < E)
-    layout = route_layout(jnp.asarray(ids), E, 16)
+    layout = getattr(int4_moe, f"route_layout_{method}")(jnp.asarray(ids), E, 16)
     assert int(np.asarray(layout.slot_count).sum()) == int(present.sum())
     dest = np.asarray(layout.dest)
     assert (dest[~present] == layout.rows).all() and (dest[present] < layout.rows).all()
     assert len(np.unique(dest[present])) == int(present.sum())
     rows = np.asarray(scatter_rows(jnp.asarray(rng.standard_normal((40, 3)) + 5.0, jnp.float32), layout))
     assert np.count_nonzero(rows.any(axis=1)) == int(present.sum())
+    tokens = jnp.asarray(rng.standard_normal((20, 16)) + 5.0, jnp.float32)  # 20 tokens x top-2 = the 40 pairs
+    gathered = np.asarray(int4_moe.gather_token_rows(tokens, layout, 2, 2))
+    want = np.asarray(int4_moe._nibble_major(scatter_rows(jnp.repeat(tokens, 2, axis=0), layout), 2))
+    np.testing.assert_array_equal(gathered, want)
+    assert np.count_nonzero(gathered.any(axis=1)) == int(present.sum())
 
 
 # ---- whole model --------------------------------------------------------------------------------------------------
