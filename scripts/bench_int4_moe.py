@@ -1,6 +1,7 @@
 """INT4 routed-expert FFN on one GPU: the Pallas grouped kernel vs dequantize-then-matmul in XLA vs bf16 experts.
 
     python scripts/bench_int4_moe.py [--quick] [--out results.json] [--tune] [--kernel-only] [--unpack f32,bf16x2]
+                                     [--breakdown] [--budget-s 200]
 
 K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
 routing is uniform random (distinct experts per token); N_SETS input sets (x and routing) run back to back inside
@@ -12,6 +13,11 @@ compile failure is recorded and the sweep goes on. On a CPU backend it runs a ti
 each variant's output against the first one's on one input set (they should agree bit for bit). On CPU the bf16x2
 variant runs its jnp stand-in in the interpreter (inline PTX needs a GPU), and the smoke sweep uses bf16 activations
 when it is asked for (bf16x2 requires them).
+--breakdown times the parts of one `int4_moe_ffn` call alone, each on the previous part's precomputed outputs and
+in its own back-to-back jit: the routing glue before the first kernel (`moe_route`), the fused gate/up kernel, the
+reorder of h to nibble-major, the down kernel, the combine; each part's share of the whole call (timed alongside).
+--tune times TUNE configs (block_n, block_w, warps, num_stages, split_k) with the default unpack at TUNE_TOKENS and
+reports the best per token count; no new config starts after --budget-s seconds (one GPU call has a hard limit).
 """
 from __future__ import annotations
 
@@ -30,8 +36,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_util import copy_ceiling, per_call_s  # noqa: E402
-from pallas_kernels.int4_moe import (UNPACK_BF16X2, UNPACK_F32, UNPACK_MODES, bf16_gather_ffn,  # noqa: E402
-                                     bf16_ragged_dot_ffn, dequant_then_matmul_ffn, int4_moe_ffn)
+from pallas_kernels.int4_moe import (UNPACK_BF16X2, UNPACK_F32, UNPACK_MODES, _nibble_major,  # noqa: E402
+                                     bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
+                                     grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route)
 
 N_SETS = 8  # input sets per timed jit, run back to back (dispatch amortised; routing differs call to call)
 GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts
@@ -50,8 +57,30 @@ class Shape:
 
 FULL = Shape()
 QUICK = dataclasses.replace(FULL, tokens=(1, 16, 256))
-CPU_SMOKE = Shape(d=256, inter=128, experts=16, top_k=2, tokens=(1, 5), copy_bytes=16 << 20)
-TUNE = ((64, 64, 4), (32, 64, 4), (128, 64, 8), (64, 32, 4), (64, 128, 8), (32, 128, 4))  # block_n, block_w, warps
+CPU_SMOKE = Shape(d=1024, inter=128, experts=16, top_k=2, tokens=(1, 5), copy_bytes=16 << 20)  # D: 4 K tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+    block_n: int
+    block_w: int = 32
+    warps: int = 8
+    stages: int = 2
+    split_k: int = 1  # gate/up kernel only
+
+    @property
+    def key(self) -> str:
+        return f"pallas_bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_k{self.split_k}"
+
+
+# Around the default (64, 32, 8 warps, 2 stages): deeper pipelines, narrower / wider N tiles, split-K gate/up for
+# decode (K2.6 gate/up: 28 K tiles of 32 words, so split_k 2 and 4 divide them). Ten configs keep the tuned part
+# of a --quick GPU run near two minutes.
+TUNE = (TuneConfig(64), TuneConfig(64, stages=3), TuneConfig(64, stages=4),
+        TuneConfig(32, warps=4), TuneConfig(32, warps=4, stages=3), TuneConfig(128), TuneConfig(128, stages=3),
+        TuneConfig(64, split_k=2), TuneConfig(64, split_k=4), TuneConfig(32, warps=4, stages=3, split_k=4))
+TUNE_TOKENS = (1, 16)  # decode and a small verify tree: where the grid, not the bytes, may bound the call
+BREAKDOWN_PARTS = ("route", "gate_up", "h_reorder", "down", "combine")
 
 
 CPU_UNPACK_NOTE = "CPU: bf16x2 runs its jnp stand-in in the Pallas interpreter, not the inline PTX (needs a GPU)"
@@ -133,8 +162,78 @@ def check_variants(row: dict, outs: dict, unpacks) -> None:
             row[f"{u}_max_abs_diff_vs_{first}"] = float(np.max(np.abs(outs[u] - outs[first])))
 
 
+def tuned_ffn(cfg: TuneConfig, interpret: bool):
+    return lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, block_n=cfg.block_n, block_w=cfg.block_w,
+                                             num_warps=cfg.warps, num_stages=cfg.stages, split_k=cfg.split_k,
+                                             interpret=interpret)
+
+
+def run_tune(row: dict, sets, w4, interpret: bool, deadline: float) -> None:
+    """Each TUNE config's ms in `row` (or its error, or `skipped` past the deadline), then the best one."""
+    for cfg in TUNE:
+        if time.perf_counter() > deadline:
+            row[f"{cfg.key}_error"] = "skipped: --budget-s reached"
+            continue
+        try:
+            row[f"{cfg.key}_ms"] = per_call_s(tuned_ffn(cfg, interpret), [s + tuple(w4) for s in sets]) * 1e3
+        except Exception as e:  # noqa: BLE001
+            row[f"{cfg.key}_error"] = short_error(e)
+    timed = {c.key: row[f"{c.key}_ms"] for c in TUNE if f"{c.key}_ms" in row}
+    if timed:
+        row["tune_best"] = min(timed, key=timed.get)
+
+
+def stage_fns(shape: Shape, interpret: bool):
+    """The parts of one `int4_moe_ffn` call (default tiles and unpack), each returning what the next part takes.
+    Outputs pass an optimization barrier: the timing jit reads one element of each, which XLA could otherwise
+    compute alone (a gather or reorder sliced to one element costs nothing)."""
+    kw = dict(interpret=interpret)
+    bar = jax.lax.optimization_barrier
+    words = shape.inter // 8
+
+    def route(x, i, w, *ws):
+        return bar(moe_route(x, i, shape.experts, group_size=shape.group))
+
+    def gate_up(layout, xp, *ws):
+        return bar(moe_gate_up(xp, layout, (ws[0], ws[1]), (ws[2], ws[3]), **kw))
+
+    def h_reorder(h):
+        return bar(_nibble_major(h, words))
+
+    def down(layout, hp, *ws):
+        return bar(grouped_int4_matmul(hp, ((ws[4], ws[5]),), layout, nibble_major=True, **kw))
+
+    def combine(y, layout, w):
+        return bar(moe_combine(y, layout, w, y.dtype))
+
+    return dict(route=route, gate_up=gate_up, h_reorder=h_reorder, down=down, combine=combine)
+
+
+def run_breakdown(row: dict, sets, w4, shape: Shape, interpret: bool, whole) -> None:
+    """Times the whole call and each part alone on the same input sets (each part's inputs precomputed)."""
+    fns = stage_fns(shape, interpret)
+    ws = tuple(w4)
+    try:
+        routed = [jax.jit(fns["route"])(*s, *ws) for s in sets]
+        hs = [jax.jit(fns["gate_up"])(*r, *ws) for r in routed]
+        hps = [jax.jit(fns["h_reorder"])(h) for h in hs]
+        ys = [jax.jit(fns["down"])(r[0], hp, *ws) for r, hp in zip(routed, hps)]
+        part_args = dict(route=[s + ws for s in sets], gate_up=[tuple(r) + ws for r in routed],
+                         h_reorder=[(h,) for h in hs], down=[(r[0], hp) + ws for r, hp in zip(routed, hps)],
+                         combine=[(y, r[0], s[2]) for y, r, s in zip(ys, routed, sets)])
+        row["bd_whole_ms"] = per_call_s(lambda *a: jax.lax.optimization_barrier(whole(*a)),
+                                        [s + ws for s in sets]) * 1e3
+        for part in BREAKDOWN_PARTS:
+            row[f"bd_{part}_ms"] = per_call_s(fns[part], part_args[part]) * 1e3
+        parts_out = np.asarray(fns["combine"](ys[0], routed[0][0], sets[0][2]).astype(jnp.float32))
+        row["bd_parts_equal_whole"] = bool(np.array_equal(parts_out, np.asarray(
+            jax.jit(whole)(*sets[0], *ws).astype(jnp.float32))))
+    except Exception as e:  # noqa: BLE001
+        row["bd_error"] = short_error(e)
+
+
 def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True,
-              unpacks=(UNPACK_F32,)) -> None:
+              unpacks=(UNPACK_F32,), breakdown: bool = False, deadline: float = float("inf")) -> None:
     """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
     keys = jax.random.split(jax.random.key(0), 3)
     w4 = []
@@ -142,6 +241,8 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
         w4 += list(random_int4(key, shape.experts, n_out, n_in, shape.group))
     ffn = {u: (lambda x, i, w, *ws, u=u: int4_moe_ffn(x, i, w, *ws, unpack=u, interpret=interpret)) for u in unpacks}
     deq = jax.jit(dequant_then_matmul_ffn)
+    default_ffn = lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret)  # noqa: E731
+    tune_tokens = [t for t in shape.tokens if t in TUNE_TOKENS] or list(shape.tokens[:1])
     for tokens in shape.tokens:
         sets = make_sets(shape, tokens, dtype, seed=tokens)
         n_dist = distinct_experts(sets)
@@ -152,10 +253,6 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
         variants = {unpack_key(u): ffn[u] for u in unpacks}
         if baselines:
             variants["xla_dequant"] = dequant_then_matmul_ffn
-        if tune:
-            for bn, bw, warps in TUNE:
-                variants[f"pallas_bn{bn}_bw{bw}_w{warps}"] = lambda x, i, w, *ws, bn=bn, bw=bw, nw=warps: (
-                    int4_moe_ffn(x, i, w, *ws, block_n=bn, block_w=bw, num_warps=nw, interpret=interpret))
         for name, fn in variants.items():
             try:
                 row[f"{name}_ms"] = per_call_s(fn, [s + tuple(w4) for s in sets]) * 1e3
@@ -168,6 +265,10 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
             except Exception as e:  # noqa: BLE001
                 row[f"{u}_check_error"] = short_error(e)
         check_variants(row, outs, unpacks)
+        if breakdown:
+            run_breakdown(row, sets, w4, shape, interpret, default_ffn)
+        if tune and tokens in tune_tokens:
+            run_tune(row, sets, w4, interpret, deadline)
         try:  # the first variant against the XLA baseline on one input set (both bf16: loose, catches wrong experts)
             if unpacks[0] in outs:
                 want = np.asarray(deq(*sets[0], *w4).astype(jnp.float32))
@@ -250,10 +351,45 @@ def markdown(rows: list[dict], copy_bw: float) -> str:
         lines.append(f"| {r['tokens']} | {r['distinct_experts']:.1f} | {r['bytes'] / 1e6:.0f} | {roof:.3f} | "
                      f"{ms(r, 'pallas_int4')} | {bw} | {ms(r, 'xla_dequant')} | {ms(r, 'bf16_ragged_dot')} | "
                      f"{ms(r, 'bf16_gather')} | {bf16_roof} | {diff} |")
-    tuned = sorted({k[:-3] for r in rows for k in r if k.startswith("pallas_bn") and k.endswith("_ms")})
-    if tuned:
-        lines += ["", "| tokens | " + " | ".join(tuned) + " |", "|---|" + "---|" * len(tuned)]
-        lines += [f"| {r['tokens']} | " + " | ".join(ms(r, t) for t in tuned) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def tune_markdown(rows: list[dict]) -> str:
+    """One line per TUNE config (ms per tuned token count), then the best config per token count."""
+    tuned = [r for r in rows if any(k.startswith("pallas_bn") for k in r)]
+    if not tuned:
+        return ""
+    lines = ["| block_n | block_w | warps | stages | split_k | " + " | ".join(f"{r['tokens']} tok ms" for r in tuned)
+             + " |", "|---|---|---|---|---|" + "---|" * len(tuned)]
+    for c in TUNE:
+        lines.append(f"| {c.block_n} | {c.block_w} | {c.warps} | {c.stages} | {c.split_k} | "
+                     + " | ".join(ms(r, c.key) for r in tuned) + " |")
+    default = TUNE[0].key
+    for r in tuned:
+        if "tune_best" in r:
+            best = r["tune_best"]
+            lines.append(f"\nbest at {r['tokens']} tokens: {best} {r[best + '_ms']:.3f} ms (default {ms(r, default)} "
+                         f"ms)")
+    return "\n".join(lines)
+
+
+def breakdown_markdown(rows: list[dict]) -> str:
+    """Each part's ms and share of the whole call; "sum" = the parts added (launch gaps between jits not counted)."""
+    done = [r for r in rows if "bd_whole_ms" in r or "bd_error" in r]
+    if not done:
+        return ""
+    lines = ["| tokens | whole ms | " + " | ".join(f"{p} ms (share)" for p in BREAKDOWN_PARTS)
+             + " | sum of parts ms | parts = whole |", "|---|---|" + "---|" * len(BREAKDOWN_PARTS) + "---|---|"]
+    for r in done:
+        if "bd_error" in r:
+            lines.append(f"| {r['tokens']} | err: {r['bd_error']} |")
+            continue
+        whole = r["bd_whole_ms"]
+        parts = [r.get(f"bd_{p}_ms") for p in BREAKDOWN_PARTS]
+        cells = [f"{t:.3f} ({100 * t / whole:.0f}%)" if t is not None else "—" for t in parts]
+        total = sum(t for t in parts if t is not None)
+        lines.append(f"| {r['tokens']} | {whole:.3f} | " + " | ".join(cells)
+                     + f" | {total:.3f} | {r.get('bd_parts_equal_whole', '—')} |")
     return "\n".join(lines)
 
 
@@ -261,7 +397,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 256 only")
     parser.add_argument("--out", help="write all results as JSON to this path")
-    parser.add_argument("--tune", action="store_true", help="also time a few (block_n, block_w, warps) choices")
+    parser.add_argument("--tune", action="store_true",
+                        help=f"also time TUNE (block_n, block_w, warps, stages, split_k) at tokens {TUNE_TOKENS}")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time the routing glue, each kernel, the h reorder and the combine alone")
+    parser.add_argument("--budget-s", type=float, default=200.0,
+                        help="start no --tune config after this many seconds of the run")
     parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
     parser.add_argument("--unpack", default=f"{UNPACK_F32},{UNPACK_BF16X2}",
                         help=f"comma-separated INT4 unpack variants to time side by side, from {UNPACK_MODES}")
@@ -283,12 +424,13 @@ def main(argv=None):
     rows = []
     try:
         run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only,
-                  unpacks=unpacks)
+                  unpacks=unpacks, breakdown=args.breakdown, deadline=t0 + args.budget_s)
     finally:  # print whatever finished, even after an unexpected failure
         result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
                       unpacks=unpacks, int4_bytes_per_expert=int4_expert_bytes(shape),
                       total_s=time.perf_counter() - t0)
-        print(markdown(rows, copy_bw) + "\n\n" + unpack_markdown(rows, copy_bw, unpacks)
+        extra = [t for t in (breakdown_markdown(rows), tune_markdown(rows)) if t]
+        print("\n\n".join([markdown(rows, copy_bw), unpack_markdown(rows, copy_bw, unpacks), *extra])
               + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
         if args.out:
             with open(args.out, "w") as f:
