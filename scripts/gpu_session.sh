@@ -12,6 +12,8 @@
 #                                         # variants, tune H 8 (nvidia-h200-x2, ~10 min)
 #   bash scripts/gpu_session.sh defaults  # after the wave-rule retune: K2.6 layers + verify_attn H 64 sweep | H 8 tune,
 #                                         # sweep, nsys trace of a small decode call (nvidia-h200-x2, ~9 min)
+#   bash scripts/gpu_session.sh bookkeeping  # top-K / INT4 kernels compiled tests, top-K variants, round parts |
+#                                         # INT4 breakdown + tune, K2.6 AR-step breakdown, engine tests (x2, ~10 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -124,6 +126,21 @@ defaults)
     else
         echo "no nsys on this machine" > "$OUT/trace_verify_attn.log"
     fi
+    wait
+    ;;
+bookkeeping)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run pytest_kernels 200 "$PY" -m pytest -q -rf tests/test_topk.py tests/test_tree_build.py \
+            tests/test_int4_moe.py tests/test_moe_kernel.py
+        run bench_topk 190 "$PY" scripts/bench_topk.py --out "$OUT/bench_topk.json"
+        run bench_round 190 "$PY" scripts/bench_round.py --time-limit 130 --out "$OUT/bench_round.json"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run bench_int4_breakdown 220 "$PY" scripts/bench_int4_moe.py --quick --kernel-only --breakdown --tune \
+        --unpack bf16x2 --budget-s 140 --out "$OUT/bench_int4_breakdown.json"
+    run bench_kimi_ar 200 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --budget-s 150 --out "$OUT/bench_kimi_ar.json"
+    run pytest_engine 160 "$PY" -m pytest -q -rf -x tests/test_engine.py
     wait
     ;;
 scaling)
