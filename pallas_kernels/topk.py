@@ -4,33 +4,32 @@ logits [Bt, D, V] -> lp [Bt, D, k] f32 (top values minus the row's full-vocab lo
 sorted by value descending, equal values by lower vocab index first: the ids and top values of `lax.top_k`.
 
 Order key. Each float32 logit maps to an int32 whose signed order is the float's total order (flip the low 31 bits
-of negatives), so one int compare orders values, -0.0 sorts just below +0.0 (as XLA's top_k on CPU; GPU unchecked), and INT32_MIN
-(below -inf) marks "taken / padding". `argmax` on the Triton path keeps the lowest index on ties (its combine
-takes the min index on equal values), like `jnp.argmax` in interpret mode.
+of negatives), so one int compare orders values, -0.0 sorts just below +0.0 (as XLA's top_k on CPU; GPU unchecked),
+and INT32_MIN (below -inf) marks "taken / padding". `argmax` on the Triton path keeps the lowest index on ties (its
+combine takes the min index on equal values), like `jnp.argmax` in interpret mode.
 
-Stage 1, grid (rows = Bt*D, chunks of L = 4096 vocab entries). Extracting the top-k by k full-chunk argmaxes costs
-k*L work per chunk (a rough instruction count, not a measurement, put it near 2 ms at K2.6 size, Bt=8, k=256,
-slower than XLA), so the chunk is viewed as [L/ROW, ROW] rows and only each row's current head (best remaining
-entry) is kept: a step takes the best head (argmax over L/ROW heads; the lowest row wins ties, and lower rows hold
-lower indices), then reloads that row from the ref and finds its next head among the entries after the taken one
-in (value desc, index asc) order.
-No "taken" mask is needed and a step touches L/ROW + ROW entries. The chunk's max and sum(exp(x - max)) go out
-with its k candidates, so the logsumexp needs no separate pass over V.
+Stage 1, grid (rows = Bt*D, chunks of L = CHUNK vocab entries). Extracting the top-k by k full-chunk argmaxes costs
+k*L work per chunk (a rough instruction count, not a measurement, put it near 2 ms at K2.6 size, Bt=8, k=256, slower
+than XLA), so the chunk is viewed as [L/ROW, ROW] rows and only each row's current head (best remaining entry) is
+kept: a step takes the best head (argmax over L/ROW heads; the lowest row wins ties, and lower rows hold lower
+indices), then reloads that row from the ref and finds its next head among the entries after the taken one in (value
+desc, index asc) order. No "taken" mask is needed and a step touches L/ROW + ROW entries. The chunk's max and
+sum(exp(x - max)) go out with its k candidates, so the logsumexp needs no separate pass over V.
 
-Stage 2, grid (rows): a k-way merge of the chunks' candidate lists (each sorted, k long, padded to a power of
-two with INT32_MIN): heads are the lists' first entries, a step takes the best head and advances that list's
-pointer by one (one scalar load). Ties need no index compare: among equal values, a lower list means a lower
-chunk, hence lower ids, and inside a list equal values already sit in ascending id order. It also merges the
-chunks' (max, sum) into the logsumexp. With one chunk (V <= L) stage 1 writes the final output and stage 2 is
-skipped.
+Stage 2, grid (rows): a k-way merge of the chunks' candidate lists (each sorted, k long, padded to a power of two
+with INT32_MIN): heads are the lists' first entries, a step takes the best head and advances that list's pointer by
+one (one scalar load). Ties need no index compare: among equal values, a lower list means a lower chunk, hence lower
+ids, and inside a list equal values already sit in ascending id order. It also merges the chunks' (max, sum) into
+the logsumexp. With one chunk (V <= L) stage 1 writes the final output and stage 2 is skipped.
 
-Padding: V is padded to a multiple of L with -inf. Padded entries tie with real -inf logits but carry larger
-ids, so with k <= V they are never returned, and exp(-inf) adds nothing to the logsumexp. The chunk grid is
-padded to a power of two; programs past the last chunk write empty lists.
+Padding: V is padded to a multiple of L with -inf. Padded entries tie with real -inf logits but carry larger ids, so
+with k <= V they are never returned, and exp(-inf) adds nothing to the logsumexp. The chunk grid is padded to a
+power of two; programs past the last chunk write empty lists.
 
-Limits: k <= MAX_K (topk_logprobs falls back to XLA above); NaN logits are unsupported (a drafter never emits
-them). Both stages run k dependent steps (a few small reductions and one load each), so their time is latency
-bound and grows linearly in k; not yet timed on a GPU. lp equals XLA's to float rounding of the logsumexp (a different summation order), not bit for bit.
+Limits: k <= MAX_K (topk_logprobs uses XLA above FASTER_MAX_K, where XLA is faster); NaN logits are unsupported (a
+drafter never emits them). Both stages run k dependent steps (a few small reductions and one load each), so their
+time is latency bound and grows linearly in k (H200 timings: BENCHMARKS.md 4c). lp equals XLA's to float rounding of
+the logsumexp (a different summation order), not bit for bit.
 """
 from __future__ import annotations
 
@@ -44,9 +43,12 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 
-CHUNK = 4096  # vocab entries per stage-1 program
+CHUNK = 16384  # vocab entries per stage-1 program (H200, V = 163840: 5-40% faster than 4096, 1.5-3x than 1024)
 ROW = 128  # entries reloaded per stage-1 step
 MAX_K = 1024  # candidate lists above this would not fit a program's registers
+# Up to this k the kernel beats XLA's top_k on the H200 (BENCHMARKS.md 4c: 1.6-7x at k <= 32, about even at 64);
+# its k dependent steps make it 2.4x slower at k = 256, V = 4096, where XLA's sort-based top_k does not grow with k.
+FASTER_MAX_K = 64
 CHUNK_WARPS = 4
 MERGE_WARPS = 1  # the merge touches at most a few dozen heads per step: one warp reduces by shuffles alone
 _TAKEN = -(2**31)  # order key below every float (-inf included): taken entries and padding
@@ -79,6 +81,11 @@ def plan(v: int, k: int, chunk: int = CHUNK) -> Plan:
 
 def supported(v: int, k: int) -> bool:
     return 1 <= k <= min(v, MAX_K)
+
+
+def preferred(v: int, k: int) -> bool:
+    """Where `tree_build.topk_logprobs` runs this kernel rather than XLA (measured, FASTER_MAX_K)."""
+    return supported(v, k) and k <= FASTER_MAX_K
 
 
 def order_key(x: jax.Array) -> jax.Array:

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 from pallas_kernels.topk import check_topk_args, topk_logprobs_pallas
-from pallas_kernels.topk import supported as topk_supported
+from pallas_kernels.topk import preferred as topk_kernel_preferred
 
 _INT32_LIMIT = 2**31 - 1
 
@@ -52,16 +52,17 @@ def topk_logprobs(logits: jax.Array, k: int, *, interpret: bool | None = None) -
     """Per-depth top-k true log-probs: full-vocab logsumexp in f32 (no renormalisation over the top-k).
 
     logits [Bt, D, V] -> lp [Bt, D, k] f32, ids [Bt, D, k] int32; ties -> lower index first (as lax.top_k).
-    The Pallas kernel (`topk.py`) whenever it supports k; XLA's top_k was the largest bookkeeping cost of a round.
+    The Pallas kernel (`topk.py`) up to k = FASTER_MAX_K, where it beats XLA's top_k (the largest bookkeeping cost
+    of a round); XLA above.
     """
     check_topk_args(logits, k)
-    if not topk_supported(logits.shape[-1], k):
+    if not topk_kernel_preferred(logits.shape[-1], k):
         return topk_logprobs_xla(logits, k)
     return topk_logprobs_pallas(logits, k, interpret=resolve_interpret(interpret))
 
 
 def topk_logprobs_xla(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`topk_logprobs` with XLA's logsumexp and lax.top_k: the fallback above MAX_K and the benchmark baseline."""
+    """`topk_logprobs` with XLA's logsumexp and lax.top_k: used above FASTER_MAX_K and the benchmark baseline."""
     check_topk_args(logits, k)
     x = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [Bt, D, 1]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels._pallas import lower_for_h200
-from pallas_kernels.topk import MAX_K, plan, topk_logprobs_pallas
+from pallas_kernels.topk import FASTER_MAX_K, MAX_K, plan, topk_logprobs_pallas
 from pallas_kernels.tree_build import topk_logprobs, topk_logprobs_xla
 from pallas_kernels.tree_build_ref import topk_logprobs_ref
 
@@ -76,10 +76,12 @@ def test_every_output_is_written(rng, interpret):
     assert ((np.asarray(ids) >= 0) & (np.asarray(ids) < v)).all()
 
 
-def test_k_above_max_falls_back_to_xla(rng):
-    x = jnp.asarray(rng.standard_normal((1, 1, MAX_K + 8)).astype(np.float32))
-    lp, ids = topk_logprobs(x, MAX_K + 1)
-    xla_lp, xla_ids = topk_logprobs_xla(x, MAX_K + 1)
+@pytest.mark.parametrize("k", [FASTER_MAX_K + 1, MAX_K + 1])
+def test_large_k_runs_xla(rng, k):
+    """Above FASTER_MAX_K topk_logprobs is XLA's (bit-identical lp; the kernel's logsumexp sums in another order)."""
+    x = jnp.asarray(rng.standard_normal((1, 2, MAX_K + 8)).astype(np.float32))
+    lp, ids = topk_logprobs(x, k)
+    xla_lp, xla_ids = topk_logprobs_xla(x, k)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(xla_ids))
     np.testing.assert_array_equal(np.asarray(lp), np.asarray(xla_lp))
 
@@ -101,7 +103,7 @@ SHIPPED = (1, 4096, 32)
 
 
 def _spec_fn(bt, v, k):
-    fn = functools.partial(topk_logprobs, k=k, interpret=False)
+    fn = functools.partial(topk_logprobs_pallas, k=k, interpret=False)  # the kernel itself, whichever path k takes
     return fn, jax.ShapeDtypeStruct((bt, DEPTH, v), jnp.float32)
 
 
