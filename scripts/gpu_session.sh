@@ -14,6 +14,8 @@
 #                                         # sweep, nsys trace of a small decode call (nvidia-h200-x2, ~9 min)
 #   bash scripts/gpu_session.sh bookkeeping  # top-K / INT4 kernels compiled tests, top-K variants, round parts |
 #                                         # INT4 breakdown + tune, K2.6 AR-step breakdown, engine tests (x2, ~10 min)
+#   bash scripts/gpu_session.sh owed4     # what session 4 left unmeasured: K2.6 AR breakdown with 3-stage INT4, ddtree vs
+#                                         # ar tokens on the GPU, round parts at batch 1 and 8 (x2, ~3 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -141,6 +143,30 @@ bookkeeping)
         --unpack bf16x2 --budget-s 140 --out "$OUT/bench_int4_breakdown.json"
     run bench_kimi_ar 200 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --budget-s 150 --out "$OUT/bench_kimi_ar.json"
     run pytest_engine 160 "$PY" -m pytest -q -rf -x tests/test_engine.py
+    wait
+    ;;
+owed4)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run bench_kimi_ar 90 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --budget-s 60 --out "$OUT/bench_kimi_ar.json"
+        "$PY" -c 'import json, sys
+texts = [json.loads(l)["text"][:300] for l in open("checkpoints/kdtree-mini/heldout_prompts.jsonl")][:16]
+open(sys.argv[1], "w").write("".join(t.replace("\\", "\\\\").replace("\n", "\\n") + "\n" for t in texts))' "$OUT/prompts.txt"
+        for mode in ddtree ar; do
+            run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
+                --mode "$mode" --prompt-file "$OUT/prompts.txt"
+        done
+        "$PY" - "$OUT" <<'EOF2'
+import json, sys
+out = sys.argv[1]
+rows = {m: [json.loads(l) for l in open(f"{out}/generate_{m}.log") if l.startswith("{")] for m in ("ddtree", "ar")}
+same = [a["token_ids"] == b["token_ids"] for a, b in zip(rows["ddtree"], rows["ar"])]
+print(f"ddtree vs ar on the GPU: {sum(same)}/{len(same)} prompts token-identical")
+EOF2
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run bench_round 170 "$PY" scripts/bench_round.py --batches 1 8 --budgets 16 32 --time-limit 110 \
+        --out "$OUT/bench_round.json"
     wait
     ;;
 scaling)
