@@ -49,6 +49,8 @@ MAX_K = 1024  # candidate lists above this would not fit a program's registers
 # Up to this k the kernel beats XLA's top_k on the H200 (BENCHMARKS.md 4c: 1.6-7x at k <= 32, about even at 64);
 # its k dependent steps make it 2.4x slower at k = 256, V = 4096, where XLA's sort-based top_k does not grow with k.
 FASTER_MAX_K = 64
+LARGE_VOCAB = 131072  # ... except at K2.6's 163840 entries, where it is 1.02-1.5x faster at k = 256 too (no vocab
+# between 4096 and 163840 was measured)
 CHUNK_WARPS = 4
 MERGE_WARPS = 1  # the merge touches at most a few dozen heads per step: one warp reduces by shuffles alone
 _TAKEN = -(2**31)  # order key below every float (-inf included): taken entries and padding
@@ -85,7 +87,7 @@ def supported(v: int, k: int) -> bool:
 
 def preferred(v: int, k: int) -> bool:
     """Where `tree_build.topk_logprobs` runs this kernel rather than XLA (measured, FASTER_MAX_K)."""
-    return supported(v, k) and k <= FASTER_MAX_K
+    return supported(v, k) and (k <= FASTER_MAX_K or v >= LARGE_VOCAB)
 
 
 def order_key(x: jax.Array) -> jax.Array:

@@ -78,7 +78,8 @@ def test_every_output_is_written(rng, interpret):
 
 @pytest.mark.parametrize("k", [FASTER_MAX_K + 1, MAX_K + 1])
 def test_large_k_runs_xla(rng, k):
-    """Above FASTER_MAX_K topk_logprobs is XLA's (bit-identical lp; the kernel's logsumexp sums in another order)."""
+    """Above FASTER_MAX_K (small vocab) topk_logprobs is XLA's (bit-identical lp; the kernel's logsumexp sums in
+    another order)."""
     x = jnp.asarray(rng.standard_normal((1, 2, MAX_K + 8)).astype(np.float32))
     lp, ids = topk_logprobs(x, k)
     xla_lp, xla_ids = topk_logprobs_xla(x, k)
