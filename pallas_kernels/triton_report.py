@@ -96,8 +96,8 @@ def capture(fn, *specs) -> list[tuple[str, int, int, str]]:
     return kernels
 
 
-def compile_sm90(name: str, num_warps: int, num_stages: int, ttir: str) -> KernelResources:
-    """Compile one kernel's Triton IR for sm_90 and read its resource usage and instruction mix."""
+def _compile_and_dump(name: str, num_warps: int, num_stages: int, ttir: str, *flags: str):
+    """Compile one kernel's Triton IR for sm_90 with triton's own ptxas; (its metadata, cuobjdump output per flag)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -111,12 +111,16 @@ def compile_sm90(name: str, num_warps: int, num_stages: int, ttir: str) -> Kerne
         cubin = os.path.join(tmp, f"{name}.cubin")
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
-        usage = _cuobjdump(bindir, "--dump-resource-usage", cubin)
-        sass = _cuobjdump(bindir, "--dump-sass", cubin)
+        return kernel.metadata, [_cuobjdump(bindir, flag, cubin) for flag in flags]
+
+
+def compile_sm90(name: str, num_warps: int, num_stages: int, ttir: str) -> KernelResources:
+    """Compile one kernel's Triton IR for sm_90 and read its resource usage and instruction mix."""
+    meta, (usage, sass) = _compile_and_dump(name, num_warps, num_stages, ttir, "--dump-resource-usage", "--dump-sass")
     field = lambda key: int(re.search(rf"\b{key}:(\d+)", usage).group(1))  # noqa: E731
     count = lambda op: len(re.findall(rf"\b{op}\b", sass))  # noqa: E731
     return KernelResources(name=name, num_warps=num_warps, num_stages=num_stages, registers=field("REG"),
-                           stack_bytes=field("STACK"), shared_bytes=int(kernel.metadata.shared),
+                           stack_bytes=field("STACK"), shared_bytes=int(meta.shared),
                            spill_loads=count("LDL"), spill_stores=count("STL"), wgmma=count("HGMMA"),
                            mma=count("HMMA"), async_copies=count("LDGSTS") + count("UTMALDG"))
 
@@ -191,20 +195,7 @@ def opcode_counts(instrs, span: tuple[int, int] | None = None) -> dict:
 
 def sass_sm90(name: str, num_warps: int, num_stages: int, ttir: str) -> str:
     """The SASS listing of one kernel's Triton IR compiled for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, f"{name}.ttir")
-        with open(src, "w") as f:
-            f.write(ttir)
-        kernel = triton.compile(src, target=GPUTarget(*H200_TARGET),
-                                options=dict(num_warps=num_warps, num_stages=num_stages))
-        cubin = os.path.join(tmp, f"{name}.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        return _cuobjdump(bindir, "--dump-sass", cubin)
+    return _compile_and_dump(name, num_warps, num_stages, ttir, "--dump-sass")[1][0]
 
 
 def instruction_mix(fn, *specs) -> list[InstructionMix]:

@@ -27,6 +27,22 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
 
+write_prompts() {  # the first 16 held-out prompts, cut to 300 characters, one per line -> $OUT/prompts.txt
+    "$PY" -c 'import json, sys
+texts = [json.loads(l)["text"][:300] for l in open("checkpoints/kdtree-mini/heldout_prompts.jsonl")][:16]
+open(sys.argv[1], "w").write("".join(t.replace("\\", "\\\\").replace("\n", "\\n") + "\n" for t in texts))' "$OUT/prompts.txt"
+}
+
+same_tokens() {  # same_tokens A B LABEL: how many prompts of $OUT/generate_A.log and generate_B.log have equal tokens
+    "$PY" - "$OUT" "$1" "$2" "$3" <<'EOF'
+import json, sys
+out, a, b, label = sys.argv[1:]
+rows = {m: [json.loads(l) for l in open(f"{out}/generate_{m}.log") if l.startswith("{")] for m in (a, b)}
+same = [x["token_ids"] == y["token_ids"] for x, y in zip(rows[a], rows[b])]
+print(f"{label}: {sum(same)}/{len(same)} prompts token-identical")
+EOF
+}
+
 run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, print its tail and the exit code
     local name=$1 secs=$2
     shift 2
@@ -53,21 +69,13 @@ engine)
 mesh2)
     "$PY" -c 'import jax; print(jax.devices())' > "$OUT/devices.txt" 2>&1
     run pytest_sharding 240 "$PY" -m pytest -q -rf tests/test_sharding.py
-    "$PY" -c 'import json, sys
-texts = [json.loads(l)["text"][:300] for l in open("checkpoints/kdtree-mini/heldout_prompts.jsonl")][:16]
-open(sys.argv[1], "w").write("".join(t.replace("\\", "\\\\").replace("\n", "\\n") + "\n" for t in texts))' "$OUT/prompts.txt"
+    write_prompts
     for mesh in none 1x2; do
         flag=(); [ "$mesh" = none ] || flag=(--mesh "$mesh")
         run "generate_$mesh" 120 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 128 \
             --prompt-file "$OUT/prompts.txt" "${flag[@]}"
     done
-    "$PY" - "$OUT" <<'EOF'
-import json, sys
-out = sys.argv[1]
-rows = {m: [json.loads(l) for l in open(f"{out}/generate_{m}.log") if l.startswith("{")] for m in ("none", "1x2")}
-same = [a["token_ids"] == b["token_ids"] for a, b in zip(rows["none"], rows["1x2"])]
-print(f"2-GPU vs 1-GPU: {sum(same)}/{len(same)} prompts token-identical")
-EOF
+    same_tokens none 1x2 "2-GPU vs 1-GPU"
     ;;
 retune)
     (
@@ -149,20 +157,12 @@ owed4)
     (
         export CUDA_VISIBLE_DEVICES=0
         run bench_kimi_ar 90 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --budget-s 60 --out "$OUT/bench_kimi_ar.json"
-        "$PY" -c 'import json, sys
-texts = [json.loads(l)["text"][:300] for l in open("checkpoints/kdtree-mini/heldout_prompts.jsonl")][:16]
-open(sys.argv[1], "w").write("".join(t.replace("\\", "\\\\").replace("\n", "\\n") + "\n" for t in texts))' "$OUT/prompts.txt"
+        write_prompts
         for mode in ddtree ar; do
             run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
                 --mode "$mode" --prompt-file "$OUT/prompts.txt"
         done
-        "$PY" - "$OUT" <<'EOF2'
-import json, sys
-out = sys.argv[1]
-rows = {m: [json.loads(l) for l in open(f"{out}/generate_{m}.log") if l.startswith("{")] for m in ("ddtree", "ar")}
-same = [a["token_ids"] == b["token_ids"] for a, b in zip(rows["ddtree"], rows["ar"])]
-print(f"ddtree vs ar on the GPU: {sum(same)}/{len(same)} prompts token-identical")
-EOF2
+        same_tokens ddtree ar "ddtree vs ar on the GPU"
     ) &
     export CUDA_VISIBLE_DEVICES=1
     run bench_round 170 "$PY" scripts/bench_round.py --batches 1 8 --budgets 16 32 --time-limit 110 \

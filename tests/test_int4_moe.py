@@ -179,13 +179,7 @@ def test_lowers_for_h200(m, d, inter, e, k, dtype):
 def test_k26_shape_on_gpu(rng):
     """K2.6 expert shapes (D 7168, I 2048, 384 experts, top-8), bf16, 4 tokens, vs the float64 reference."""
     d, inter, e, k, m = 7168, 2048, 384, 8, 4
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    w = []
-    for i, (n_out, n_in) in enumerate(((inter, d), (inter, d), (d, inter))):
-        kb, ks = jax.random.split(jax.random.fold_in(key, i))
-        bits = jax.random.bits(kb, (e, n_out, n_in // 8), jnp.uint32)
-        scale = jax.random.uniform(ks, (e, n_out, n_in // GROUP), jnp.float32, 0.5, 1.5) / (4.0 * n_in**0.5)
-        w += [jax.lax.bitcast_convert_type(bits, jnp.int32), scale.astype(jnp.bfloat16)]
+    w = _k26_weights(jax.random.key(int(rng.integers(1 << 30))), d, inter, e)
     idx, weights = random_routing(rng, m, e, k)
     x = as_input(rng.standard_normal((m, d)), jnp.bfloat16)
     out = int4_moe_ffn(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights), *w)
