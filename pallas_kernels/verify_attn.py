@@ -43,10 +43,11 @@ NEG = -1e30  # finite "minus infinity" for the running max: NEG - NEG = 0, never
 MIN_DOT = 16  # smallest dot dimension Triton handles well
 # Defaults by input itemsize: ((block_q, block_k, resident blocks per SM), the same when a request's N*H query rows
 # fit one MIN_DOT-row tile, warps, stages); residency is the sm_90 resource report's (shared memory and registers,
-# checked by tests/test_kernel_resources.py) and sizes the split rule's wave. bf16 from the H200 tuning sweeps (BENCHMARKS.md §3, `bench_kernels.py --tune`):
-# 4 warps and 3 stages beat the 8-warp, 2-stage tiles the sm_90 resource report suggested by 1.4-2.2x (session 3);
-# with the wave split rule, 32 x 64 tiles won 4 of 5 H = 64 shapes (ties on the fifth) and 16 x 32 every H = 8 decode
-# shape (one query tile per request: more, smaller KV blocks in flight). 64-row tiles with wgmma (an output split in
+# checked by tests/test_kernel_resources.py) and sizes the split rule's wave. bf16 from the H200 tuning sweeps
+# (BENCHMARKS.md §3, `bench_kernels.py --tune`): 4 warps and 3 stages beat the 8-warp, 2-stage tiles the sm_90
+# resource report suggested by 1.4-2.2x (session 3); with the wave split rule, 32 x 64 tiles won 4 of 5 H = 64 shapes
+# (tied the fifth), and 16 x 32 (one query tile per request: smaller KV blocks, two blocks per SM) was best or within
+# 16% of the best on every H = 8 decode shape. 64-row tiles with wgmma (an output split in
 # value chunks to stay in registers) lost on all five H = 64 shapes. fp32 keeps 16 x 32 on 8 warps, 2 stages: larger
 # tiles or more stages need more shared memory than a block has (346 KiB at 64 x 32).
 DEFAULTS = {2: ((32, 64, 1), (16, 32, 2), 4, 3), 4: ((16, 32, 1), (16, 32, 1), 8, 2)}
@@ -80,10 +81,10 @@ def _prev_pow2(n: int) -> int:
 
 def _default_splits(programs: int, max_splits: int, resident: int) -> int:
     """Split-K count for `programs` (query tiles x Bt) equal programs, `resident` of which fit one SM at once (a wave
-    is SM_COUNT x resident programs): the fewest splits whose
-    predicted time, waves / splits (a program's work shrinks as 1 / splits, a partly filled last wave costs a whole
-    one), is within WAVE_SLACK of the best. With one resident program, 8 programs at 32k get 16 splits (128 blocks,
-    one wave) where cdiv(132, 8) = 17 splits gave 136 blocks: a second wave of 4."""
+    is SM_COUNT x resident programs): the fewest splits whose predicted time, waves / splits (a program's work
+    shrinks as 1 / splits, a partly filled last wave costs a whole one), is within WAVE_SLACK of the best. With one
+    resident program, 8 programs at 32k get 16 splits (128 blocks, one wave) where cdiv(132, 8) = 17 splits gave 136
+    blocks: a second wave of 4."""
     wave = SM_COUNT * resident
     cost = {sp: pl.cdiv(programs * sp, wave) / sp for sp in range(1, max(1, max_splits) + 1)}
     best = min(cost.values())
