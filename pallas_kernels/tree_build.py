@@ -52,13 +52,14 @@ def topk_logprobs(logits: jax.Array, k: int, *, interpret: bool | None = None) -
     """Per-depth top-k true log-probs: full-vocab logsumexp in f32 (no renormalisation over the top-k).
 
     logits [Bt, D, V] -> lp [Bt, D, k] f32, ids [Bt, D, k] int32; ties -> lower index first (as lax.top_k).
-    The Pallas kernel (`topk.py`) up to k = FASTER_MAX_K, where it beats XLA's top_k (the largest bookkeeping cost
-    of a round); XLA above.
+    The Pallas kernel (`topk.py`) where the H200 measured it faster than XLA's top_k (the largest bookkeeping cost
+    of a round: `topk.preferred`), compiled; XLA elsewhere, and always in the interpreter, where the kernel's k
+    dependent steps only slow the CPU down (its values are tested there through `topk_logprobs_pallas`).
     """
     check_topk_args(logits, k)
-    if not topk_kernel_preferred(logits.shape[-1], k):
+    if resolve_interpret(interpret) or not topk_kernel_preferred(logits.shape[-1], k):
         return topk_logprobs_xla(logits, k)
-    return topk_logprobs_pallas(logits, k, interpret=resolve_interpret(interpret))
+    return topk_logprobs_pallas(logits, k, interpret=False)
 
 
 def topk_logprobs_xla(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
