@@ -73,9 +73,9 @@ class TuneConfig:
         return f"pallas_bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_k{self.split_k}"
 
 
-# Around the default (64, 32, 8 warps, 2 stages): deeper pipelines, narrower / wider N tiles, split-K gate/up for
-# decode (K2.6 gate/up: 28 K tiles of 32 words, so split_k 2 and 4 divide them). Ten configs keep the tuned part
-# of a --quick GPU run near two minutes.
+# Around (64, 32, 8 warps, 2 stages), the default until this tune made it 3 stages (BENCHMARKS.md 4a): deeper
+# pipelines, narrower / wider N tiles, split-K gate/up for decode (K2.6 gate/up: 28 K tiles of 32 words, so split_k 2
+# and 4 divide them). Ten configs keep the tuned part of a --quick GPU run near two minutes.
 TUNE = (TuneConfig(64), TuneConfig(64, stages=3), TuneConfig(64, stages=4),
         TuneConfig(32, warps=4), TuneConfig(32, warps=4, stages=3), TuneConfig(128), TuneConfig(128, stages=3),
         TuneConfig(64, split_k=2), TuneConfig(64, split_k=4), TuneConfig(32, warps=4, stages=3, split_k=4))

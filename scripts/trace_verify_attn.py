@@ -1,6 +1,7 @@
 """What one verify_attn call launches on the GPU: run it back to back under a profiler and list the kernels.
 
     nsys profile -o trace --stats=true python scripts/trace_verify_attn.py [--batch 1] [--heads 8] [--prefix 1024]
+    ncu --metrics gpu__time_duration.sum python scripts/trace_verify_attn.py ...   (the H200 machine has only ncu)
 
 `bench_kernels.py` times calls back to back inside one jit; small decode calls measured ~30 µs whatever the prefix.
 This script runs the same call `--calls` times in one jit (cache capacity 32k + 1, as the sweep) so a profiler's
