@@ -17,7 +17,10 @@ of host dispatch per jitted call is paid once per `--calls` parts, as in the eng
 i + 1 depends on call i: the caches a part updates in place (target latents, drafter K/V) are threaded through the
 loop (rewriting the same rows: idempotent), and every other input is shifted by a runtime 0 that XLA cannot prove
 is 0 (a flag computed from call i's outputs), so nothing is hoisted or merged. The loop's own per-iteration cost is
-measured with an empty part ("loop") and subtracted from every part and from the round ("net" times).
+measured with an empty part ("loop") and subtracted from every part and from the round ("net" times). That cost was
+16.5 µs in one H200 run and 33 µs in another, as large as the small parts (BENCHMARKS.md 4c): `--unroll` unrolls the
+loop instead (no while loop, so no per-iteration loop cost to subtract; `--calls` copies of each part per program,
+so use a small `--calls`).
 
 The table's "tree build" is tree + topk (the top-K closes round r, the heap opens round r + 1); "tree+accept+commit"
 is tree + topk + accept + commit over the round, the bookkeeping that should stay under 5 % of a round.
@@ -202,8 +205,10 @@ def _shift(x, c: jax.Array):
     return jax.tree.map(one, x)
 
 
-def lower_amortised(spec: DecodeSpec, part: str, graphs, weights, x0, calls: int, precision: str):
-    """Lower x0 -> (y of call 1, y of call `calls`) running the part `calls` times back to back (x0 may be abstract)."""
+def lower_amortised(spec: DecodeSpec, part: str, graphs, weights, x0, calls: int, precision: str,
+                    unroll: bool = False):
+    """Lower x0 -> (y of call 1, y of call `calls`) running the part `calls` times back to back (x0 may be abstract),
+    in a while loop or, with `unroll`, as `calls` straight-line copies."""
     fn = PART_FNS[part]
     tg, dg = graphs
 
@@ -229,17 +234,18 @@ def lower_amortised(spec: DecodeSpec, part: str, graphs, weights, x0, calls: int
             return y.get("thread", ()), flag, {k: v for k, v in y.items() if k != "thread"}
 
         flag0 = (_probe(y0) == _SENTINEL).astype(jnp.int32)
-        thread, _, last = jax.lax.fori_loop(1, calls, body, (y0.get("thread", ()), flag0, rest))
+        thread, _, last = jax.lax.fori_loop(1, calls, body, (y0.get("thread", ()), flag0, rest), unroll=unroll)
         return y0, ({**last, "thread": thread} if "thread" in y0 else last)
 
     with jax.default_matmul_precision(precision):
         return jax.jit(run).lower(weights, x0)
 
 
-def amortised_program(spec: DecodeSpec, part: str, graphs, weights, x0, calls: int, precision: str):
+def amortised_program(spec: DecodeSpec, part: str, graphs, weights, x0, calls: int, precision: str,
+                      unroll: bool = False):
     """`lower_amortised`, compiled; returns (program, compile seconds)."""
     t0 = time.perf_counter()
-    compiled = lower_amortised(spec, part, graphs, weights, x0, calls, precision).compile()
+    compiled = lower_amortised(spec, part, graphs, weights, x0, calls, precision, unroll).compile()
     return compiled, time.perf_counter() - t0
 
 
@@ -387,13 +393,13 @@ class Bench:
         precision = self.engine.matmul_precision
         loop_x = {"v": jnp.arange(batch, dtype=jnp.int32)}
         lowered["loop"] = lower_amortised(wide, "loop", self.graphs, self.weights[False], loop_x, self.args.calls,
-                                          precision)
+                                          precision, self.args.unroll)
         for mode, budget in plan:
             spec = self.spec(mode, batch, budget)
             base = jax.eval_shape(lambda s: adapt_state(s, wide, spec), state)
             for part, x in self._abstract_inputs(spec, base).items():
                 lowered[(mode, budget, part)] = lower_amortised(spec, part, self.graphs, self.weights[mode != "ar"],
-                                                                x, self.args.calls, precision)
+                                                                x, self.args.calls, precision, self.args.unroll)
         t0 = time.perf_counter()
         progs, seconds = compile_all(lowered, self.args.compile_workers)
         self.compile_wall_s += time.perf_counter() - t0
@@ -499,6 +505,8 @@ def parse_args(argv):
     p.add_argument("--modes", nargs="+", default=["ddtree", "chain", "ar"], choices=("ar", "chain", "ddtree"),
                    help="in the order run (ddtree first: a --time-limit cuts the references)")
     p.add_argument("--calls", type=int, default=32, help="calls of a part back to back inside one timed jit")
+    p.add_argument("--unroll", action="store_true",
+                   help="unroll the calls (no while loop, no loop cost to subtract; use a small --calls)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions of each jit (median)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -165,8 +165,8 @@ owed4)
         same_tokens ddtree ar "ddtree vs ar on the GPU"
     ) &
     export CUDA_VISIBLE_DEVICES=1
-    run bench_round 170 "$PY" scripts/bench_round.py --batches 1 8 --budgets 16 32 --time-limit 110 \
-        --out "$OUT/bench_round.json"
+    run bench_round 170 "$PY" scripts/bench_round.py --batches 1 8 --budgets 16 32 --time-limit 110 --unroll \
+        --calls 8 --out "$OUT/bench_round.json"
     wait
     ;;
 scaling)

@@ -66,16 +66,20 @@ def test_markdown_has_one_line_per_row(smoke):
     assert len(lines) == 1 and "| ddtree | 4 | 5 |" in lines[0] and lines[0].endswith("| True |")
 
 
-def test_timing_loop_runs_every_call(monkeypatch):
+@pytest.mark.parametrize("unroll", [False, True])
+def test_timing_loop_runs_every_call(monkeypatch, unroll):
     """A part that counts through its threaded input: after `calls` calls the thread holds x0 + calls, while the
-    non-threaded output (from the shifted inputs) equals the first call's (the shift is 0)."""
+    non-threaded output (from the shifted inputs) equals the first call's (the shift is 0); unrolled, the program
+    has no while loop (nothing per iteration to subtract)."""
 
     def count(spec, target, drafter, x):
         return {"thread": (x["thread"][0] + 1,), "twice": 2 * x["v"]}
 
     monkeypatch.setitem(bench_round.PART_FNS, "count", count)
     x0 = {"thread": (jnp.arange(3, dtype=jnp.int32),), "v": jnp.array([5.0, -1.5], jnp.float32)}
-    prog, _ = bench_round.amortised_program(None, "count", (None, None), (None, None), x0, 7, "highest")
+    lowered = bench_round.lower_amortised(None, "count", (None, None), (None, None), x0, 7, "highest", unroll)
+    assert ("stablehlo.while" in lowered.as_text()) != unroll
+    prog, _ = bench_round.amortised_program(None, "count", (None, None), (None, None), x0, 7, "highest", unroll)
     first, last = prog((None, None), x0)
     np.testing.assert_array_equal(first["thread"][0], [1, 2, 3])
     np.testing.assert_array_equal(last["thread"][0], [7, 8, 9])
