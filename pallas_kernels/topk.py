@@ -106,6 +106,14 @@ def _safe_max(m):
     return jnp.where(m == -jnp.inf, jnp.float32(0.0), m)
 
 
+def _take_best(head_key, per_head, heads, t, slots, out_key):
+    """One extraction step shared by both stages: the best head's key and index, its entry of `per_head` (a column or
+    a list pointer), and out_key with that key recorded at slot t."""
+    best = jnp.max(head_key)
+    r = jnp.argmax(head_key).astype(jnp.int32)
+    return best, r, jnp.sum(jnp.where(heads == r, per_head, 0)), jnp.where(slots == t, best, out_key)
+
+
 def _chunk_topk(x_ref, k: int, kp: int):
     """Top-k of one chunk x_ref [R, S] by row heads. Returns (keys [kp], positions [kp] in the chunk, max, sumexp)."""
     n_rows, row = x_ref.shape
@@ -122,10 +130,7 @@ def _chunk_topk(x_ref, k: int, kp: int):
 
     def step(t, carry):
         head_key, head_col, out_key, out_pos = carry
-        best = jnp.max(head_key)
-        r = jnp.argmax(head_key).astype(i32)
-        c = jnp.sum(jnp.where(rows == r, head_col, 0))
-        out_key = jnp.where(slots == t, best, out_key)
+        best, r, c, out_key = _take_best(head_key, head_col, rows, t, slots, out_key)
         out_pos = jnp.where(slots == t, r * row + c, out_pos)
         line = order_key(x_ref[r, :].astype(f32))
         later = (line < best) | ((line == best) & (cols > c))
@@ -179,10 +184,7 @@ def _merge_kernel(key_ref, cid_ref, stat_ref, lp_ref, id_ref, *, k: int):
 
     def step(t, carry):
         head_key, head_ptr, out_key, out_id = carry
-        best = jnp.max(head_key)
-        r = jnp.argmax(head_key).astype(i32)
-        j = jnp.sum(jnp.where(lists == r, head_ptr, 0))
-        out_key = jnp.where(slots == t, best, out_key)
+        _, r, j, out_key = _take_best(head_key, head_ptr, lists, t, slots, out_key)
         out_id = jnp.where(slots == t, cid_ref[r, j], out_id)
         nxt = jnp.where(j + 1 < kp, key_ref[r, jnp.minimum(j + 1, kp - 1)], _TAKEN)
         head_key = jnp.where(lists == r, nxt, head_key)
