@@ -16,6 +16,8 @@
 #                                         # INT4 breakdown + tune, K2.6 AR-step breakdown, engine tests (x2, ~10 min)
 #   bash scripts/gpu_session.sh owed4     # what session 4 left unmeasured: K2.6 AR breakdown with 3-stage INT4, ddtree vs
 #                                         # ar tokens on the GPU, round parts at batch 1 and 8 (x2, ~3 min)
+#   bash scripts/gpu_session.sh profile5  # owed4 plus the AR step kernel by kernel (ncu, jax.profiler trace) and with
+#                                         # XLA command buffers off / extended to while loops (x2, ~8 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -168,6 +170,33 @@ owed4)
     run bench_round 170 "$PY" scripts/bench_round.py --batches 1 8 --budgets 16 32 --time-limit 110 --unroll \
         --calls 8 --out "$OUT/bench_round.json"
     wait
+    ;;
+profile5)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run bench_kimi_ar 90 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --budget-s 60 --out "$OUT/bench_kimi_ar.json"
+        run ncu_ar_b1 180 ncu --profile-from-start off --print-units base --csv --metrics gpu__time_duration.sum \
+            "$PY" scripts/profile_step.py --batch 1 --hlo "$OUT/ar_b1.hlo.txt"
+        run profile_ar_b1 100 "$PY" scripts/profile_step.py --batch 1 --trace "$OUT/trace_ar_b1"
+        XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL \
+            run profile_ar_b1_cmdbuf_while 100 "$PY" scripts/profile_step.py --batch 1
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run bench_round 170 "$PY" scripts/bench_round.py --batches 1 8 --budgets 16 32 --time-limit 110 --unroll \
+        --calls 8 --out "$OUT/bench_round.json"
+    write_prompts
+    for mode in ddtree ar; do
+        run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
+            --mode "$mode" --prompt-file "$OUT/prompts.txt"
+    done
+    same_tokens ddtree ar "ddtree vs ar on the GPU"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= run profile_ar_b1_cmdbuf_off 100 "$PY" scripts/profile_step.py --batch 1
+    wait
+    for f in "$OUT"/ncu_*.log; do
+        wall=$(grep -o '[0-9.]* µs wall per step' "$OUT/profile_ar_b1.log" | cut -d' ' -f1)
+        "$PY" scripts/profile_step.py --summarize "$f" ${wall:+--wall-us $wall} > "${f%.log}.md" 2>&1
+        cat "${f%.log}.md"
+    done
     ;;
 scaling)
     run bench_mesh_scaling 540 "$PY" scripts/bench_mesh_scaling.py --layers 4 --meshes 1x1x2 1x1x4 1x1x8 \
