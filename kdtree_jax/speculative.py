@@ -148,7 +148,8 @@ def drafter_pass(spec, drafter, target, draft_cache, ctx_hidden, n_ctx, bonus):
         drafter, draft_cache, ctx_hidden, n_ctx, bonus, target.embed_table(), target.lm_head_table(),
         mask_token_id=spec.mask_token_id,
     )
-    lp, ids = topk_logprobs(logits, spec.top_k)
+    with jax.named_scope("topk"):
+        lp, ids = topk_logprobs(logits, spec.top_k)
     return lp, ids, draft_cache
 
 

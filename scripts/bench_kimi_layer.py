@@ -10,8 +10,10 @@ model-sized ever exists on the host.
 Measured (median, warm-up, block_until_ready; cache donated and fed back):
   - forward_verify (absorbed MLA, verify_attn Pallas kernel unless --no-pallas-attn): N = 1 (AR) and N = 1 + B for
     B in {16, 64, 256} (random ancestor-mask trees), batch 1 and 8, cache prefix 4k and 32k (the prefix is a
-    runtime value: one compile per (batch, N, MoE)); VERIFY_CALLS steps per jitted call on distinct token sets, in
-    a loop that threads the cache, so the host's per-call dispatch is amortised as in the engine's decode loop.
+    runtime value: one compile per (batch, N, MoE)); --steps steps per jitted call on distinct token sets, in a
+    loop that threads the cache, so the host's per-call dispatch is amortised as in the engine's decode loop; with
+    two loop lengths (--steps 8 32) the per-step time is the slope between them, which drops the fixed cost per
+    call entirely.
   - prefill of 4k tokens, batch 1 and 8, two ways: "prefill_chunked" is what the engine runs (256-token chunks through
     the verify path: absorbed MLA, causal mask, verify_attn, at a traced start); "prefill" is one plain-MLA
     forward_prefill over all tokens at start 0 (the model's other form, for comparison). Both rows' roofline uses
@@ -217,7 +219,7 @@ def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool):
 
 
 def make_head(graphdef, cfg):
-    """The step's parts outside the decoder layers, alone: embedding lookup, final norm, lm_head (VERIFY_CALLS times
+    """The step's parts outside the decoder layers, alone: embedding lookup, final norm, lm_head (once per token set,
     in one jit, as make_verify)."""
     def fn(state, token_sets):
         model = nnx.merge(graphdef, state)
@@ -271,6 +273,19 @@ def ancestor_mask(rng, bt: int, n: int) -> np.ndarray:
     return vis
 
 
+def per_step_ms(steps: tuple[int, ...], seconds: list[float]) -> dict:
+    """Row fields from the seconds of jitted calls running `steps` steps each. One length: ms = time / steps, which
+    still carries the call's fixed cost (host launch of the first step: ~0.6 ms at K2.6 width on an H200, against
+    ~0.2 ms of host time per later step, hidden behind the GPU). Two lengths: ms = the slope, the cost of one more
+    step in a compiled loop (what every step after the first costs in the engine's decode loop), and the fixed
+    cost per call apart."""
+    if len(steps) == 1:
+        return {"ms": seconds[0] * 1e3 / steps[0]}
+    (k0, k1), (t0, t1) = steps, seconds
+    slope = (t1 - t0) / (k1 - k0)
+    return {"ms": slope * 1e3, "ms_fixed_per_call": (t0 - k0 * slope) * 1e3, f"ms_per_step_of_{k0}": t0 * 1e3 / k0}
+
+
 # ---- sweep ----------------------------------------------------------------------------------------------------------
 class Runner:
     def __init__(self, cfg, sweep: Sweep, args, interpret: bool, dtype):
@@ -322,26 +337,30 @@ class Runner:
                                                                              cfg.latent_dim), self.dtype))
             mask = ancestor_mask(rng, bt, n)
             depth = mask.sum(-1) - 1  # [bt, n]
-            token_sets = jnp.asarray(rng.integers(0, cfg.vocab_size, (VERIFY_CALLS, bt, n)), jnp.int32)
+            sets = {k: jnp.asarray(rng.integers(0, cfg.vocab_size, (k, bt, n)), jnp.int32) for k in self.args.steps}
             holder = {"cache": cache}
             first = True
             for prefix in self.sweep.prefixes:
-                row = dict(base, prefix=prefix, calls_per_jit=VERIFY_CALLS)
+                row = dict(base, prefix=prefix, calls_per_jit=list(self.args.steps))
                 start = jnp.full((bt,), prefix, jnp.int32)
                 pos = jnp.asarray(prefix + depth, jnp.int32)
                 m = jnp.asarray(mask)
                 distinct = []
 
-                def call():
-                    acc, holder["cache"], d = fn(self.state, token_sets, pos, start, m, holder["cache"])
-                    distinct.append(d)
-                    return acc
+                def steps_of(k):
+                    def call():
+                        acc, holder["cache"], d = fn(self.state, sets[k], pos, start, m, holder["cache"])
+                        distinct.append(d)
+                        return acc
+                    return call
 
                 if first:
-                    jax.block_until_ready(call())
+                    for k in self.args.steps:  # one compile per loop length
+                        jax.block_until_ready(steps_of(k)())
                     row["first_call_s"] = time.perf_counter() - t_c
                     first = False
-                row["ms"] = median_s(call, min_reps=3, max_reps=10, min_total_s=0.1) * 1e3 / VERIFY_CALLS
+                row.update(per_step_ms(self.args.steps, [median_s(steps_of(k), min_reps=3, max_reps=10,
+                                                                  min_total_s=0.1) for k in self.args.steps]))
                 self.bytes_of(row, np.mean(np.stack([np.asarray(d) for d in distinct]), axis=0), bt * prefix)
                 if mode == "skip":  # routed experts not read
                     row["bytes"] -= row["expert_bytes"]
@@ -359,12 +378,14 @@ class Runner:
                 base = dict(kind="verify", moe=mode, batch=bt, nodes=1, pallas_attn=not self.args.no_pallas_attn)
                 self.verify_one(base, bt, 1, capacity, mode)
             fn = make_head(self.graphdef, self.cfg)
-            tokens = jnp.asarray(np.random.default_rng(bt).integers(0, self.cfg.vocab_size, (VERIFY_CALLS, bt, 1)),
-                                 jnp.int32)
-            sec = median_s(lambda: fn(self.state, tokens), min_reps=3, max_reps=10, min_total_s=0.1)
+            rng = np.random.default_rng(bt)
+            secs = [median_s(lambda: fn(self.state, tokens), min_reps=3, max_reps=10, min_total_s=0.1)
+                    for tokens in (jnp.asarray(rng.integers(0, self.cfg.vocab_size, (k, bt, 1)), jnp.int32)
+                                   for k in self.args.steps)]
             head_bytes = (self.cfg.vocab_size + bt + 1) * self.cfg.hidden_size * jnp.dtype(self.dtype).itemsize
-            self.record(dict(kind="head", moe="-", batch=bt, nodes=1, ms=sec * 1e3 / VERIFY_CALLS,
-                             distinct_experts=[], bytes=head_bytes))  # lm_head + embedding rows + norm
+            self.record(dict(kind="head", moe="-", batch=bt, nodes=1, calls_per_jit=list(self.args.steps),
+                             **per_step_ms(self.args.steps, secs), distinct_experts=[],
+                             bytes=head_bytes))  # lm_head + embedding rows + norm
 
     def prefill_configs(self):
         cfg, t = self.cfg, self.sweep.prefill_tokens
@@ -528,8 +549,14 @@ def main(argv=None):
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--ar-breakdown", action="store_true",
                         help="only the AR step, without the routed experts, and the head alone (side by side)")
+    parser.add_argument("--steps", type=int, nargs="+", default=[VERIFY_CALLS],
+                        help="verify steps per jitted call; two lengths (e.g. 8 32) report the slope per step, apart "
+                             "from the fixed cost per call")
     parser.add_argument("--refit", metavar="JSON", help="refit the cost model of a saved --out file (no GPU needed)")
     args = parser.parse_args(argv)
+    if len(args.steps) not in (1, 2) or min(args.steps) < 1 or len(set(args.steps)) != len(args.steps):
+        parser.error(f"--steps takes one length or two different lengths >= 1, got {args.steps}")
+    args.steps = tuple(sorted(args.steps))
     if args.refit:
         return refit(args.refit, args.out)
 

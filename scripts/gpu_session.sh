@@ -18,6 +18,8 @@
 #                                         # ar tokens on the GPU, round parts at batch 1 and 8 (x2, ~3 min)
 #   bash scripts/gpu_session.sh profile5  # owed4 plus the AR step kernel by kernel (ncu, jax.profiler trace) and with
 #                                         # XLA command buffers off / extended to while loops (x2, ~8 min)
+#   bash scripts/gpu_session.sh round5    # a K2.6-width round part by part (profile_round, batch 1 and 8, command buffers
+#                                         # on / off) and the AR step per step from two loop lengths (x2, ~9 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -197,6 +199,19 @@ profile5)
         "$PY" scripts/profile_step.py --summarize "$f" ${wall:+--wall-us $wall} > "${f%.log}.md" 2>&1
         cat "${f%.log}.md"
     done
+    ;;
+round5)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run profile_round_b1 330 "$PY" scripts/profile_round.py --batch 1 --budgets 16 64 --ar --out "$OUT/round"
+        run bench_kimi_ar 200 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --steps 8 32 --budget-s 120 \
+            --out "$OUT/bench_kimi_ar.json"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run profile_round_b8 300 "$PY" scripts/profile_round.py --batch 8 --budgets 16 --ar --out "$OUT/round"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= run profile_round_b1_nocmdbuf 220 "$PY" scripts/profile_round.py \
+        --batch 1 --budgets 16 --out "$OUT/round_nocmdbuf"
+    wait
     ;;
 scaling)
     run bench_mesh_scaling 540 "$PY" scripts/bench_mesh_scaling.py --layers 4 --meshes 1x1x2 1x1x4 1x1x8 \
