@@ -81,17 +81,28 @@ class Attention(nnx.Module):
 
     def __call__(self, h: jax.Array, rope_q: tuple[jax.Array, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
                  visible: jax.Array) -> jax.Array:
-        """h [Bt, Lq, H] block rows; ctx_k/v [Bt, S, Hk, Dh]; visible [Bt, Lq, S + Lq] over [ctx ; block] keys."""
+        """h [Bt, Lq, H] block rows; ctx_k/v [Bt, S, Hk, Dh]; visible [Bt, Lq, S + Lq] over [ctx ; block] keys.
+
+        One softmax over the context and block keys, computed on the two parts apart: concatenating the block
+        K/V to the context would copy the whole context cache (every layer, every round)."""
         bt, lq, _ = h.shape
+        s_len = ctx_k.shape[1]
         q = apply_rope(self.q_norm(self.q_proj(h).reshape(bt, lq, self.n_heads, self.head_dim)), *rope_q)
         kb, vb = self.kv(h, rope_q)
-        k = jnp.concatenate([ctx_k.astype(kb.dtype), kb], axis=1)  # [Bt, S+Lq, Hk, Dh]
-        v = jnp.concatenate([ctx_v.astype(vb.dtype), vb], axis=1)
         q = q.reshape(bt, lq, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [Bt, Lq, Hk, G, Dh]
-        s = jnp.einsum("bqhgd,bshd->bhgqs", q, k, preferred_element_type=_F32) * self.head_dim**-0.5
-        s = jnp.where(visible[:, None, None], s, _NEG)
-        p = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("bhgqs,bshd->bqhgd", p.astype(v.dtype), v, preferred_element_type=_F32)
+
+        def scores(k, vis):  # [Bt, Hk, G, Lq, K] scaled, masked
+            s = jnp.einsum("bqhgd,bshd->bhgqs", q, k.astype(kb.dtype), preferred_element_type=_F32)
+            return jnp.where(vis[:, None, None], s * self.head_dim**-0.5, _NEG)
+
+        s_ctx, s_blk = scores(ctx_k, visible[..., :s_len]), scores(kb, visible[..., s_len:])
+        m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))
+        p_ctx, p_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
+        denom = p_ctx.sum(-1, keepdims=True) + p_blk.sum(-1, keepdims=True)  # >= 1: the max term is exp(0)
+        o = (jnp.einsum("bhgqs,bshd->bhgqd", p_ctx.astype(vb.dtype), ctx_v.astype(vb.dtype),
+                        preferred_element_type=_F32)
+             + jnp.einsum("bhgqs,bshd->bhgqd", p_blk.astype(vb.dtype), vb, preferred_element_type=_F32)) / denom
+        o = o.transpose(0, 3, 1, 2, 4)  # [Bt, Lq, Hk, G, Dh]
         return self.o_proj(o.reshape(bt, lq, self.n_heads * self.head_dim).astype(h.dtype))
 
 

@@ -233,7 +233,7 @@ def topk_logprobs_pallas(logits: jax.Array, k: int, *, chunk: int = CHUNK, inter
     if p.n_chunks == 1:
         lp, ids = pallas_call(
             functools.partial(_single_chunk_kernel, k=k), interpret=interpret, num_warps=CHUNK_WARPS,
-            grid=(n, 1), in_specs=[x_spec],
+            name="topk_single", grid=(n, 1), in_specs=[x_spec],
             out_specs=[pl.BlockSpec((None, p.kp), lambda i, c: (i, 0))] * 2,
             out_shape=[jax.ShapeDtypeStruct((n, p.kp), jnp.float32), jax.ShapeDtypeStruct((n, p.kp), jnp.int32)],
         )(x)
@@ -241,14 +241,15 @@ def topk_logprobs_pallas(logits: jax.Array, k: int, *, chunk: int = CHUNK, inter
         list_spec = pl.BlockSpec((None, None, p.kp), lambda i, c: (i, c, 0))
         keys, cids, stats = pallas_call(
             functools.partial(_chunk_kernel, k=k, n_chunks=p.n_chunks), interpret=interpret,
-            num_warps=CHUNK_WARPS, grid=(n, p.n_lists), in_specs=[x_spec],
+            num_warps=CHUNK_WARPS, name="topk_chunk", grid=(n, p.n_lists), in_specs=[x_spec],
             out_specs=[list_spec, list_spec, pl.BlockSpec((None, None, _STATS), lambda i, c: (i, c, 0))],
             out_shape=[jax.ShapeDtypeStruct((n, p.n_lists, p.kp), jnp.int32)] * 2
             + [jax.ShapeDtypeStruct((n, p.n_lists, _STATS), jnp.float32)],
         )(x)
         lists_spec = pl.BlockSpec((None, p.n_lists, p.kp), lambda i: (i, 0, 0))
         lp, ids = pallas_call(
-            functools.partial(_merge_kernel, k=k), interpret=interpret, num_warps=MERGE_WARPS, grid=(n,),
+            functools.partial(_merge_kernel, k=k), interpret=interpret, num_warps=MERGE_WARPS, name="topk_merge",
+            grid=(n,),
             in_specs=[lists_spec, lists_spec, pl.BlockSpec((None, p.n_lists, _STATS), lambda i: (i, 0, 0))],
             out_specs=[pl.BlockSpec((None, p.kp), lambda i: (i, 0))] * 2,
             out_shape=[jax.ShapeDtypeStruct((n, p.kp), jnp.float32), jax.ShapeDtypeStruct((n, p.kp), jnp.int32)],

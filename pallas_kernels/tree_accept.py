@@ -88,7 +88,7 @@ def tree_accept(choice, tokens, parents, n_nodes, *, max_depth: int, interpret: 
     row = pl.BlockSpec((None, size), lambda b: (b, 0))
     kernel = functools.partial(_tree_accept_kernel, max_depth=max_depth)
     path, src, stat = pallas_call(
-        kernel, interpret=interpret, num_warps=num_warps, num_stages=1, grid=(bt,),
+        kernel, interpret=interpret, num_warps=num_warps, num_stages=1, grid=(bt,), name="tree_accept",
         in_specs=[row, row, row, pl.BlockSpec((None, 1), lambda b: (b, 0))],
         out_specs=[pl.BlockSpec((None, plen), lambda b: (b, 0))] * 2 + [pl.BlockSpec((None, 2), lambda b: (b, 0))],
         out_shape=[jax.ShapeDtypeStruct((bt, plen), jnp.int32)] * 2 + [jax.ShapeDtypeStruct((bt, 2), jnp.int32)],

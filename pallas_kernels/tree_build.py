@@ -200,7 +200,7 @@ def tree_build(lp, ids, root, *, budget: int, interpret: bool | None = None, num
     out_shape = [jax.ShapeDtypeStruct((bt, size), jnp.int32)] * 3
     kernel = functools.partial(_tree_build_kernel, depth_cap=depth_cap, k=k, budget=budget)
     tokens, parents, depths = pallas_call(
-        kernel, interpret=interpret, num_warps=num_warps, num_stages=1, grid=(bt,),
+        kernel, interpret=interpret, num_warps=num_warps, num_stages=1, grid=(bt,), name="tree_build",
         in_specs=[in_spec, in_spec], out_specs=[out_spec] * 3, out_shape=out_shape,
     )(lp_p, ids_p)
     tokens, parents, depths = tokens[:, :n].at[:, 0].set(root), parents[:, :n], depths[:, :n]

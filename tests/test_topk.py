@@ -120,7 +120,7 @@ def test_k26_fits_and_does_not_spill():
     from pallas_kernels.triton_report import SHARED_LIMIT, report
 
     kernels = report(*_spec_fn(*K26))
-    assert {k.name for k in kernels} == {"_chunk_kernel", "_merge_kernel"}
+    assert {k.name for k in kernels} == {"topk_chunk", "topk_merge"}
     for k in kernels:
         assert k.shared_bytes <= SHARED_LIMIT, f"{k.name}: {k.shared_bytes} B of shared memory"
         assert not k.spills, f"{k.name}: {k.stack_bytes} B stack, {k.spill_loads} LDL"

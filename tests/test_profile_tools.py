@@ -1,0 +1,102 @@
+"""The profiling scripts' bookkeeping: kernel -> round part attribution (profile_round), the ncu summary
+(profile_step) and the per-step slope (bench_kimi_layer), on synthetic traces with fresh random durations."""
+import importlib.util
+import os
+import sys
+
+import pytest
+
+_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_{name}", os.path.join(_SCRIPTS, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    sys.path.insert(0, _SCRIPTS)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+profile_round = _load("profile_round")
+profile_step = _load("profile_step")
+bench_kimi_layer = _load("bench_kimi_layer")
+
+HLO = """\
+HloModule jit_loop
+
+%fused_pad.3 (param_0: bf16[4]) -> bf16[8] {
+  %param_0 = bf16[4]{0} parameter(0)
+  ROOT %pad.1 = bf16[8]{0} pad(%param_0, %c), padding=0_4, metadata={op_name="jit(f)/while/body/round/draft/pad"}
+}
+
+ENTRY %main.5 (p: bf16[4]) -> bf16[8] {
+  %loop_pad_fusion.3 = bf16[8]{0} fusion(%p), kind=kLoop, calls=%fused_pad.3, metadata={scheduling_name="x"}
+  %custom-call.2 = f32[8]{0} custom-call(%p), custom_call_target="triton", metadata={op_name="jit(f)/while/body/round/draft/topk/pallas_call"}
+  %gemm.1 = bf16[8]{0} custom-call(%p), metadata={op_name="jit(f)/while/body/round/verify/layer0/dot_general"}
+  %copy.7 = bf16[8]{0} copy(%p), metadata={op_name="jit(f)/while/body/closed_call"}
+  ROOT %t = (bf16[8]) tuple(%loop_pad_fusion.3)
+}
+"""
+
+
+def test_kernels_attribute_to_round_parts(rng):
+    scopes = profile_round.hlo_scopes(HLO)
+    assert scopes["loop_pad_fusion_3"].endswith("round/draft/pad")  # from the fused computation it calls
+    cases = [("loop_pad_fusion_3", "loop_pad_fusion.3", "draft"), ("topk_chunk", "custom-call.2", "topk"),
+             ("nvjet_sm90_tst", "gemm.1", "verify"), ("tree_build", "command_buffer_3", "tree"),
+             ("copy", "copy.7", "outside the round"), ("mystery_kernel", "", "unattributed")]
+    events, want = [], {}
+    rounds = int(rng.integers(1, 6))
+    for name, hlo_op, part in cases:
+        for _ in range(int(rng.integers(1, 4))):
+            dur = float(rng.uniform(0.5, 50.0))
+            events.append({"name": name, "args": {"hlo_op": hlo_op}, "dur": dur, "ts": 0.0})
+            want[part] = want.get(part, 0.0) + dur / rounds
+        assert profile_round.attribute(events[-1], scopes) == part, name
+    got = profile_round.part_times(events, scopes, rounds)
+    assert got.keys() == want.keys()
+    for part in want:
+        assert got[part] == pytest.approx(want[part], rel=1e-12)
+
+
+def test_ncu_summary_sums_by_kind_and_unit(rng, tmp_path):
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    lines, total = ["==PROF== Connected to process 1", header], {}
+    names = ["verify_attn", "int4_swiglu", "gemv2T_kernel", "loop_add_fusion_3", "gemm_fusion_dot_9"]
+    for i in range(40):
+        name = names[int(rng.integers(len(names)))]
+        ns = float(rng.uniform(500, 90000))
+        unit, value = ("usecond", f"{ns / 1e3:.6f}") if i % 2 else ("nsecond", f"{ns:,.3f}")
+        lines.append(f'"{i}","1","python","h","{name}","1","7","(128,1,1)","(1,1,1)","0","9.0",'
+                     f'"Command line profiler metrics","gpu__time_duration.sum","{unit}","{value}"')
+        kind = profile_step.kind_of(name)
+        total[kind] = total.get(kind, 0.0) + ns / 1e3
+    path = tmp_path / "ncu.csv"
+    path.write_text("\n".join(lines) + "\n")
+    rows = profile_step.read_ncu_csv(str(path))
+    assert len(rows) == 40
+    assert sum(us for _, us in rows) == pytest.approx(sum(total.values()), rel=1e-6)
+    steps = int(rng.integers(1, 9))
+    text = profile_step.summarize(str(path), wall_us=None, steps=steps)
+    for kind, us in total.items():
+        assert f"| {kind} |" in text and f"{us / steps:.1f}" in text
+
+
+def test_ncu_summary_rejects_a_csv_without_times(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n"0","k","other","byte","1"\n')
+    with pytest.raises(ValueError, match="empty.csv: no gpu__time_duration.sum rows"):
+        profile_step.read_ncu_csv(str(path))
+
+
+def test_per_step_slope_drops_the_fixed_cost(rng):
+    fixed, step = float(rng.uniform(1e-4, 1e-3)), float(rng.uniform(1e-4, 3e-3))
+    k0, k1 = sorted(int(k) for k in rng.choice(range(1, 64), 2, replace=False))
+    row = bench_kimi_layer.per_step_ms((k0, k1), [fixed + k0 * step, fixed + k1 * step])
+    assert row["ms"] == pytest.approx(step * 1e3, rel=1e-9)
+    assert row["ms_fixed_per_call"] == pytest.approx(fixed * 1e3, rel=1e-6)
+    assert row[f"ms_per_step_of_{k0}"] == pytest.approx((fixed + k0 * step) * 1e3 / k0, rel=1e-12)
+    one = bench_kimi_layer.per_step_ms((k0,), [fixed + k0 * step])
+    assert one == {"ms": pytest.approx((fixed + k0 * step) * 1e3 / k0, rel=1e-12)}
