@@ -88,8 +88,10 @@ def _norm(name: str) -> str:
 
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
     """Normalised HLO instruction name -> the op_name (jax.named_scope path) it carries. Fusions often carry none
-    of their own: they take the first op_name found inside the computation they call."""
-    comp_names: dict[str, list[str]] = collections.defaultdict(list)  # computation -> op_names inside
+    of their own: they take their computation's ROOT op_name, else the op_name most of its instructions carry (a
+    fusion may also hold a constant broadcast that another part's code created)."""
+    inside: dict[str, list[str]] = collections.defaultdict(list)  # computation -> op_names inside
+    root: dict[str, str] = {}
     own: dict[str, str] = {}
     calls: dict[str, str] = {}
     comp = ""
@@ -98,21 +100,29 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
         if head:
             comp = head.group(1)
             continue
-        inst = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+        inst = re.match(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=", line)
         if not inst:
             continue
-        name = _norm(inst.group(1))
+        name = _norm(inst.group(2))
         op = re.search(r"op_name=\"([^\"]*)\"", line)
         if op:
             own[name] = op.group(1)
-            comp_names[comp].append(op.group(1))
+            inside[comp].append(op.group(1))
+            if inst.group(1):
+                root[comp] = op.group(1)
         callee = re.search(r"calls=%?([\w.\-]+)", line)
         if callee:
             calls[name] = callee.group(1)
     out = dict(own)
     for name, callee in calls.items():
-        if name not in out and comp_names.get(callee):
-            out[name] = comp_names[callee][0]
+        if name in out or not inside.get(callee):
+            continue
+        if callee in root:
+            out[name] = root[callee]
+        else:
+            votes = collections.Counter(part_of(op) for op in inside[callee])
+            best = votes.most_common(1)[0][0]
+            out[name] = next(op for op in inside[callee] if part_of(op) == best)
     return out
 
 

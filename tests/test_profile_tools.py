@@ -30,7 +30,23 @@ HloModule jit_loop
   ROOT %pad.1 = bf16[8]{0} pad(%param_0, %c), padding=0_4, metadata={op_name="jit(f)/while/body/round/draft/pad"}
 }
 
+%fused_add.4 (param_0: bf16[8]) -> bf16[8] {
+  %param_0 = bf16[8]{0} parameter(0)
+  %broadcast.2 = bf16[8]{0} broadcast(%c), metadata={op_name="jit(f)/while/body/round/tree/broadcast_in_dim"}
+  %mul.3 = bf16[8]{0} multiply(%param_0, %broadcast.2), metadata={op_name="jit(f)/while/body/round/verify/mul"}
+  ROOT %add.1 = bf16[8]{0} add(%mul.3, %broadcast.2), metadata={op_name="jit(f)/while/body/round/verify/add"}
+}
+
+%fused_select.5 (param_0: s32[8]) -> s32[8] {
+  %broadcast.3 = s32[8]{0} broadcast(%c), metadata={op_name="jit(f)/while/body/round/tree/broadcast_in_dim"}
+  %lt.1 = pred[8]{0} compare(%param_0, %broadcast.3), metadata={op_name="jit(f)/while/body/round/accept/lt"}
+  %min.1 = s32[8]{0} minimum(%param_0, %broadcast.3), metadata={op_name="jit(f)/while/body/round/accept/min"}
+  ROOT %select.1 = s32[8]{0} select(%lt.1, %param_0, %min.1)
+}
+
 ENTRY %main.5 (p: bf16[4]) -> bf16[8] {
+  %loop_add_fusion.4 = bf16[8]{0} fusion(%p), kind=kLoop, calls=%fused_add.4, metadata={scheduling_name="y"}
+  %loop_select_fusion.5 = s32[8]{0} fusion(%p), kind=kLoop, calls=%fused_select.5
   %loop_pad_fusion.3 = bf16[8]{0} fusion(%p), kind=kLoop, calls=%fused_pad.3, metadata={scheduling_name="x"}
   %custom-call.2 = f32[8]{0} custom-call(%p), custom_call_target="triton", metadata={op_name="jit(f)/while/body/round/draft/topk/pallas_call"}
   %gemm.1 = bf16[8]{0} custom-call(%p), metadata={op_name="jit(f)/while/body/round/verify/layer0/dot_general"}
@@ -43,6 +59,8 @@ ENTRY %main.5 (p: bf16[4]) -> bf16[8] {
 def test_kernels_attribute_to_round_parts(rng):
     scopes = profile_round.hlo_scopes(HLO)
     assert scopes["loop_pad_fusion_3"].endswith("round/draft/pad")  # from the fused computation it calls
+    assert scopes["loop_add_fusion_4"].endswith("round/verify/add")  # its ROOT's, not a shared broadcast's
+    assert profile_round.part_of(scopes["loop_select_fusion_5"]) == "accept"  # no ROOT op_name: the majority
     cases = [("loop_pad_fusion_3", "loop_pad_fusion.3", "draft"), ("topk_chunk", "custom-call.2", "topk"),
              ("nvjet_sm90_tst", "gemm.1", "verify"), ("tree_build", "command_buffer_3", "tree"),
              ("copy", "copy.7", "outside the round"), ("mystery_kernel", "", "unattributed")]
