@@ -117,47 +117,6 @@ def absorbed_attention_jnp(q: jax.Array, cache: jax.Array, prefix_len: jax.Array
     return o + jnp.einsum("bnhm,bmr->bnhr", p_tree, tree_kv[..., :kv_lora_rank].astype(f32))
 
 
-def absorbed_attention_chunked(q: jax.Array, cache: jax.Array, prefix_len: jax.Array, tree_kv: jax.Array,
-                               tree_mask: jax.Array, *, scale: float, kv_lora_rank: int,
-                               score_bytes: int = 256 << 20) -> jax.Array:
-    """`absorbed_attention_jnp` as library matmuls over cache chunks with an online softmax: the form for many
-    query rows (N x H large), where the attention is bound by matmul throughput rather than by reading the cache.
-
-    Per chunk of C cache rows: scores [B, N*H, C] (fp32, at most `score_bytes`) = q . chunk^T in the input dtype
-    with fp32 accumulation, then probabilities (input dtype) . chunk[:, :, :R]. The last chunk starts at S - C and
-    masks the rows an earlier chunk already counted, so any S works without copying the cache.
-    """
-    f32 = jnp.float32
-    b, n, h, a = q.shape
-    s_len = cache.shape[1]
-    rows = q.reshape(b, n * h, a)
-    c = max(1, min(s_len, score_bytes // (4 * b * n * h)))
-    n_chunks = -(-s_len // c)
-
-    def update(carry, keys, valid):  # one online-softmax step over keys [B, K, A] with valid [B, N*H | 1, K]
-        m, l, o = carry
-        sc = jnp.einsum("bra,bka->brk", rows, keys.astype(q.dtype), preferred_element_type=f32) * scale
-        sc = jnp.where(valid, sc, NEG_INF)
-        m_new = jnp.maximum(m, sc.max(-1))
-        p = jnp.where(valid, jnp.exp(sc - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("brk,bkv->brv", p.astype(q.dtype), keys[..., :kv_lora_rank].astype(q.dtype),
-                        preferred_element_type=f32)
-        return m_new, l * alpha + p.sum(-1), o * alpha[..., None] + pv
-
-    def chunk(carry, i):
-        start = jnp.minimum(i * c, s_len - c)
-        idx = start + jnp.arange(c)
-        valid = (idx >= i * c)[None, :] & (idx[None, :] < prefix_len[:, None])  # [B, C]
-        return update(carry, jax.lax.dynamic_slice_in_dim(cache, start, c, axis=1), valid[:, None, :]), None
-
-    init = (jnp.full((b, n * h), NEG_INF, f32), jnp.zeros((b, n * h), f32),
-            jnp.zeros((b, n * h, kv_lora_rank), f32))
-    carry, _ = jax.lax.scan(chunk, init, jnp.arange(n_chunks))
-    _, l, o = update(carry, tree_kv, jnp.repeat(tree_mask, h, axis=1))  # row n*H + h is node n
-    return (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(b, n, h, kv_lora_rank)
-
-
 def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array, mask: jax.Array,
                cache: jax.Array, *, layer: int | None = None, use_pallas: bool = False, interpret: bool | None = None
                ) -> tuple[jax.Array, jax.Array]:

@@ -118,3 +118,25 @@ def test_per_step_slope_drops_the_fixed_cost(rng):
     assert row[f"ms_per_step_of_{k0}"] == pytest.approx((fixed + k0 * step) * 1e3 / k0, rel=1e-12)
     one = bench_kimi_layer.per_step_ms((k0,), [fixed + k0 * step])
     assert one == {"ms": pytest.approx((fixed + k0 * step) * 1e3 / k0, rel=1e-12)}
+
+
+def test_chunked_attention_equals_the_jnp_form(rng):
+    """bench_attn_forms' candidate: chunks of any size (an overlapping last chunk included) give the same output."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kdtree_jax.mla import absorbed_attention_jnp
+
+    forms = _load("bench_attn_forms")
+    b, n, h, a, r = 2, int(rng.integers(1, 6)), 3, 24, 16
+    s = int(rng.integers(n + 3, 90))
+    q, c, t = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((b, n, h, a), (b, s, a), (b, n, a)))
+    prefix = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
+    mask = jnp.asarray(forms.tree_mask(rng, b, n))
+    ref = np.asarray(absorbed_attention_jnp(q, c, prefix, t, mask, scale=0.3, kv_lora_rank=r), np.float64)
+    chunk_rows = int(rng.integers(1, s))
+    with jax.default_matmul_precision("highest"):
+        got = forms.chunked_attention(q, c, prefix, t, mask, scale=0.3, kv_lora_rank=r,
+                                      score_bytes=4 * b * n * h * chunk_rows)
+    np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
