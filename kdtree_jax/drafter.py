@@ -81,27 +81,29 @@ class Attention(nnx.Module):
 
     def __call__(self, h: jax.Array, rope_q: tuple[jax.Array, jax.Array], ctx_k: jax.Array, ctx_v: jax.Array,
                  visible: jax.Array) -> jax.Array:
-        """h [Bt, Lq, H] block rows; ctx_k/v [Bt, S, Hk, Dh]; visible [Bt, Lq, S + Lq] over [ctx ; block] keys.
+        """h [Bt, Lq, H] block rows; ctx_k/v [Bt, Hk, S, Dh] (heads-major, the cache's layout: the products take it
+        as it is, no per-round transpose of the cache); visible [Bt, Lq, S + Lq] over [ctx ; block] keys.
 
         One softmax over the context and block keys, computed on the two parts apart: concatenating the block
         K/V to the context would copy the whole context cache (every layer, every round)."""
         bt, lq, _ = h.shape
-        s_len = ctx_k.shape[1]
+        s_len = ctx_k.shape[2]
         q = apply_rope(self.q_norm(self.q_proj(h).reshape(bt, lq, self.n_heads, self.head_dim)), *rope_q)
         kb, vb = self.kv(h, rope_q)
         q = q.reshape(bt, lq, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [Bt, Lq, Hk, G, Dh]
 
-        def scores(k, vis):  # [Bt, Hk, G, Lq, K] scaled, masked
-            s = jnp.einsum("bqhgd,bshd->bhgqs", q, k.astype(kb.dtype), preferred_element_type=_F32)
+        def scores(k, vis):  # k [Bt, Hk, K, Dh] -> [Bt, Hk, G, Lq, K] scaled, masked
+            s = jnp.einsum("bqhgd,bhsd->bhgqs", q, k.astype(kb.dtype), preferred_element_type=_F32)
             return jnp.where(vis[:, None, None], s * self.head_dim**-0.5, _NEG)
 
+        kb, vb = kb.transpose(0, 2, 1, 3), vb.transpose(0, 2, 1, 3)  # [Bt, Hk, Lq, Dh]
         s_ctx, s_blk = scores(ctx_k, visible[..., :s_len]), scores(kb, visible[..., s_len:])
         m = jnp.maximum(s_ctx.max(-1, keepdims=True), s_blk.max(-1, keepdims=True))
         p_ctx, p_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
         denom = p_ctx.sum(-1, keepdims=True) + p_blk.sum(-1, keepdims=True)  # >= 1: the max term is exp(0)
-        o = (jnp.einsum("bhgqs,bshd->bhgqd", p_ctx.astype(vb.dtype), ctx_v.astype(vb.dtype),
+        o = (jnp.einsum("bhgqs,bhsd->bhgqd", p_ctx.astype(vb.dtype), ctx_v.astype(vb.dtype),
                         preferred_element_type=_F32)
-             + jnp.einsum("bhgqs,bshd->bhgqd", p_blk.astype(vb.dtype), vb, preferred_element_type=_F32)) / denom
+             + jnp.einsum("bhgqs,bhsd->bhgqd", p_blk.astype(vb.dtype), vb, preferred_element_type=_F32)) / denom
         o = o.transpose(0, 3, 1, 2, 4)  # [Bt, Lq, Hk, G, Dh]
         return self.o_proj(o.reshape(bt, lq, self.n_heads * self.head_dim).astype(h.dtype))
 
@@ -203,7 +205,7 @@ def _window_mask(cfg: DrafterConfig, layer: int, q_pos: jax.Array, k_pos: jax.Ar
 def _run_layers(drafter: DFlashDrafter, x: jax.Array, q_pos: jax.Array, base_visible: jax.Array,
                 k_pos: jax.Array, ctx_kv: Callable[[int], tuple[jax.Array, jax.Array]]) -> jax.Array:
     """The decoder stack over block rows x [Bt, Lq, H]. base_visible [Bt, Lq, S+Lq] is the layer-independent mask;
-    k_pos [Bt, S+Lq] the key positions; ctx_kv(i) gives layer i's context K/V [Bt, S, Hk, Dh]."""
+    k_pos [Bt, S+Lq] the key positions; ctx_kv(i) gives layer i's context K/V [Bt, Hk, S, Dh]."""
     rope_q = rope_tables(drafter.cfg, q_pos)
     for i, layer in enumerate(drafter.layers):
         rule = _window_mask(drafter.cfg, i, q_pos, k_pos)
@@ -216,18 +218,18 @@ def _run_layers(drafter: DFlashDrafter, x: jax.Array, q_pos: jax.Array, base_vis
 # ---- inference: context cache + one block ---------------------------------------------------------------------
 @flax.struct.dataclass
 class DrafterCache:
-    k: jax.Array  # [n_layers, Bt, S, Hk, Dh] context keys after k_norm and rope; row = position
-    v: jax.Array  # [n_layers, Bt, S, Hk, Dh] context values
+    k: jax.Array  # [n_layers, Bt, Hk, S, Dh] context keys after k_norm and rope; row = position
+    v: jax.Array  # [n_layers, Bt, Hk, S, Dh] context values
     length: jax.Array  # [Bt] int32 committed context rows (= committed tokens, bonus excluded)
 
     @classmethod
     def zeros(cls, cfg: DrafterConfig, batch: int, capacity: int, dtype: Any = jnp.bfloat16) -> "DrafterCache":
-        shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def draft(drafter: DFlashDrafter, cache: DrafterCache, ctx_hidden: jax.Array, n_ctx: jax.Array, bonus: jax.Array,
@@ -253,13 +255,18 @@ def draft(drafter: DFlashDrafter, cache: DrafterCache, ctx_hidden: jax.Array, n_
     rope_ctx = rope_tables(cfg, ctx_pos)
 
     new_k, new_v = [], []
-    for layer in drafter.layers:
-        k, v = layer.self_attn.kv(ctx, rope_ctx)  # [Bt, C, Hk, Dh]
+    for i, layer in enumerate(drafter.layers):
+        # XLA merges products that share an operand by concatenating their weights; in the decode loop that copied
+        # every layer's K and V weights each round (2 x 73 MB at K2.6 width). A barrier per layer gives each
+        # product an operand of its own; it costs nothing at run time.
+        ctx_i = jax.lax.optimization_barrier((ctx, jnp.int32(i)))[0]
+        k, v = layer.self_attn.kv(ctx_i, rope_ctx)  # [Bt, C, Hk, Dh]
         new_k.append(k)
         new_v.append(v)
-    # [n_layers, Bt, C, Hk, Dh] scattered to rows length[b] + j; padding rows are dropped
-    ks = cache.k.at[:, batch_idx, rows].set(jnp.stack(new_k).astype(cache.k.dtype), mode="drop")
-    vs = cache.v.at[:, batch_idx, rows].set(jnp.stack(new_v).astype(cache.v.dtype), mode="drop")
+    # [Bt, C, n_layers, Hk, Dh] (the advanced-index dims first) scattered to rows length[b] + j of the
+    # [n_layers, Bt, Hk, S, Dh] cache; padding rows are dropped
+    ks = cache.k.at[:, batch_idx, :, rows].set(jnp.stack(new_k, 2).astype(cache.k.dtype), mode="drop")
+    vs = cache.v.at[:, batch_idx, :, rows].set(jnp.stack(new_v, 2).astype(cache.v.dtype), mode="drop")
 
     block_pos = length_new[:, None] + jnp.arange(L, dtype=jnp.int32)  # [Bt, L]
     cache_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (bt, cap))
@@ -300,7 +307,7 @@ def train_logits(drafter: DFlashDrafter, target_hidden: jax.Array, tokens: jax.A
     rope_ctx = rope_tables(cfg, ctx_pos)
     x = drafter.embed_block(block_tok, embed)
     h = _run_layers(drafter, x, block_pos, base_visible, k_pos,
-                    lambda i: drafter.layers[i].self_attn.kv(ctx, rope_ctx))
+                    lambda i: tuple(a.transpose(0, 2, 1, 3) for a in drafter.layers[i].self_attn.kv(ctx, rope_ctx)))
     h = h.reshape(bt, n, L, -1)[:, :, 1:]
     return drafter.logits(h, lm_head)
 

@@ -117,7 +117,7 @@ def adapt_state(state: DecodeState, wide: DecodeSpec, spec: DecodeSpec) -> Decod
         return state.replace(draft_cache=None, draft_lp=jnp.zeros(shape, jnp.float32),
                              draft_ids=jnp.zeros(shape, jnp.int32))
     dc = state.draft_cache
-    return state.replace(draft_cache=DrafterCache(k=dc.k[:, :, :cap], v=dc.v[:, :, :cap], length=dc.length),
+    return state.replace(draft_cache=DrafterCache(k=dc.k[:, :, :, :cap], v=dc.v[:, :, :, :cap], length=dc.length),
                          draft_lp=state.draft_lp[:, :, :k], draft_ids=state.draft_ids[:, :, :k])
 
 

@@ -22,6 +22,8 @@
 #                                         # on / off) and the AR step per step from two loop lengths (x2, ~9 min)
 #   bash scripts/gpu_session.sh round5b   # the round profile again (command buffers off: every kernel attributed; 4k and
 #                                         # 32k), compiled tree / top-K / drafter tests, ddtree == ar tokens (x2, ~9 min)
+#   bash scripts/gpu_session.sh drafter5  # after the drafter cache layout / barrier change: K2.6-width round at batch 1
+#                                         # (4k, 32k) and 8, compiled drafter tests, ddtree == ar tokens (x2, ~6 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -226,6 +228,24 @@ round5b)
     run profile_round_b8 260 "$PY" scripts/profile_round.py --batch 8 --budgets 16 --ar --out "$OUT/round"
     run pytest_round5 150 "$PY" -m pytest -q -rf tests/test_topk.py tests/test_tree_build.py tests/test_tree_accept.py \
         tests/test_drafter.py tests/test_profile_tools.py
+    write_prompts
+    for mode in ddtree ar; do
+        run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
+            --mode "$mode" --prompt-file "$OUT/prompts.txt"
+    done
+    same_tokens ddtree ar "ddtree vs ar on the GPU"
+    wait
+    ;;
+drafter5)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run profile_round_b1 200 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --out "$OUT/round"
+        run profile_round_b1_32k 200 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --prompt 32768 \
+            --out "$OUT/round_32k"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run profile_round_b8 200 "$PY" scripts/profile_round.py --batch 8 --budgets 16 --out "$OUT/round"
+    run pytest_drafter 100 "$PY" -m pytest -q -rf tests/test_drafter.py
     write_prompts
     for mode in ddtree ar; do
         run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
