@@ -51,6 +51,15 @@ print(f"{label}: {sum(same)}/{len(same)} prompts token-identical")
 EOF
 }
 
+generate_ddtree_vs_ar() {  # the CLI on the held-out prompts in both modes, batch 8, and whether the tokens agree
+    write_prompts
+    for mode in ddtree ar; do
+        run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
+            --mode "$mode" --prompt-file "$OUT/prompts.txt"
+    done
+    same_tokens ddtree ar "ddtree vs ar on the GPU"
+}
+
 run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, print its tail and the exit code
     local name=$1 secs=$2
     shift 2
@@ -165,12 +174,7 @@ owed4)
     (
         export CUDA_VISIBLE_DEVICES=0
         run bench_kimi_ar 90 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --budget-s 60 --out "$OUT/bench_kimi_ar.json"
-        write_prompts
-        for mode in ddtree ar; do
-            run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
-                --mode "$mode" --prompt-file "$OUT/prompts.txt"
-        done
-        same_tokens ddtree ar "ddtree vs ar on the GPU"
+        generate_ddtree_vs_ar
     ) &
     export CUDA_VISIBLE_DEVICES=1
     run bench_round 170 "$PY" scripts/bench_round.py --batches 1 8 --budgets 16 32 --time-limit 110 --unroll \
@@ -190,12 +194,7 @@ profile5)
     export CUDA_VISIBLE_DEVICES=1
     run bench_round 170 "$PY" scripts/bench_round.py --batches 1 8 --budgets 16 32 --time-limit 110 --unroll \
         --calls 8 --out "$OUT/bench_round.json"
-    write_prompts
-    for mode in ddtree ar; do
-        run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
-            --mode "$mode" --prompt-file "$OUT/prompts.txt"
-    done
-    same_tokens ddtree ar "ddtree vs ar on the GPU"
+    generate_ddtree_vs_ar
     XLA_FLAGS=--xla_gpu_enable_command_buffer= run profile_ar_b1_cmdbuf_off 100 "$PY" scripts/profile_step.py --batch 1
     wait
     for f in "$OUT"/ncu_*.log; do
@@ -228,12 +227,7 @@ round5b)
     run profile_round_b8 260 "$PY" scripts/profile_round.py --batch 8 --budgets 16 --ar --out "$OUT/round"
     run pytest_round5 150 "$PY" -m pytest -q -rf tests/test_topk.py tests/test_tree_build.py tests/test_tree_accept.py \
         tests/test_drafter.py tests/test_profile_tools.py
-    write_prompts
-    for mode in ddtree ar; do
-        run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
-            --mode "$mode" --prompt-file "$OUT/prompts.txt"
-    done
-    same_tokens ddtree ar "ddtree vs ar on the GPU"
+    generate_ddtree_vs_ar
     wait
     ;;
 drafter5)
@@ -246,12 +240,7 @@ drafter5)
     export CUDA_VISIBLE_DEVICES=1
     run profile_round_b8 200 "$PY" scripts/profile_round.py --batch 8 --budgets 16 --out "$OUT/round"
     run pytest_drafter 100 "$PY" -m pytest -q -rf tests/test_drafter.py
-    write_prompts
-    for mode in ddtree ar; do
-        run "generate_$mode" 70 "$PY" -m kdtree_jax.generate --json --batch-size 8 --max-new-tokens 64 \
-            --mode "$mode" --prompt-file "$OUT/prompts.txt"
-    done
-    same_tokens ddtree ar "ddtree vs ar on the GPU"
+    generate_ddtree_vs_ar
     wait
     ;;
 scaling)
