@@ -134,7 +134,7 @@ def test_draft_matches_reference_two_rounds(setup, rng, amp_mode, sliding_causal
         # neither padding rows nor block K/V were written: rows past the committed length keep the poison
         end = n1[b] + n2[b]
         np.testing.assert_array_equal(cache2.k[:, b, :, end:], cache0.k[:, b, :, end:])
-        np.testing.assert_array_equal(cache2.v[:, b, end:], cache0.v[:, b, end:])
+        np.testing.assert_array_equal(cache2.v[:, b, :, end:], cache0.v[:, b, :, end:])
 
 
 def test_two_calls_equal_one_call(setup, rng):
@@ -160,7 +160,7 @@ def test_two_calls_equal_one_call(setup, rng):
     for b in range(bt):
         n = n1[b] + n2[b]
         np.testing.assert_allclose(c2.k[:, b, :, :n], c_one.k[:, b, :, :n], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(c2.v[:, b, :n], c_one.v[:, b, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(c2.v[:, b, :, :n], c_one.v[:, b, :, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_padding_rows_do_not_matter(setup, rng):
