@@ -202,16 +202,19 @@ def _window_mask(cfg: DrafterConfig, layer: int, q_pos: jax.Array, k_pos: jax.Ar
     return ok
 
 
-def _run_layers(drafter: DFlashDrafter, x: jax.Array, q_pos: jax.Array, base_visible: jax.Array,
-                k_pos: jax.Array, ctx_kv: Callable[[int], tuple[jax.Array, jax.Array]]) -> jax.Array:
-    """The decoder stack over block rows x [Bt, Lq, H]. base_visible [Bt, Lq, S+Lq] is the layer-independent mask;
-    k_pos [Bt, S+Lq] the key positions; ctx_kv(i) gives layer i's context K/V [Bt, Hk, S, Dh]."""
+def _run_layers(drafter: DFlashDrafter, x: jax.Array, q_pos: jax.Array, block_visible: jax.Array,
+                block_pos: jax.Array, ctx_kv: Callable[[int], tuple[jax.Array, ...]]) -> jax.Array:
+    """The decoder stack over block rows x [Bt, Lq, H] at positions q_pos [Bt, Lq]. block_visible [Bt, Lq, Lq] is
+    the block-on-block mask, block_pos [Bt, Lq] the block keys' positions. ctx_kv(i) gives layer i's context:
+    K and V [Bt, Hk, S_i, Dh], their positions [Bt, S_i] and which are visible (broadcastable to [Bt, Lq, S_i]);
+    S_i may differ per layer (a sliding layer reads only its window)."""
     rope_q = rope_tables(drafter.cfg, q_pos)
+    bt, lq = q_pos.shape
     for i, layer in enumerate(drafter.layers):
-        rule = _window_mask(drafter.cfg, i, q_pos, k_pos)
-        visible = base_visible if rule is None else base_visible & rule
-        ctx_k, ctx_v = ctx_kv(i)
-        x = layer(x, rope_q, ctx_k, ctx_v, visible)
+        ctx_k, ctx_v, ctx_pos, ctx_ok = ctx_kv(i)
+        visible = jnp.concatenate([jnp.broadcast_to(ctx_ok, (bt, lq, ctx_pos.shape[1])), block_visible], axis=-1)
+        rule = _window_mask(drafter.cfg, i, q_pos, jnp.concatenate([ctx_pos, block_pos], axis=1))
+        x = layer(x, rope_q, ctx_k, ctx_v, visible if rule is None else visible & rule)
     return x
 
 
@@ -269,15 +272,31 @@ def draft(drafter: DFlashDrafter, cache: DrafterCache, ctx_hidden: jax.Array, n_
     vs = cache.v.at[:, batch_idx, :, rows].set(jnp.stack(new_v, 2).astype(cache.v.dtype), mode="drop")
 
     block_pos = length_new[:, None] + jnp.arange(L, dtype=jnp.int32)  # [Bt, L]
-    cache_pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (bt, cap))
-    k_pos = jnp.concatenate([cache_pos, block_pos], axis=1)  # [Bt, S+L]
-    ctx_ok = cache_pos < length_new[:, None]  # [Bt, S]
-    base_visible = jnp.concatenate([jnp.broadcast_to(ctx_ok[:, None], (bt, L, cap)), jnp.ones((bt, L, L), bool)],
-                                   axis=-1)  # [Bt, L, S+L]
     tokens = jnp.concatenate([bonus.astype(jnp.int32)[:, None], jnp.full((bt, L - 1), mask_id, jnp.int32)], 1)
     x = drafter.embed_block(tokens, embed)
-    h = _run_layers(drafter, x, block_pos, base_visible, k_pos, lambda i: (ks[i], vs[i]))
+    h = _run_layers(drafter, x, block_pos, jnp.ones((bt, L, L), bool), block_pos,
+                    lambda i: _context_view(cfg, i, ks[i], vs[i], length_new))
     return drafter.logits(h[:, 1:], lm_head), DrafterCache(k=ks, v=vs, length=length_new)
+
+
+def _context_view(cfg: DrafterConfig, layer: int, k: jax.Array, v: jax.Array, length: jax.Array):
+    """Layer `layer`'s context for a block at positions length, length + 1, ...: (K, V, positions, visible).
+
+    A sliding layer with window W sees only context rows > length - W, so it reads a W - 1 row slice per request
+    instead of the whole cache (5 of the 6 K2.6-DFlash layers: 2047 rows instead of the context length)."""
+    bt, cap = k.shape[0], k.shape[2]
+    window = cfg.window(layer)
+    if window is None or window - 1 >= cap:
+        pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (bt, cap))
+        return k, v, pos, (pos < length[:, None])[:, None]
+    rows = window - 1
+    start = jnp.clip(length - rows, 0, cap - rows)  # [Bt]
+
+    def cut(a):
+        return jax.vmap(lambda a_b, s: jax.lax.dynamic_slice_in_dim(a_b, s, rows, axis=1))(a, start)
+
+    pos = start[:, None] + jnp.arange(rows, dtype=jnp.int32)
+    return cut(k), cut(v), pos, (pos < length[:, None])[:, None]
 
 
 # ---- training forward -----------------------------------------------------------------------------------------
@@ -300,14 +319,16 @@ def train_logits(drafter: DFlashDrafter, target_hidden: jax.Array, tokens: jax.A
     row_anchor = jnp.repeat(anchors, L, axis=1)  # [Bt, n*L]
     ctx_ok = ctx_pos[:, None, :] < row_anchor[:, :, None]  # [Bt, n*L, T]
     same_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (bt, n * L, n * L))
-    base_visible = jnp.concatenate([ctx_ok, same_block], axis=-1)  # [Bt, n*L, T+n*L]
-    k_pos = jnp.concatenate([ctx_pos, block_pos], axis=1)
 
     ctx = drafter.context(target_hidden)
     rope_ctx = rope_tables(cfg, ctx_pos)
     x = drafter.embed_block(block_tok, embed)
-    h = _run_layers(drafter, x, block_pos, base_visible, k_pos,
-                    lambda i: tuple(a.transpose(0, 2, 1, 3) for a in drafter.layers[i].self_attn.kv(ctx, rope_ctx)))
+
+    def ctx_kv(i):
+        k, v = drafter.layers[i].self_attn.kv(ctx, rope_ctx)  # [Bt, T, Hk, Dh]
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), ctx_pos, ctx_ok
+
+    h = _run_layers(drafter, x, block_pos, same_block, block_pos, ctx_kv)
     h = h.reshape(bt, n, L, -1)[:, :, 1:]
     return drafter.logits(h, lm_head)
 
