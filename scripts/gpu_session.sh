@@ -24,6 +24,8 @@
 #                                         # 32k), compiled tree / top-K / drafter tests, ddtree == ar tokens (x2, ~9 min)
 #   bash scripts/gpu_session.sh drafter5  # after the drafter cache layout / barrier change: K2.6-width round at batch 1
 #                                         # (4k, 32k) and 8, compiled drafter tests, ddtree == ar tokens (x2, ~6 min)
+#   bash scripts/gpu_session.sh owed5     # what session 5 left unmeasured: the K2.6-width round at 32k with an all-full
+#                                         # drafter | with K2.6's sliding layers (window 2048, read as a slice) (x2, ~4 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -241,6 +243,17 @@ drafter5)
     run profile_round_b8 200 "$PY" scripts/profile_round.py --batch 8 --budgets 16 --out "$OUT/round"
     run pytest_drafter 100 "$PY" -m pytest -q -rf tests/test_drafter.py
     generate_ddtree_vs_ar
+    wait
+    ;;
+owed5)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run profile_round_b1_32k 200 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --prompt 32768 \
+            --out "$OUT/round_full"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run profile_round_b1_32k_sliding 200 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --prompt 32768 \
+        --sliding-window 2048 --out "$OUT/round_sliding"
     wait
     ;;
 scaling)

@@ -1,11 +1,13 @@
 """One DDTree round at Kimi K2.6 width, part by part, from a profiler trace of the engine's own decode loop.
 
-    python scripts/profile_round.py [--layers 6] [--batch 1] [--budgets 16 64] [--prompt 4096] [--out DIR]
+    python scripts/profile_round.py [--layers 6] [--batch 1] [--budgets 16 64] [--prompt 4096] [--sliding-window 2048]
+                                    [--out DIR]
 
 The target is K2.6 (`kimi_k2_6()`) cut to `--layers` decoder layers (layer 0 dense, the rest MoE with INT4 experts),
 random weights made on the device (`bench_kimi_layer.build_model`); the drafter has the shape of z-lab's
 Kimi-K2.5/K2.6-DFlash (6 Qwen3 layers of hidden 7168, 64 query / 8 KV heads, block 8; its taps spread over the
-target's layers), random weights too. Random weights accept about one token per round; the cost of a round's parts
+target's layers; all layers full attention as K2.5's, or `--sliding-window 2048` for K2.6's layout), random weights
+too. Random weights accept about one token per round; the cost of a round's parts
 hardly depends on that, which is what this measures.
 
 Per (budget, mode): prefill a random `--prompt`-token prompt with the engine's `prefill`, then
@@ -62,9 +64,10 @@ PALLAS_PARTS = {"verify_attn": "verify", "int4": "verify", "tree_build": "tree",
 ROUNDS = (2, 10)  # decode_loop lengths whose time difference gives the time per round
 
 
-def drafter_config(cfg, num_layers: int) -> DrafterConfig:
+def drafter_config(cfg, num_layers: int, sliding_window: int = 0) -> DrafterConfig:
     """z-lab's Kimi-K2.5-DFlash shape (tests/test_drafter.py: KIMI_K25_DRAFTER) over this target's layers; on a
-    CPU backend a tiny one of the same layout."""
+    CPU backend a tiny one of the same layout. sliding_window > 0: the K2.6 drafter's layout, every layer but the
+    last sliding with that window."""
     big = cfg.hidden_size >= 1024
     taps = sorted({int(round(i * (cfg.num_hidden_layers - 1) / 5)) for i in range(6)})
     raw = {
@@ -78,6 +81,9 @@ def drafter_config(cfg, num_layers: int) -> DrafterConfig:
                          "mscale_all_dim": 1, "original_max_position_embeddings": 4096},
         "attention_bias": False, "tie_word_embeddings": False,
     }
+    if sliding_window:
+        raw.update(sliding_window=sliding_window, use_sliding_window=True,
+                   layer_types=["sliding_attention"] * (num_layers - 1) + ["full_attention"])
     return DrafterConfig.from_hf_dict(raw, source="profile_round drafter")
 
 
@@ -171,6 +177,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6, help="target decoder layers (of K2.6's 61)")
     parser.add_argument("--draft-layers", type=int, default=6)
+    parser.add_argument("--sliding-window", type=int, default=0,
+                        help="drafter layers but the last slide with this window (2048: the K2.6 drafter); 0: none")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--ar", action="store_true", help="also the AR loop (no drafter)")
@@ -184,7 +192,7 @@ def main(argv=None):
     base, dtype = (kimi_k2_6(), jnp.bfloat16) if on_gpu else (tiny(), jnp.float32)
     cfg = dataclasses.replace(base, num_hidden_layers=args.layers)
     prompt = args.prompt if on_gpu else min(args.prompt, 48)
-    dcfg = drafter_config(cfg, args.draft_layers)
+    dcfg = drafter_config(cfg, args.draft_layers, args.sliding_window)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     t_graph, t_state = build_model(cfg, dtype)
