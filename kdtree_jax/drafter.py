@@ -286,7 +286,7 @@ def _context_view(cfg: DrafterConfig, layer: int, k: jax.Array, v: jax.Array, le
     instead of the whole cache (5 of the 6 K2.6-DFlash layers: 2047 rows instead of the context length)."""
     bt, cap = k.shape[0], k.shape[2]
     window = cfg.window(layer)
-    if window is None or window - 1 >= cap:
+    if window is None or not 0 < window - 1 < cap:  # no window, W = 1 (no context row), or W - 1 >= the cache
         pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (bt, cap))
         return k, v, pos, (pos < length[:, None])[:, None]
     rows = window - 1
