@@ -142,10 +142,15 @@ def test_nonfinite_logits_reported_not_emitted(rng):
     """
     target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
     vocab = target.cfg.vocab_size
-    prompts = [[vocab - 2, 5, 6], [7, 8, 9, 10]]  # token vocab-2 only in request 0
+    prompts = [[vocab - 2, 5, 6], [7, 8, 9, 10]]
     clean = {m: Engine(target, drafter, None).generate(prompts, 6, mode=m, budget=4) for m in ("ar", "ddtree")}
+    # the poisoned token appears only in request 0: never in request 1's prompt nor in what it generates (request 1's
+    # tokens do not depend on request 0's prompt, so changing that prompt leaves `clean` valid for request 1)
+    seen = set(prompts[1]).union(*(clean[m].outputs[1].token_ids for m in clean))
+    poison = max(t for t in range(vocab) if t not in seen)
+    prompts[0][0] = poison
     table = np.array(target.embed[...])
-    table[vocab - 2] = np.nan
+    table[poison] = np.nan
     target.embed[...] = jnp.asarray(table)
     eng = Engine(target, drafter, None)
     for mode in ("ar", "ddtree"):
