@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_kimi_layer import ancestor_mask  # noqa: E402
 from bench_util import matmul_peak, per_call_s  # noqa: E402
 from kdtree_jax.mla import NEG_INF  # noqa: E402
 from pallas_kernels.verify_attn import verify_attn  # noqa: E402
@@ -80,15 +81,6 @@ def chunked_attention(q: jax.Array, cache: jax.Array, prefix_len: jax.Array, tre
     return (o / jnp.where(l > 0, l, 1.0)[..., None]).reshape(b, n, h, kv_lora_rank)
 
 
-def tree_mask(rng, bt: int, n: int) -> np.ndarray:
-    vis = np.zeros((bt, n, n), bool)
-    vis[:, np.arange(n), np.arange(n)] = True
-    for i in range(1, n):
-        parent = rng.integers(0, i, bt)
-        vis[np.arange(bt), i] |= vis[np.arange(bt), parent]
-    return vis
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=64)
@@ -108,7 +100,7 @@ def main(argv=None):
                  jnp.asarray(rng.standard_normal((bt, s, R + DR)), dtype),
                  jnp.full((bt,), prefix, jnp.int32),
                  jnp.asarray(rng.standard_normal((bt, n, R + DR)), dtype),
-                 jnp.asarray(tree_mask(rng, bt, n))) for _ in range(n_sets)]
+                 jnp.asarray(ancestor_mask(rng, bt, n))) for _ in range(n_sets)]
         flops = 2 * bt * n * h * s * (R + DR + R)
         row = dict(batch=bt, nodes=n, prefix=prefix, heads=h)
         try:

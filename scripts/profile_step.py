@@ -1,9 +1,13 @@
 """Where one full-width K2.6 verify step spends its time, kernel by kernel (the AR step by default).
 
     python scripts/profile_step.py [--batch 1] [--nodes 1] [--prefix 4096] [--layers 2] [--hlo step.hlo.txt]
+                                   [--trace DIR]
     ncu --profile-from-start off --print-units base --csv --metrics gpu__time_duration.sum \
         python scripts/profile_step.py ... > kernels.csv
     python scripts/profile_step.py --summarize kernels.csv --wall-us 1250
+
+On the H200 machine (session 5) ncu segfaulted when attached to this process; `--trace DIR` (a jax.profiler
+perfetto trace, read with `profile_round.gpu_kernels`) is what gave the per-kernel times there.
 
 The step is `bench_kimi_layer`'s (same random K2.6 weights, INT4 expert kernel, verify_attn), VERIFY_CALLS steps per
 jitted call as there (host dispatch amortised, as in the engine's decode loop). After warm-up it prints the wall time

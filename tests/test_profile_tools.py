@@ -133,7 +133,7 @@ def test_chunked_attention_equals_the_jnp_form(rng):
     s = int(rng.integers(n + 3, 90))
     q, c, t = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((b, n, h, a), (b, s, a), (b, n, a)))
     prefix = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
-    mask = jnp.asarray(forms.tree_mask(rng, b, n))
+    mask = jnp.asarray(bench_kimi_layer.ancestor_mask(rng, b, n))
     ref = np.asarray(absorbed_attention_jnp(q, c, prefix, t, mask, scale=0.3, kv_lora_rank=r), np.float64)
     chunk_rows = int(rng.integers(1, s))
     with jax.default_matmul_precision("highest"):
