@@ -16,10 +16,12 @@ import jax.numpy as jnp
 from kdtree_jax import cache_update, sampling
 from kdtree_jax.drafter import DrafterCache, draft
 from kdtree_jax.model import LatentCache, forward_verify
+from pallas_kernels import verify_attn_mgpu
 from pallas_kernels.tree_accept import tree_accept
 from pallas_kernels.tree_build import Tree, topk_logprobs, tree_build
 
 MODES = ("ar", "chain", "ddtree")
+CACHE_ROW_ALIGN = verify_attn_mgpu.SEQ_ALIGN
 
 RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_NONFINITE = 0, 1, 2, 3
 FINISH_REASONS = {RUNNING: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_NONFINITE: "nonfinite"}
@@ -75,8 +77,10 @@ class DecodeSpec:
 
     @property
     def capacity(self) -> int:
-        """Cache rows: prompt + generated + one round's scratch."""
-        return self.prompt_cap + self.max_new_tokens + self.slack
+        """Cache rows: prompt + generated + one round's scratch, rounded up to whole TMA row tiles (the wgmma
+        verify kernel reads the cache by TMA, which needs a row count that is a multiple of CACHE_ROW_ALIGN)."""
+        need = self.prompt_cap + self.max_new_tokens + self.slack
+        return -(-need // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
 
     @property
     def max_rounds(self) -> int:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import verify_attn_mgpu
 from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 
 NEG = -1e30  # finite "minus infinity" for the running max: NEG - NEG = 0, never inf - inf
@@ -255,20 +256,85 @@ def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsiz
                  min_split_blocks=min_split_blocks)
 
 
+BACKENDS = ("triton", "mosaic")
+
+
+def _is_hopper() -> bool:
+    """wgmma exists on sm_90 only (Blackwell has tcgen05 instead)."""
+    return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+
+
+def pick_backend(backend: str | None, dtype, n: int, h: int, r: int, dr: int, seq: int, interpret: bool) -> str:
+    """`mosaic` (Hopper wgmma, verify_attn_mgpu) where it applies and is compiled, else `triton`: by default the
+    wgmma kernel serves every call whose query rows fill 64-row tiles (H = 64: the tensor-core-bound case) on an
+    sm_90 GPU; an explicit choice is honoured or refused with the reason."""
+    fits = verify_attn_mgpu.supports(dtype, n * h, r, dr, seq)
+    if backend is None:
+        return "mosaic" if fits and not interpret and _is_hopper() else "triton"
+    if backend not in BACKENDS:
+        raise ValueError(f"verify_attn: backend={backend!r} must be one of {BACKENDS} or None (auto)")
+    if backend == "mosaic" and not fits:
+        raise ValueError(f"verify_attn: backend='mosaic' needs bf16/fp16, N*H % {verify_attn_mgpu.ROWS} == 0, "
+                         f"kv_lora_rank % 128 == 0, rope width % 64 == 0 and cache rows % "
+                         f"{verify_attn_mgpu.SEQ_ALIGN} == 0; got {jnp.dtype(dtype).name}, N*H={n * h}, {r} + {dr}, "
+                         f"S={seq}")
+    return backend
+
+
+def _tree_partial(q, tree_kv, tree_mask, *, scale: float, r: int):
+    """The tree block in XLA for the mosaic path: (acc [Bt, N, H, R] unnormalised, m, l [Bt, N, H]) in fp32.
+    N x N per request, small next to the prefix; rows that see no tree node get l = 0."""
+    f32, hi = jnp.float32, lax.Precision.HIGHEST
+    kv = tree_kv.astype(f32)
+    s = jnp.einsum("bnha,bka->bnhk", q.astype(f32), kv, precision=hi) * scale
+    vis = tree_mask[:, :, None, :]
+    m = jnp.where(vis, s, NEG).max(axis=-1)
+    p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
+    return jnp.einsum("bnhk,bkr->bnhr", p, kv[..., :r], precision=hi), m, p.sum(axis=-1)
+
+
+def _merge_partials(acc, m, l, acc_t, m_t, l_t):
+    """Flash-decoding merge of the prefix splits (acc [Bt, splits, rows, R], m / l [Bt, splits, rows]) and the tree
+    part (acc_t [Bt, rows, R], m_t / l_t [Bt, rows]) -> [Bt, rows, R]; a row that saw nothing gets 0."""
+    top = jnp.maximum(m.max(axis=1), m_t)
+    w, w_t = jnp.exp(m - top[:, None]), jnp.exp(m_t - top)
+    num = (w[..., None] * acc).sum(axis=1) + w_t[..., None] * acc_t
+    den = (w * l).sum(axis=1) + w_t * l_t
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret):
+    bt, n, h, a = q.shape
+    rows = n * h
+    min_split_blocks = 1
+    if num_splits is None:  # one 190 KiB program per SM: whole waves, >= MIN_SPLIT_ROWS rows per split
+        num_splits = _default_splits(bt * rows // verify_attn_mgpu.ROWS, cache.shape[2] // MIN_SPLIT_ROWS, 1)
+        min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, verify_attn_mgpu.BLOCK_K)
+    acc, m, l = verify_attn_mgpu.prefix_attn(q.reshape(bt, rows, a), cache, prefix_len, scale=scale, value_width=r,
+                                             n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
+                                             interpret=interpret)
+    acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
+    out = _merge_partials(acc, m, l, acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows), l_t.reshape(bt, rows))
+    return out.astype(q.dtype).reshape(bt, n, h, r)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret", "backend"))
 def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int, layer: int | None = None,
                 block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None) -> jax.Array:
+                num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
+                backend: str | None = None) -> jax.Array:
     """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
 
     q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
     [0, prefix_len[b]) (clipped to S), or the whole model's cache [L, Bt, S, A] with a static `layer`: the kernel
     then reads that layer in place (a sliced operand would be materialised: one extra read + write of the layer's
     cache per call); tree_kv [Bt, N, A] the tree's own latents; tree_mask [Bt, N, N] bool.
-    Tuning knobs (all optional): block_k / block_q (powers of two >= 16); num_splits (split-K programs per query
-    tile; default: whole waves of SMs, each split reading >= MIN_SPLIT_ROWS rows; an explicit value divides every
-    prefix over all of them); num_warps / num_stages (Triton).
+    backend: "triton" (this module's kernel, any shape), "mosaic" (verify_attn_mgpu: Hopper wgmma for the prefix,
+    the tree block in XLA) or None = `pick_backend`'s choice.
+    Tuning knobs (all optional): block_k / block_q (powers of two >= 16, Triton); num_splits (split-K programs per
+    query tile; default: whole waves of SMs, each split reading >= MIN_SPLIT_ROWS rows; an explicit value divides
+    every prefix over all of them); num_warps / num_stages (Triton).
     """
     _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
     interpret = resolve_interpret(interpret)
@@ -278,6 +344,10 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
         cache, layer = cache[None], 0  # [1, Bt, S, A]: one code path
     bt, n, h, a = q.shape
     s, r, dr = cache.shape[2], kv_lora_rank, a - kv_lora_rank
+    if pick_backend(backend, q.dtype, n, h, r, dr, s, interpret) == "mosaic":
+        return _verify_attn_mosaic(q, cache, jnp.clip(prefix_len.astype(jnp.int32), 0, s), tree_kv.astype(q.dtype),
+                                   tree_mask, scale=float(scale), r=r, layer=layer, num_splits=num_splits,
+                                   interpret=interpret)
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
     plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)
 

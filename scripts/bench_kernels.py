@@ -1,7 +1,7 @@
 """Kernel benchmark on one GPU: verify_attn at Kimi K2 sizes against ceilings measured in the same run, then the
 tree kernels (`scripts/bench_tree_kernels.py`, when present).
 
-    python scripts/bench_kernels.py [--quick] [--out results.json] [--heads 64 8] [--tune]
+    python scripts/bench_kernels.py [--quick] [--out results.json] [--heads 64 8] [--tune] [--backends ...]
 
 verify_attn: bf16, H heads, A = 512 + 64, N = 1 (AR) and 1 + B tree slots, batch 1/8/64, prefix 1k..32k; the
 cache capacity is fixed per (batch, N) and the prefix length is a runtime value, as in the engine, so one compile
@@ -36,8 +36,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_util import copy_ceiling, matmul_peak, per_call_s  # noqa: E402
-from pallas_kernels.verify_attn import (MIN_SPLIT_ROWS, SM_COUNT, _default_splits, _make_plan,  # noqa: E402
-                                       verify_attn)
+from kdtree_jax.speculative import CACHE_ROW_ALIGN  # noqa: E402
+from pallas_kernels import verify_attn_mgpu  # noqa: E402
+from pallas_kernels.verify_attn import (BACKENDS, MIN_SPLIT_ROWS, SM_COUNT, _default_splits,  # noqa: E402
+                                       _make_plan, verify_attn)
 
 SCALE = 0.1446796  # K2.6 softmax scale (kimi_k2_format.md §1)
 MIN_BENCH_S = 0.3  # keep timing a shape until this much time is spent (after at least MIN_REPS calls)
@@ -139,7 +141,9 @@ def timed_sets(q, caches, prefix: int, tree_kv, mask):
     return [(q, c, jnp.full((bt,), prefix - i, jnp.int32), tree_kv, mask) for i, c in enumerate(caches)]
 
 
-def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, deadline: float) -> list[dict]:
+def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, deadline: float,
+                      backends: tuple[str, ...] = ("triton",)) -> list[dict]:
+    """Every shape with each backend that applies to it, on the same inputs, one after the other."""
     rows = []
     a, r = sweep.r + sweep.dr, sweep.r
     itemsize = jnp.dtype(sweep.dtype).itemsize
@@ -149,27 +153,34 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                 if time.perf_counter() > deadline:
                     print(f"time budget spent: skipping H={h} N={n} batch={bt}", flush=True)
                     continue
-                capacity = max(sweep.prefixes) + n
+                capacity = -(-(max(sweep.prefixes) + n) // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN  # as the engine
                 sets = n_sets(bt, min(sweep.prefixes), capacity, a, itemsize)
                 q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n, caches=sets)
+                for backend in backends:
+                    if backend == "mosaic" and not verify_attn_mgpu.supports(sweep.dtype, n * h, r, sweep.dr,
+                                                                               capacity):
+                        continue
 
-                def call(q, c, p, t, m):
-                    return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, interpret=interpret)
+                    def call(q, c, p, t, m, backend=backend):
+                        return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, interpret=interpret,
+                                           backend=backend)
 
-                t0 = time.perf_counter()
-                jax.block_until_ready(call(*timed_sets(q, caches, sweep.prefixes[0], tree_kv, mask)[0]))
-                compile_s = time.perf_counter() - t0
-                err = max(rel_err_row0(call, q, caches[0], p, tree_kv, mask, r)
-                          for p in (min(sweep.prefixes), max(sweep.prefixes)))
-                for prefix in sweep.prefixes:
-                    k = n_sets(bt, prefix, capacity, a, itemsize)
-                    sec = median_per_call_s(call, timed_sets(q, caches[:k], prefix, tree_kv, mask))
-                    nbytes = bt * prefix * a * itemsize + q.nbytes + q.nbytes * r // a + tree_kv.nbytes + mask.nbytes
-                    flops = 2 * bt * n * h * (prefix + n) * (a + r)
-                    rows.append(dict(kernel="verify_attn", batch=bt, nodes=n, heads=h, prefix=prefix, ms=sec * 1e3,
-                                     bytes=nbytes, flops=flops, gbps=nbytes / sec / 1e9, tflops=flops / sec / 1e12,
-                                     rel_err_row0=err, first_call_s=compile_s, sets=k))
-                    print(json.dumps(rows[-1]), flush=True)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(call(*timed_sets(q, caches, sweep.prefixes[0], tree_kv, mask)[0]))
+                    compile_s = time.perf_counter() - t0
+                    err = max(rel_err_row0(call, q, caches[0], p, tree_kv, mask, r)
+                              for p in (min(sweep.prefixes), max(sweep.prefixes)))
+                    for prefix in sweep.prefixes:
+                        k = n_sets(bt, prefix, capacity, a, itemsize)
+                        sec = median_per_call_s(call, timed_sets(q, caches[:k], prefix, tree_kv, mask))
+                        nbytes = (bt * prefix * a * itemsize + q.nbytes + q.nbytes * r // a + tree_kv.nbytes
+                                  + mask.nbytes)
+                        flops = 2 * bt * n * h * (prefix + n) * (a + r)
+                        rows.append(dict(kernel="verify_attn", backend=backend, batch=bt, nodes=n, heads=h,
+                                         prefix=prefix, ms=sec * 1e3, bytes=nbytes, flops=flops,
+                                         gbps=nbytes / sec / 1e9, tflops=flops / sec / 1e12, rel_err_row0=err,
+                                         first_call_s=compile_s, sets=k))
+                        print(json.dumps(rows[-1]), flush=True)
                 del q, caches, tree_kv, mask
     return rows
 
@@ -192,7 +203,7 @@ def tune(sweep: Sweep, heads: int, interpret: bool, deadline: float) -> list[dic
 
             def call(q, c, p, t, m, bq=bq, bk=bk, w=warps, st=stages, sp=splits):
                 return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, block_q=bq, block_k=bk, num_warps=w,
-                                   num_stages=st, num_splits=sp, interpret=interpret)
+                                   num_stages=st, num_splits=sp, interpret=interpret, backend="triton")
 
             try:
                 row["splits_used"] = _make_plan(bt, n, heads, prefix + n, r, sweep.dr, bq, bk, splits,
@@ -221,12 +232,13 @@ def tune_table(rows: list[dict]) -> str:
 
 
 def verify_table(rows: list[dict], copy_bw: float, peak: float) -> str:
-    lines = ["| batch | N | H | prefix | ms | GB/s | % copy | TFLOP/s | % roofline | bound | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| backend | batch | N | H | prefix | ms | GB/s | % copy | TFLOP/s | % roofline | bound | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         t_mem, t_mma = x["bytes"] / copy_bw, x["flops"] / peak
         roof = max(t_mem, t_mma) / (x["ms"] / 1e3)
-        lines.append(f"| {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | {x['ms']:.3f} | "
+        lines.append(f"| {x.get('backend', 'triton')} | {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | "
+                     f"{x['ms']:.3f} | "
                      f"{x['gbps']:.1f} | {100 * x['gbps'] * 1e9 / copy_bw:.0f}% | {x['tflops']:.1f} | "
                      f"{100 * roof:.0f}% | {'mem' if t_mem >= t_mma else 'mma'} | {x['rel_err_row0']:.1e} |")
     return "\n".join(lines)
@@ -234,12 +246,18 @@ def verify_table(rows: list[dict], copy_bw: float, peak: float) -> str:
 
 def bandwidth_summary(rows: list[dict], copy_bw: float, peak: float, min_prefix: int = 8192) -> str:
     """The >= 60%-of-copy target, checked where it is physically reachable (memory-bound rows, prefix >= 8k)."""
-    mem = [x for x in rows if x["prefix"] >= min_prefix and x["bytes"] / copy_bw >= x["flops"] / peak]
-    if not mem:
-        return f"no memory-bound row with prefix >= {min_prefix}"
-    pct = [100 * x["gbps"] * 1e9 / copy_bw for x in mem]
-    return (f"memory-bound rows with prefix >= {min_prefix}: {len(mem)}, % of copy bandwidth min {min(pct):.0f}% / "
-            f"median {statistics.median(pct):.0f}% / max {max(pct):.0f}% (target >= 60%)")
+    lines = []
+    for backend in sorted({x.get("backend", "triton") for x in rows}):
+        mem = [x for x in rows if x.get("backend", "triton") == backend and x["prefix"] >= min_prefix
+               and x["bytes"] / copy_bw >= x["flops"] / peak]
+        if not mem:
+            lines.append(f"{backend}: no memory-bound row with prefix >= {min_prefix}")
+            continue
+        pct = [100 * x["gbps"] * 1e9 / copy_bw for x in mem]
+        lines.append(f"{backend}: memory-bound rows with prefix >= {min_prefix}: {len(mem)}, % of copy bandwidth "
+                     f"min {min(pct):.0f}% / median {statistics.median(pct):.0f}% / max {max(pct):.0f}% "
+                     f"(target >= 60%)")
+    return "\n".join(lines)
 
 
 def run_tree_bench(out_rows: list, quick: bool) -> str:
@@ -265,10 +283,17 @@ def main(argv=None):
     parser.add_argument("--tune", action="store_true", help="first time block / warp / split choices")
     parser.add_argument("--budget-s", type=float, default=480.0, help="start no new shape after this many seconds")
     parser.add_argument("--skip-tree", action="store_true", help="do not run the tree kernel benchmark")
+    parser.add_argument("--batches", type=int, nargs="+", help="override the sweep's batch sizes")
+    parser.add_argument("--nodes", type=int, nargs="+", help="override the sweep's N (1 = AR, 1 + B = a tree)")
+    parser.add_argument("--prefixes", type=int, nargs="+", help="override the sweep's prefix lengths")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
+                        help="verify_attn backends to time side by side (default: both on a GPU, triton on CPU)")
     args = parser.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
     sweep = (QUICK if args.quick else FULL) if on_gpu else CPU_SMOKE
+    overrides = dict(batches=args.batches, nodes=args.nodes, prefixes=args.prefixes)
+    sweep = dataclasses.replace(sweep, **{k: tuple(v) for k, v in overrides.items() if v})
     heads = tuple(args.heads or ((64,) if on_gpu else (4,)))
     interpret = not on_gpu
     if not on_gpu:
@@ -286,7 +311,8 @@ def main(argv=None):
             parser.error("--tune times compiled kernels at K2 sizes and needs a GPU backend")
         result["tune"] = [row for h in heads for row in tune(sweep, h, interpret, deadline)]
         print(f"## verify_attn tuning\n{tune_table(result['tune'])}\n", flush=True)
-    rows = bench_verify_attn(sweep, heads, interpret, deadline)
+    backends = tuple(args.backends or (BACKENDS if on_gpu else ("triton",)))
+    rows = bench_verify_attn(sweep, heads, interpret, deadline, backends)
     result["verify_attn"] = rows
     summary = bandwidth_summary(rows, copy_bw, peak)
     result["verify_attn_summary"] = summary

@@ -26,6 +26,9 @@
 #                                         # (4k, 32k) and 8, compiled drafter tests, ddtree == ar tokens (x2, ~6 min)
 #   bash scripts/gpu_session.sh owed5     # what session 5 left unmeasured: the K2.6-width round at 32k with an all-full
 #                                         # drafter | with K2.6's sliding layers (window 2048, read as a slice) (x2, ~4 min)
+#   bash scripts/gpu_session.sh mosaic6   # the Mosaic GPU (wgmma) verify_attn: compiled tests, then both backends side by
+#                                         # side at H = 64 (AR rows, batch 1/8/64, 8k/32k; B = 16 trees) (1 GPU, ~8 min)
+#   bash scripts/gpu_session.sh mosaic6b  # verify_attn kernel by kernel (jax.profiler), both backends (1 GPU, ~2 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -72,6 +75,17 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, print its tail and the
 
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 case "${1:-}" in
+mosaic6)
+    PYTHONUNBUFFERED=1 run pytest_mgpu 150 "$PY" -m pytest -v -x -rf tests/test_verify_attn_mgpu.py
+    PYTHONUNBUFFERED=1 run pytest_verify_attn 150 "$PY" -m pytest -q -rf tests/test_verify_attn.py
+    run bench_ar 200 "$PY" scripts/bench_kernels.py --skip-tree --budget-s 150 --batches 1 8 64 --nodes 1 \
+        --prefixes 8192 32768 --out "$OUT/bench_mosaic_ar.json"
+    run bench_tree 120 "$PY" scripts/bench_kernels.py --skip-tree --budget-s 80 --batches 1 8 --nodes 17 \
+        --prefixes 4096 32768 --out "$OUT/bench_mosaic_tree.json"
+    ;;
+mosaic6b)  # where a mosaic call's time goes, kernel by kernel (1 GPU, ~2 min)
+    run trace_verify_attn 150 "$PY" scripts/trace_verify_attn.py --out "$OUT/trace_verify_attn.json"
+    ;;
 kernels)
     run pytest_kernels 240 "$PY" -m pytest -q -rf --durations=10 tests/test_verify_attn.py tests/test_tree_build.py \
         tests/test_tree_accept.py tests/test_int4_moe.py tests/test_moe_kernel.py tests/test_engine_lowering.py
@@ -149,12 +163,7 @@ defaults)
         --out "$OUT/bench_kernels_tune_h8.json"
     run bench_kernels_h8 170 "$PY" scripts/bench_kernels.py --heads 8 --skip-tree --budget-s 130 \
         --out "$OUT/bench_kernels_h8.json"
-    if command -v nsys > /dev/null; then
-        run trace_verify_attn 80 nsys profile -o "$OUT/trace_va" --force-overwrite true --stats=true \
-            "$PY" scripts/trace_verify_attn.py --batch 1 --heads 8 --prefix 1024
-    else
-        echo "no nsys on this machine" > "$OUT/trace_verify_attn.log"
-    fi
+    run trace_verify_attn 80 "$PY" scripts/trace_verify_attn.py --heads 8 --backends triton --shapes 1x1x1024
     wait
     ;;
 bookkeeping)

@@ -1,59 +1,86 @@
-"""What one verify_attn call launches on the GPU: run it back to back under a profiler and list the kernels.
+"""verify_attn kernel by kernel: GPU time per call of every kernel one call launches (jax.profiler trace).
 
-    nsys profile -o trace --stats=true python scripts/trace_verify_attn.py [--batch 1] [--heads 8] [--prefix 1024]
-    ncu --metrics gpu__time_duration.sum python scripts/trace_verify_attn.py ...   (the H200 machine has only ncu)
+    python scripts/trace_verify_attn.py [--backends triton mosaic] [--shapes 8x1x32768 1x17x4096 ...] [--heads 64]
+                                        [--out f.json]
 
-`bench_kernels.py` times calls back to back inside one jit; small decode calls measured ~30 µs whatever the prefix.
-This script runs the same call `--calls` times in one jit (cache capacity 32k + 1, as the sweep) so a profiler's
-kernel summary shows how that time splits between the Triton kernel, XLA's split-K merge and the small glue ops.
-Without a profiler it prints the per-call time only.
+Each shape is BATCHxNxPREFIX at H heads, A = 512 + 64, bf16, the cache capacity rounded as the engine does. The calls
+run back to back inside one jit over distinct caches (as `bench_kernels.py` times them), under `jax.profiler`;
+kernel events are summed by name and divided by the number of calls. Shows what a call's wall time is made of:
+the attention kernel, XLA's merge of split-K partials, the tree block (mosaic path). (Nsight Systems is not on
+the H200 machine and Nsight Compute crashes on JAX processes there: jax.profiler is the working path.)
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-from bench_util import per_call_s  # noqa: E402
-from pallas_kernels.verify_attn import verify_attn  # noqa: E402
+from bench_kernels import SCALE, Sweep, make_inputs, timed_sets  # noqa: E402
+from bench_util import _back_to_back  # noqa: E402
+from kdtree_jax.speculative import CACHE_ROW_ALIGN  # noqa: E402
+from pallas_kernels import verify_attn_mgpu  # noqa: E402
+from pallas_kernels.verify_attn import BACKENDS, verify_attn  # noqa: E402
+from profile_round import gpu_kernels  # noqa: E402
 
-R, DR, SCALE = 512, 64, 0.1446796  # K2.6 latent widths and softmax scale
+CALLS = 8  # distinct caches, one call each (identical calls would be merged by XLA)
+
+
+def kernels_per_call(backend: str, bt: int, n: int, h: int, prefix: int) -> dict[str, float]:
+    sweep = Sweep(batches=(bt,), nodes=(n,), prefixes=(prefix,))
+    capacity = -(-(prefix + n) // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
+    q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt + n, caches=CALLS)
+
+    def call(q, c, p, t, m):
+        return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=sweep.r, backend=backend)
+
+    run = _back_to_back(call)
+    sets = timed_sets(q, caches, prefix, tree_kv, mask)
+    jax.block_until_ready(run(sets))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(run(sets))
+        events = gpu_kernels(trace_dir)
+    per_name: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        per_name[e["name"]] += e["dur"] / len(sets)
+    return dict(sorted(per_name.items(), key=lambda kv: -kv[1]))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--capacity", type=int, default=32769)
-    parser.add_argument("--calls", type=int, default=16)
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--shapes", nargs="+", default=["1x1x32768", "8x1x32768", "64x1x8192", "8x17x32768"])
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
-    on_gpu = jax.default_backend() == "gpu"
-    bt, n, h, s = args.batch, args.nodes, args.heads, args.capacity if on_gpu else 300
-    dtype = jnp.bfloat16 if on_gpu else jnp.float32
-    rng = np.random.default_rng(0)
-    sets = []
-    for _ in range(args.calls):
-        sets.append((jnp.asarray(rng.standard_normal((bt, n, h, R + DR)), dtype),
-                     jnp.asarray(rng.standard_normal((bt, s, R + DR)), dtype),
-                     jnp.full((bt,), min(args.prefix, s), jnp.int32),
-                     jnp.asarray(rng.standard_normal((bt, n, R + DR)), dtype),
-                     jnp.asarray(np.tril(np.ones((n, n), bool))[None].repeat(bt, 0))))
-
-    def call(q, c, p, t, m):
-        return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=R)
-
-    us = per_call_s(call, sets) * 1e6
-    print(f"verify_attn batch={bt} N={n} H={h} prefix={args.prefix} capacity={s}: {us:.1f} µs per call "
-          f"({jax.devices()[0].device_kind})")
+    if jax.default_backend() != "gpu":
+        parser.error("traces compiled kernels: needs a GPU backend")
+    results = []
+    for shape in args.shapes:
+        bt, n, prefix = (int(x) for x in shape.split("x"))
+        for backend in args.backends:
+            if backend == "mosaic" and not verify_attn_mgpu.supports(jnp.bfloat16, n * args.heads, 512, 64, 8):
+                continue
+            per = kernels_per_call(backend, bt, n, args.heads, prefix)
+            results.append(dict(backend=backend, batch=bt, nodes=n, heads=args.heads, prefix=prefix, kernels_us=per,
+                                total_us=sum(per.values())))
+            print(f"## {backend} batch {bt} N {n} H {args.heads} prefix {prefix}: {sum(per.values()):.1f} µs of kernels per call")
+            for name, us in per.items():
+                print(f"  {us:9.1f} µs  {name[:110]}")
+            sys.stdout.flush()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,8 @@ def test_reference_matches_direct_softmax(rng):
 def test_lowers_for_h200(bt, n, h, r, dr, s, dtype, splits, split):
     a = r + dr
     spec = jax.ShapeDtypeStruct
-    fn = functools.partial(verify_attn, scale=0.1, kv_lora_rank=r, num_splits=splits, interpret=False)
+    fn = functools.partial(verify_attn, scale=0.1, kv_lora_rank=r, num_splits=splits, interpret=False,
+                           backend="triton")
     lowered = lower_for_h200(fn, spec((bt, n, h, a), dtype), spec((bt, s, a), dtype), spec((bt,), jnp.int32),
                              spec((bt, n, a), dtype), spec((bt, n, n), jnp.bool_))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1  # split-K partials are merged by XLA, no 2nd kernel
@@ -229,14 +230,17 @@ def test_bad_arguments_name_the_argument(kw, match):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
 @pytest.mark.parametrize("prefix,n,h,dtype", [
     ([4000, 1234], 17, 64, jnp.bfloat16),  # split-K + combine
     ([4096], 65, 64, jnp.bfloat16),
     ([2500], 257, 64, jnp.bfloat16),  # one split
     ([3001, 0], 17, 8, np.float32),  # IEEE fp32 dots: 1e-5
 ])
-def test_compiled_engine_sizes(rng, prefix, n, h, dtype):
-    """Compiled Triton kernel at K2 sizes (A 576, S 4096) against the float64 reference."""
+def test_compiled_engine_sizes(rng, prefix, n, h, dtype, backend):
+    """Compiled kernels at K2 sizes (A 576, S 4096) against the float64 reference; mosaic where it applies."""
+    if backend == "mosaic" and not va.verify_attn_mgpu.supports(dtype, n * h, 512, 64, 4096):
+        pytest.skip("the wgmma kernel takes bf16/fp16 64-row tiles only")
     case = make_case(rng, prefix=prefix, n=n, h=h, r=512, dr=64, s=4096, dtype=dtype)
-    out, ref = run(case, interpret=False, r=512)
-    assert_close(out, ref, TOL[dtype], f"compiled prefix={prefix} N={n} H={h}")
+    out, ref = run(case, interpret=False, r=512, backend=backend)
+    assert_close(out, ref, TOL[dtype], f"compiled {backend} prefix={prefix} N={n} H={h}")

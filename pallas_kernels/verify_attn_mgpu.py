@@ -1,0 +1,209 @@
+"""Absorbed-MLA attention over the latent-cache prefix as a Mosaic GPU kernel (Hopper wgmma, warp-specialised).
+
+Why a second backend: with H = 64 heads, each 1,152-byte cache row feeds 139 kFLOP, so the prefix pass is
+tensor-core-bound on the Triton backend, which emits Ampere `mma.sync` for its tiles (BENCHMARKS.md §3). This kernel
+issues Hopper `wgmma` from 64-row query tiles, the FlashMLA layout:
+
+  - warpgroup 2 (memory) streams KV blocks [block_k, 576] into a ring of shared-memory stages by TMA;
+  - warpgroup 0 computes the scores S = q · kᵀ over all 576 dims and the online softmax, writes P (bf16) and the
+    row rescale factor to shared memory, then P · V for the first half of the 512 value columns;
+  - warpgroup 1 rescales its accumulator and computes P · V for the second half, reading P from shared memory.
+
+An fp32 [64, 512] accumulator would take 256 registers per thread; split over two warpgroups it takes 128, and the
+scores are computed once. Each program (request b, query tile t, split j) writes its unnormalised accumulator and
+the row max / sum (m, l) of its share of the prefix blocks; `verify_attn` merges the splits with the tree part.
+
+Limits (checked by `supports`): bf16/fp16 inputs, value width a multiple of 128, rope width a multiple of 64, query
+rows per request a multiple of 64 (H = 64 heads, or any N*H that is) and cache rows a multiple of 8. Everything
+else takes the Triton kernel. Off the GPU the kernel runs in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`), which simulates the
+warpgroups, shared memory, TMA and barriers.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROWS = 64  # wgmma's M: one query tile
+SWIZZLE = 128  # bytes; the widest TMA/wgmma shared-memory swizzle
+NEG = -1e30  # finite initial running max: exp2(NEG - m) = 0 for any real m, never inf - inf
+LOG2E = math.log2(math.e)
+COMPUTE_REGS, MEMORY_REGS = 232, 40  # per-thread registers after rebalancing (2 x 232 + 40 <= 512 per lane trio)
+
+
+BLOCK_K = 64  # KV rows per stage; P [64, 64] bf16 is one 128-byte swizzle row, as wgmma needs it to match V's
+SEQ_ALIGN = 8  # TMA reads the cache in tiles of 8 rows: its row count must be a multiple
+STAGES = 2  # KV ring depth: q tile 72 KiB + 2 x 72 KiB KV + 8 KiB P fills the 227 KiB a block may have
+
+
+def supports(dtype, heads_rows: int, value_width: int, rope_width: int, seq: int) -> bool:
+    """Whether this kernel handles a call: wgmma-friendly dtype and widths, whole 64-row query tiles, and a cache
+    whose row count TMA can tile (the engine allocates multiples of SEQ_ALIGN)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and heads_rows % ROWS == 0
+            and value_width % 128 == 0 and rope_width % 64 == 0 and seq % SEQ_ALIGN == 0)
+
+
+def _smem_transforms(minor: int, itemsize: int):
+    """Tiling + swizzle for a shared-memory tile whose minor dim holds `minor` elements (wgmma/TMA layout)."""
+    swizzle = min(SWIZZLE, minor * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
+    """Prefix blocks [lo, hi) of split j: every split but the last reads the same count, >= min_split_blocks."""
+    n_blocks = pl.cdiv(prefix, block_k)
+    per_split = jnp.maximum(pl.cdiv(n_blocks, n_splits), min_split_blocks)
+    lo = jnp.minimum(j * per_split, n_blocks)
+    return lo, jnp.minimum(n_blocks, lo + per_split)
+
+
+def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_splits: int, min_split_blocks: int = 1,
+                layer: int = 0, interpret: bool = False):
+    """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (<= S)
+    -> (acc [Bt, splits, rows, R] f32 unnormalised, m [Bt, splits, rows] f32 natural-log row max, l [...] f32 row
+    sum). A split with no blocks writes acc = 0, l = 0, m = NEG."""
+    bt, rows, width = q.shape
+    r, bk, stages, p_stages = value_width, BLOCK_K, STAGES, 1
+    half = r // 2
+    itemsize = q.dtype.itemsize
+    n_tiles = rows // ROWS
+    c = scale * LOG2E  # scores in log2 units: exp2 is one instruction
+
+    def body(plen_ref, q_ref, cache_ref, acc_ref, m_ref, l_ref, q_smem, kv_smem, p_smem, alpha_smem,
+             q_bar, kv_bar, kv_free, p_ready, p_free):
+        t, j, b = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("req")
+        wg = lax.axis_index("wg")
+        prefix = plen_ref[b]
+        lo, hi = block_range(prefix, j, n_splits, bk, min_split_blocks)
+        n = hi - lo
+        r0 = pl.multiple_of(t * ROWS, ROWS)
+        rows_out = (b, j, pl.ds(r0, ROWS))
+
+        def drain(bars, n, depth):
+            """Observe the last `depth` phases of a ring of barriers this warpgroup produced into, so that every
+            phase is consumed before the kernel ends (the interpreter checks it; compiled it costs one wait)."""
+            @pl.loop(jnp.maximum(n - depth, 0), n)
+            def _(i):
+                plgpu.barrier_wait(bars.at[lax.rem(i, depth)])
+
+        def kv_block(i):
+            return cache_ref.at[layer, b, pl.ds(pl.multiple_of((lo + i) * bk, bk), bk)]
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(r0, ROWS)], q_smem, q_bar)
+            for s in range(stages):
+                @pl.when(s < n)
+                def _prologue():
+                    plgpu.copy_gmem_to_smem(kv_block(s), kv_smem.at[s], kv_bar.at[s])
+
+            @pl.loop(jnp.int32(stages), jnp.maximum(n, stages))
+            def _stream(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(kv_free.at[slot])
+                plgpu.copy_gmem_to_smem(kv_block(i), kv_smem.at[slot], kv_bar.at[slot])
+
+            drain(kv_free, n, stages)
+
+        def pv(acc, p, slot, col0):
+            """acc + P · V[:, col0:col0+half]. Compiled, wgmma accumulates into the registers of `acc` in place;
+            Mosaic GPU's interpreter has no `run_state`, so there a fresh product is added (same arithmetic)."""
+            v = kv_smem.at[slot, :, pl.ds(col0, half)]
+            if interpret:
+                def product(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v)
+                    return acc_ref[...]
+                return acc + pl.run_scoped(product, plgpu.ACC((ROWS, half), jnp.float32))
+
+            def issue(acc_ref):
+                plgpu.wgmma(acc_ref, p, v)
+            return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+        @pl.when(wg == 0)
+        def _softmax_and_first_half():
+            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+            plgpu.barrier_wait(q_bar)
+            col = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
+            m = plgpu.layout_cast(jnp.full((ROWS,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
+
+            def step(i, carry):
+                acc, m, l = carry
+                slot, pslot = lax.rem(i, stages), lax.rem(i, p_stages)
+                plgpu.barrier_wait(kv_bar.at[slot])
+
+                def scores(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))
+                s = jnp.where(col < prefix - (lo + i) * bk, s * c, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                @pl.when(i >= p_stages)
+                def _wait_p_free():
+                    plgpu.barrier_wait(p_free.at[pslot])
+
+                p_smem[pslot] = p.astype(q.dtype)
+                alpha_smem[pslot] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready.at[pslot])
+                acc = pv(acc, p_smem.at[pslot], slot, 0)
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return acc, m_new, l
+
+            acc, m, l = lax.fori_loop(jnp.int32(0), n, step, (acc, m, l))
+            drain(p_free, n, p_stages)
+            acc_ref.at[*rows_out, pl.ds(0, half)][...] = acc
+            m_ref.at[rows_out][...] = m * math.log(2.0)
+            l_ref.at[rows_out][...] = l
+
+        @pl.when(wg == 1)
+        def _second_half():
+            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
+
+            def step(i, acc):
+                slot, pslot = lax.rem(i, stages), lax.rem(i, p_stages)
+                plgpu.barrier_wait(kv_bar.at[slot])
+                plgpu.barrier_wait(p_ready.at[pslot])
+                alpha = plgpu.load(alpha_smem.at[pslot], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = pv(acc, p_smem.at[pslot], slot, half)
+                plgpu.barrier_arrive(p_free.at[pslot])
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return acc
+
+            acc = lax.fori_loop(jnp.int32(0), n, step, acc)
+            acc_ref.at[*rows_out, pl.ds(half, half)][...] = acc
+
+    out_type = (jax.ShapeDtypeStruct((bt, n_splits, rows, r), jnp.float32),
+                jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32),
+                jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32))
+    scratch = (
+        plgpu.SMEM((ROWS, width), q.dtype, transforms=_smem_transforms(width, itemsize)),
+        plgpu.SMEM((stages, bk, width), q.dtype, transforms=_smem_transforms(width, itemsize)),
+        plgpu.SMEM((p_stages, ROWS, bk), q.dtype, transforms=_smem_transforms(bk, itemsize)),
+        plgpu.SMEM((p_stages, ROWS), jnp.float32),
+        plgpu.Barrier(num_barriers=1),  # q tile landed
+        plgpu.Barrier(num_barriers=stages),  # KV block landed (TMA)
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # KV slot read by both compute warpgroups
+        plgpu.Barrier(num_barriers=p_stages),  # P and alpha written by warpgroup 0
+        plgpu.Barrier(num_barriers=p_stages),  # P read by warpgroup 1
+    )
+    kernel = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(n_tiles, n_splits, bt),
+        grid_names=("tile", "split", "req"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                            reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    return kernel(prefix_len.astype(jnp.int32), q, cache)

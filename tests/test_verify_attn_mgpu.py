@@ -1,0 +1,90 @@
+"""The Mosaic GPU (wgmma) verify_attn path vs the float64 reference: in Mosaic GPU's interpreter on CPU (which
+simulates the three warpgroups, shared memory, TMA and barriers), lowered for an abstract H200, compiled on GPU."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import verify_attn_mgpu as vm
+from pallas_kernels._pallas import lower_for_h200
+from pallas_kernels.verify_attn import pick_backend, verify_attn
+from tests.test_verify_attn import TOL, assert_close, make_case, run
+
+H = vm.ROWS  # 64 heads: one query tile per tree node
+
+
+# (prefix per request, N, R, Dr, S, num_splits): partial last blocks, an empty prefix, a prefix that ends on a block
+# edge, more splits than blocks (idle splits), a tree wider than one tile.
+CASES = [
+    ([200, 0], 3, 128, 64, 200, None),
+    ([130, 64], 1, 128, 64, 192, 3),
+    ([257, 100], 2, 256, 64, 304, 2),
+    ([64], 5, 128, 64, 64, 1),
+]
+
+
+@pytest.mark.parametrize("prefix,n,r,dr,s,splits", CASES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_matches_reference(rng, interpret, prefix, n, r, dr, s, splits, dtype):
+    case = make_case(rng, prefix=prefix, n=n, h=H, r=r, dr=dr, s=s, dtype=dtype)
+    out, ref = run(case, interpret=interpret, r=r, backend="mosaic", num_splits=splits)
+    assert_close(out, ref, TOL[jnp.bfloat16], f"mosaic prefix={prefix} N={n} splits={splits}")
+
+
+def test_agrees_with_triton_path(rng, interpret):
+    """Both backends on one input: they share no kernel code, only the reference's definition."""
+    case = make_case(rng, prefix=[150, 70], n=2, h=H, r=128, dr=64, s=160, dtype=jnp.bfloat16)
+    mosaic, ref = run(case, interpret=interpret, r=128, backend="mosaic")
+    triton, _ = run(case, interpret=interpret, r=128, backend="triton")
+    assert_close(mosaic, triton, 2 * TOL[jnp.bfloat16], "mosaic vs triton")
+    assert np.linalg.norm(mosaic - ref) < np.linalg.norm(ref) * TOL[jnp.bfloat16]
+
+
+def test_layer_of_the_whole_cache(rng, interpret):
+    case = make_case(rng, prefix=[100, 40], n=1, h=H, r=128, dr=64, s=128, dtype=jnp.bfloat16)
+    layers = np.stack([np.asarray(jnp.asarray(rng.standard_normal(case["cache"].shape), jnp.bfloat16)),
+                       case["cache"]])
+    args = [jnp.asarray(case[k]) for k in ("q", "cache", "prefix_len", "tree_kv", "tree_mask")]
+    one = verify_attn(*args, scale=0.1, kv_lora_rank=128, interpret=interpret, backend="mosaic")
+    args[1] = jnp.asarray(layers)
+    whole = verify_attn(*args, scale=0.1, kv_lora_rank=128, layer=1, interpret=interpret, backend="mosaic")
+    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(whole, np.float32))
+
+
+def test_idle_split_writes_the_empty_partial(rng, interpret):
+    """A split with no prefix blocks must still write its tile: acc 0, l 0 and a finite very negative m, which the
+    merge weighs by exp(m - max) = 0. Outputs start as NaN-filled buffers, so an unwritten one would show."""
+    q = jnp.asarray(rng.standard_normal((2, H, 192)), jnp.bfloat16)
+    cache = jnp.asarray(rng.standard_normal((1, 2, 128, 192)), jnp.bfloat16)
+    acc, m, l = vm.prefix_attn(q, cache, jnp.array([128, 0], jnp.int32), scale=0.1, value_width=128, n_splits=3,
+                               interpret=interpret)
+    acc, m, l = map(np.asarray, (acc, m, l))
+    assert np.isfinite(acc).all() and np.isfinite(m).all() and np.isfinite(l).all()
+    assert (l[0, :2] > 0).all() and (l[0, 2] == 0).all() and (l[1] == 0).all()  # 2 blocks over 3 splits
+    assert (acc[0, 2] == 0).all() and (acc[1] == 0).all() and (m[1] < -1e29).all()
+
+
+def test_pick_backend():
+    assert pick_backend(None, jnp.bfloat16, 1, 64, 512, 64, 4096, interpret=True) == "triton"  # interpreter: Triton's
+    assert pick_backend("mosaic", jnp.bfloat16, 17, 64, 512, 64, 4096, interpret=True) == "mosaic"
+    with pytest.raises(ValueError, match="N\\*H=32"):
+        pick_backend("mosaic", jnp.bfloat16, 1, 32, 512, 64, 4096, interpret=False)
+    with pytest.raises(ValueError, match="float32"):
+        pick_backend("mosaic", jnp.float32, 1, 64, 512, 64, 4096, interpret=False)
+    with pytest.raises(ValueError, match="S=4097"):
+        pick_backend("mosaic", jnp.bfloat16, 1, 64, 512, 64, 4097, interpret=False)
+    with pytest.raises(ValueError, match="backend='cutlass'"):
+        pick_backend("cutlass", jnp.bfloat16, 1, 64, 512, 64, 4096, interpret=False)
+
+
+@pytest.mark.parametrize("bt,n,s", [(2, 1, 4096), (1, 17, 8192)])
+def test_lowers_for_h200(bt, n, s):
+    """Mosaic GPU lowering at K2 widths for an abstract H200: shared-memory budget, wgmma operand swizzles and TMA
+    divisibility are all checked here, without a GPU."""
+    spec, a = jax.ShapeDtypeStruct, 576
+    fn = functools.partial(verify_attn, scale=0.1, kv_lora_rank=512, interpret=False, backend="mosaic")
+    text = lower_for_h200(fn, spec((bt, n, H, a), jnp.bfloat16), spec((bt, s, a), jnp.bfloat16),
+                          spec((bt,), jnp.int32), spec((bt, n, a), jnp.bfloat16), spec((bt, n, n), jnp.bool_)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1 and "__gpu$xla.gpu.triton" not in text
