@@ -22,6 +22,7 @@ from kdtree_jax import budget as budget_mod
 from kdtree_jax import sampling
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
+from pallas_kernels.verify_attn import BACKENDS as ATTN_BACKENDS
 from kdtree_jax.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
@@ -62,7 +63,7 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
         if spec.use_pallas:  # a causal "tree" over the cached prefix: flash-style kernel, no [S]-sized temporaries
             positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (bt, chunk))
             out = forward_verify(target, tokens, positions, jnp.full((bt,), start, jnp.int32), causal, cache,
-                                 taps=spec.taps, use_pallas=True, valid=valid)
+                                 taps=spec.taps, use_pallas=True, valid=valid, attn_backend=spec.attn_backend)
         else:
             out = forward_prefill(target, tokens, start, cache, taps=spec.taps, valid=valid)
         row = prompt_len - 1 - start  # [Bt] the prompt's last row, if it is in this chunk
@@ -215,12 +216,15 @@ class Engine:
 
     def __init__(self, target, drafter=None, tokenizer=None, *, mesh=None, use_pallas: bool | None = None,
                  prefill_chunk: int = 256, matmul_precision: str = "highest", memory_limit_bytes: int | None = None,
-                 progress: bool = False, budget_profile=None):
+                 progress: bool = False, budget_profile=None, attn_backend: str | None = None):
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.mesh = mesh
         self.use_pallas = True if use_pallas is None else use_pallas
+        if attn_backend not in (None, *ATTN_BACKENDS):
+            raise ValueError(f"attn_backend={attn_backend!r} must be one of {ATTN_BACKENDS} or None (auto)")
+        self.attn_backend = attn_backend  # verify_attn's backend; None: chosen per call by device and shape
         self.prefill_chunk = prefill_chunk
         # fp32 weights must give fp32 results: TF32 matmuls on GPU make the tree-masked verify and the AR step
         # round differently and flip near-tied argmaxes, breaking token identity with autoregressive decoding
@@ -244,7 +248,7 @@ class Engine:
     @classmethod
     def load(cls, target: str | os.PathLike, drafter: str | os.PathLike | None = None, *, mesh=None,
              dtype: str = "float32", use_pallas: bool | None = None, progress: bool = False,
-             budget_profile: str | os.PathLike | None = None) -> "Engine":
+             budget_profile: str | os.PathLike | None = None, attn_backend: str | None = None) -> "Engine":
         """budget_profile: for budget="auto"; default `<target dir>/../budget_profile.<device kind>.json`."""
         from kdtree_jax.checkpoint_io import load_drafter_any, load_target_any, load_tokenizer_any
 
@@ -253,7 +257,7 @@ class Engine:
         if budget_profile is None:
             budget_profile = budget_mod.default_profile_path(target, jax.devices()[0].device_kind)
         engine = cls(model, draft_model, load_tokenizer_any(target), mesh=mesh, use_pallas=use_pallas,
-                     progress=progress, budget_profile=budget_profile)
+                     progress=progress, budget_profile=budget_profile, attn_backend=attn_backend)
         engine.checkpoint_names = (budget_mod.checkpoint_name(target),
                                    None if drafter is None else budget_mod.checkpoint_name(drafter))
         return engine
@@ -271,7 +275,7 @@ class Engine:
         return DecodeSpec(
             mode=mode, batch=batch, prompt_cap=prompt_cap, max_new_tokens=max_new_tokens, budget=budget,
             block=1 if dcfg is None else dcfg.block_size, vocab=cfg.vocab_size, sampling=params,
-            prefill_chunk=chunk, use_pallas=self.use_pallas, stop_ids=stop,
+            prefill_chunk=chunk, use_pallas=self.use_pallas, attn_backend=self.attn_backend, stop_ids=stop,
             taps=() if dcfg is None else tuple(dcfg.target_layer_ids),
             mask_token_id=0 if dcfg is None else dcfg.mask_token_id,
         )

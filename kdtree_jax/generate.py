@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+ATTENTION_BACKENDS = ("auto", "triton", "mosaic")  # "auto" + pallas_kernels.verify_attn.BACKENDS (jax-free import)
+
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
 DEFAULT_TARGET = os.path.join(DEFAULT_DIR, "target")
 DEFAULT_DRAFTER = os.path.join(DEFAULT_DIR, "drafter")
@@ -77,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="one JSON object per prompt per line, in prompt order")
     out.add_argument("--stream-every", type=int, default=1, help="rounds between streamed updates")
     out.add_argument("--no-pallas", action="store_true", help="jnp attention instead of the verify_attn kernel")
+    out.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                     help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16, 64 "
+                          "query rows per tile, e.g. 64 heads) or auto = mosaic where it applies on an H100/H200")
     return p
 
 
@@ -136,7 +141,8 @@ def run(argv: list[str] | None = None) -> int:
 
     mesh = parse_mesh(args.mesh) if args.mesh else None
     engine = Engine.load(args.checkpoint, args.drafter if args.mode != "ar" else None, mesh=mesh, dtype=args.dtype,
-                         use_pallas=not args.no_pallas, progress=True, budget_profile=args.budget_profile)
+                         use_pallas=not args.no_pallas, progress=True, budget_profile=args.budget_profile,
+                         attn_backend=None if args.attention_backend == "auto" else args.attention_backend)
     if any(isinstance(p, str) for p in prompts) and engine.tokenizer is None:
         raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; pass --prompt-ids instead")
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -118,13 +118,13 @@ def absorbed_attention_jnp(q: jax.Array, cache: jax.Array, prefix_len: jax.Array
 
 
 def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array, mask: jax.Array,
-               cache: jax.Array, *, layer: int | None = None, use_pallas: bool = False, interpret: bool | None = None
-               ) -> tuple[jax.Array, jax.Array]:
+               cache: jax.Array, *, layer: int | None = None, use_pallas: bool = False, interpret: bool | None = None,
+               attn_backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA for N new rows over the cache (rows [0, start_b) valid), new rows under `mask`.
 
     cache: this layer's [B, S, A], or the model's [L, B, S, A] with a static `layer` (the kernel reads it in place).
     Returns (out [B, N, D], latent rows [B, N, A] in the cache dtype, for the caller to write at
-    [start_b, start_b + N)).
+    [start_b, start_b + N)). attn_backend: verify_attn's backend (None: its own choice by device and shape).
     """
     cfg, dt = attn.cfg, x.dtype
     q_nope, q_pe = project_queries(attn, x, cos, sin)
@@ -134,7 +134,8 @@ def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: j
     if use_pallas:
         from pallas_kernels.verify_attn import verify_attn  # lazy: the kernel module is optional on CPU
 
-        kw = dict(scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, layer=layer, interpret=interpret)
+        kw = dict(scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, layer=layer, interpret=interpret,
+                  backend=attn_backend)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.size > 1:  # each device runs the kernel on its requests and heads
             from kdtree_jax.sharding import verify_attn_on_mesh

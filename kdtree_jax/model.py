@@ -146,7 +146,8 @@ def forward_prefill(model: KimiModel, tokens: jax.Array, start, cache: LatentCac
 
 def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, start: jax.Array, mask: jax.Array,
                    cache: LatentCache, *, taps: Sequence[int] = (), use_pallas: bool = False,
-                   interpret: bool | None = None, valid: jax.Array | None = None) -> ForwardOut:
+                   interpret: bool | None = None, valid: jax.Array | None = None,
+                   attn_backend: str | None = None) -> ForwardOut:
     """Absorbed MLA over N new rows per request: tokens / positions [B, N], start [B], mask [B, N, N] bool.
 
     Row i attends to cache rows [0, start_b) and to new rows j with mask[b, i, j]; the N latents are written at
@@ -163,7 +164,7 @@ def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, st
 
     def attend(attn, x, cos, sin, latent, layer):  # the whole cache: the kernel reads the layer in place
         return mla_verify(attn, x, cos, sin, start, mask, latent, layer=layer, use_pallas=use_pallas,
-                          interpret=interpret)
+                          interpret=interpret, attn_backend=attn_backend)
 
     def write(latent, layer, rows):  # [B, N, A] at rows [start_b, start_b + N) of layer `layer`: one scatter
         return write_rows(latent, rows, start, layer=layer)

@@ -41,6 +41,7 @@ class DecodeSpec:
     sampling: sampling.SamplingParams = sampling.SamplingParams()
     prefill_chunk: int = 256
     use_pallas: bool = True  # verify_attn kernel (else the jnp form); tree kernels always run
+    attn_backend: str | None = None  # verify_attn backend: None = by device and shape, "triton" or "mosaic"
     stop_ids: tuple[int, ...] = ()
     taps: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
     mask_token_id: int = 0
@@ -165,7 +166,7 @@ def speculative_round(spec: DecodeSpec, target, drafter, state: DecodeState) -> 
         positions = state.length[:, None] + tree.depths
         out = forward_verify(
             target, tree.tokens, positions, state.length, tree.vis, state.cache, taps=spec.taps,
-            use_pallas=spec.use_pallas,
+            use_pallas=spec.use_pallas, attn_backend=spec.attn_backend,
         )
     with jax.named_scope("round/sample"):
         keys = sampling.slot_keys(jax.random.wrap_key_data(state.keys), state.round + 1, spec.n_slots)

@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import copy_ceiling, matmul_peak, per_call_s  # noqa: E402
+from bench_util import _back_to_back, copy_ceiling, matmul_peak, per_call_s  # noqa: E402
 from kdtree_jax.speculative import CACHE_ROW_ALIGN  # noqa: E402
 from pallas_kernels import verify_attn_mgpu  # noqa: E402
 from pallas_kernels.verify_attn import (BACKENDS, MIN_SPLIT_ROWS, SM_COUNT, _default_splits,  # noqa: E402
@@ -45,12 +46,31 @@ SCALE = 0.1446796  # K2.6 softmax scale (kimi_k2_format.md §1)
 MIN_BENCH_S = 0.3  # keep timing a shape until this much time is spent (after at least MIN_REPS calls)
 MIN_REPS, MAX_REPS = 3, 20
 ROTATE_BYTES = 256 << 20  # cache bytes read per rotation of input sets: 5x the H200's 50 MB L2
-MAX_SETS, MIN_SETS = 64, 2  # input sets (calls) per timed jit
-SET_MEMORY = 16 << 30  # device bytes the rotated caches may take
+MAX_SETS, MIN_SETS = 64, 8  # input sets (calls) per timed jit: one host dispatch is shared by >= 8 calls
+SET_MEMORY = 32 << 30  # device bytes the rotated caches may take (MIN_SETS wins where they would take more)
 
 
 def median_per_call_s(fn, sets) -> float:
     return per_call_s(fn, sets, min_reps=MIN_REPS, max_reps=MAX_REPS, min_total_s=MIN_BENCH_S)
+
+
+def kernel_per_call_s(fn, sets) -> tuple[float, float]:
+    """(GPU kernel time, kernel span) per call from a jax.profiler trace of the same back-to-back jit: the sum of
+    every kernel's duration, and first kernel start to last kernel end (kernels + the gaps between them, without
+    the host dispatch before the first). Device timestamps, so what the kernels themselves take."""
+    from profile_round import gpu_kernels
+
+    run = _back_to_back(fn)
+    jax.block_until_ready(run(list(sets)))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(run(list(sets)))
+        events = gpu_kernels(trace_dir)
+    if not events:
+        raise RuntimeError("kernel_per_call_s: the trace has no GPU kernel events (is the backend a GPU?)")
+    busy = sum(e["dur"] for e in events) * 1e-6
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) * 1e-6
+    return busy / len(sets), span / len(sets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +162,9 @@ def timed_sets(q, caches, prefix: int, tree_kv, mask):
 
 
 def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, deadline: float,
-                      backends: tuple[str, ...] = ("triton",)) -> list[dict]:
-    """Every shape with each backend that applies to it, on the same inputs, one after the other."""
+                      backends: tuple[str, ...] = ("triton",), trace: bool = False) -> list[dict]:
+    """Every shape with each backend that applies to it, on the same inputs, one after the other; with `trace`,
+    also the GPU kernel time per call (kernel_per_call_s)."""
     rows = []
     a, r = sweep.r + sweep.dr, sweep.r
     itemsize = jnp.dtype(sweep.dtype).itemsize
@@ -172,14 +193,17 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                               for p in (min(sweep.prefixes), max(sweep.prefixes)))
                     for prefix in sweep.prefixes:
                         k = n_sets(bt, prefix, capacity, a, itemsize)
-                        sec = median_per_call_s(call, timed_sets(q, caches[:k], prefix, tree_kv, mask))
+                        sets_k = timed_sets(q, caches[:k], prefix, tree_kv, mask)
+                        sec = median_per_call_s(call, sets_k)
+                        kernel_s, span_s = kernel_per_call_s(call, sets_k) if trace else (float("nan"),) * 2
                         nbytes = (bt * prefix * a * itemsize + q.nbytes + q.nbytes * r // a + tree_kv.nbytes
                                   + mask.nbytes)
                         flops = 2 * bt * n * h * (prefix + n) * (a + r)
                         rows.append(dict(kernel="verify_attn", backend=backend, batch=bt, nodes=n, heads=h,
                                          prefix=prefix, ms=sec * 1e3, bytes=nbytes, flops=flops,
                                          gbps=nbytes / sec / 1e9, tflops=flops / sec / 1e12, rel_err_row0=err,
-                                         first_call_s=compile_s, sets=k))
+                                         first_call_s=compile_s, sets=k, kernel_ms=kernel_s * 1e3,
+                                         span_ms=span_s * 1e3, kernel_gbps=nbytes / kernel_s / 1e9))
                         print(json.dumps(rows[-1]), flush=True)
                 del q, caches, tree_kv, mask
     return rows
@@ -232,14 +256,16 @@ def tune_table(rows: list[dict]) -> str:
 
 
 def verify_table(rows: list[dict], copy_bw: float, peak: float) -> str:
-    lines = ["| backend | batch | N | H | prefix | ms | GB/s | % copy | TFLOP/s | % roofline | bound | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| backend | batch | N | H | prefix | ms | GB/s | % copy | kernel ms | span ms | % copy (kernels) | "
+             "TFLOP/s | % roofline | bound | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         t_mem, t_mma = x["bytes"] / copy_bw, x["flops"] / peak
         roof = max(t_mem, t_mma) / (x["ms"] / 1e3)
+        kern = x.get("kernel_ms", float("nan"))
         lines.append(f"| {x.get('backend', 'triton')} | {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | "
-                     f"{x['ms']:.3f} | "
-                     f"{x['gbps']:.1f} | {100 * x['gbps'] * 1e9 / copy_bw:.0f}% | {x['tflops']:.1f} | "
+                     f"{x['ms']:.3f} | {x['gbps']:.1f} | {100 * x['gbps'] * 1e9 / copy_bw:.0f}% | {kern:.3f} | "
+                     f"{x.get('span_ms', float('nan')):.3f} | {100 * x['bytes'] / (kern / 1e3) / copy_bw:.0f}% | "
+                     f"{x['tflops']:.1f} | "
                      f"{100 * roof:.0f}% | {'mem' if t_mem >= t_mma else 'mma'} | {x['rel_err_row0']:.1e} |")
     return "\n".join(lines)
 
@@ -253,10 +279,12 @@ def bandwidth_summary(rows: list[dict], copy_bw: float, peak: float, min_prefix:
         if not mem:
             lines.append(f"{backend}: no memory-bound row with prefix >= {min_prefix}")
             continue
-        pct = [100 * x["gbps"] * 1e9 / copy_bw for x in mem]
-        lines.append(f"{backend}: memory-bound rows with prefix >= {min_prefix}: {len(mem)}, % of copy bandwidth "
-                     f"min {min(pct):.0f}% / median {statistics.median(pct):.0f}% / max {max(pct):.0f}% "
-                     f"(target >= 60%)")
+        for label, sec in (("wall", lambda x: x["ms"] / 1e3), ("kernels", lambda x: x.get("kernel_ms", 0) / 1e3)):
+            pct = [100 * x["bytes"] / sec(x) / copy_bw for x in mem if sec(x) > 0]
+            if pct:
+                lines.append(f"{backend}, {label}: memory-bound rows with prefix >= {min_prefix}: {len(pct)}, % of copy "
+                             f"bandwidth min {min(pct):.0f}% / median {statistics.median(pct):.0f}% / max "
+                             f"{max(pct):.0f}% (target >= 60%)")
     return "\n".join(lines)
 
 
@@ -286,6 +314,8 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", help="override the sweep's batch sizes")
     parser.add_argument("--nodes", type=int, nargs="+", help="override the sweep's N (1 = AR, 1 + B = a tree)")
     parser.add_argument("--prefixes", type=int, nargs="+", help="override the sweep's prefix lengths")
+    parser.add_argument("--trace", action="store_true",
+                        help="also the GPU kernel time per call, from a jax.profiler trace of each timed jit")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
                         help="verify_attn backends to time side by side (default: both on a GPU, triton on CPU)")
     args = parser.parse_args(argv)
@@ -312,7 +342,7 @@ def main(argv=None):
         result["tune"] = [row for h in heads for row in tune(sweep, h, interpret, deadline)]
         print(f"## verify_attn tuning\n{tune_table(result['tune'])}\n", flush=True)
     backends = tuple(args.backends or (BACKENDS if on_gpu else ("triton",)))
-    rows = bench_verify_attn(sweep, heads, interpret, deadline, backends)
+    rows = bench_verify_attn(sweep, heads, interpret, deadline, backends, trace=args.trace and on_gpu)
     result["verify_attn"] = rows
     summary = bandwidth_summary(rows, copy_bw, peak)
     result["verify_attn_summary"] = summary

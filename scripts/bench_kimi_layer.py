@@ -56,7 +56,9 @@ from bench_util import copy_ceiling, matmul_peak, median_s  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.layers import rms_norm  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
+from kdtree_jax.speculative import CACHE_ROW_ALIGN  # noqa: E402
 from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
+from pallas_kernels.verify_attn import BACKENDS  # noqa: E402
 
 N_SETS = 2  # prefill: token sets cycled per timing (different routing each call)
 VERIFY_CALLS = 8  # verify steps per jitted call, each on its own token set (different routing each step)
@@ -195,7 +197,12 @@ def _distinct(record: list, n_experts: int) -> jax.Array:
     return jnp.stack([jnp.zeros((n_experts,), jnp.int32).at[i.reshape(-1)].set(1).sum() for i in record])
 
 
-def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool):
+def cache_rows(need: int) -> int:
+    """Cache rows as the engine allocates them (whole TMA row tiles, DecodeSpec.capacity)."""
+    return -(-need // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
+
+
+def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool, attn_backend: str | None = None):
     """One jit running a verify step once per token set ([calls, Bt, N]) in a loop that threads the cache: the
     host dispatch (tens of µs) is paid once per `calls` steps, as in the engine's compiled decode loop. Returns
     (a logit sum that keeps every step alive, the cache, mean distinct experts per MoE layer)."""
@@ -209,7 +216,7 @@ def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool):
             record = []
             with moe_experts(mode, record, interpret):
                 out = forward_verify(model, token_sets[i], positions, start, mask, cache, use_pallas=use_pallas,
-                                     interpret=interpret)
+                                     interpret=interpret, attn_backend=attn_backend)
             return out.cache, acc + out.logits[0, 0, 0], distinct + _distinct(record, cfg.n_routed_experts)
 
         init = (cache, jnp.float32(0), jnp.zeros((n_moe,), jnp.int32))
@@ -290,6 +297,7 @@ def per_step_ms(steps: tuple[int, ...], seconds: list[float]) -> dict:
 class Runner:
     def __init__(self, cfg, sweep: Sweep, args, interpret: bool, dtype):
         self.cfg, self.sweep, self.args, self.interpret, self.dtype = cfg, sweep, args, interpret, dtype
+        self.attn_backend = None if args.attn_backend == "auto" else args.attn_backend
         self.t0 = time.perf_counter()
         self.graphdef, self.state = build_model(cfg, dtype)
         self.wbytes = weight_bytes(self.state)
@@ -313,7 +321,7 @@ class Runner:
 
     def verify_configs(self):
         sw = self.sweep
-        capacity = max(sw.prefixes) + max(sw.nodes)
+        capacity = cache_rows(max(sw.prefixes) + max(sw.nodes))
         modes = ["kernel", "as_is"]
         for mode in modes:
             for bt in sw.batches:
@@ -332,7 +340,8 @@ class Runner:
         cfg, rng = self.cfg, np.random.default_rng(bt * 1000 + n)
         try:
             t_c = time.perf_counter()
-            fn = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret)
+            fn = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret,
+                             self.attn_backend)
             cache = LatentCache(latent=jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, bt, capacity,
                                                                              cfg.latent_dim), self.dtype))
             mask = ancestor_mask(rng, bt, n)
@@ -372,7 +381,7 @@ class Runner:
     def ar_breakdown(self):
         """The AR step (N = 1) side by side with the same step without the routed experts and with the head alone:
         experts = full - skip, decoder layers without experts = skip - head."""
-        capacity = max(self.sweep.prefixes) + 1
+        capacity = cache_rows(max(self.sweep.prefixes) + 1)
         for bt in self.sweep.batches:
             for mode in ("kernel", "skip"):
                 base = dict(kind="verify", moe=mode, batch=bt, nodes=1, pallas_attn=not self.args.no_pallas_attn)
@@ -543,6 +552,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="N 1 and 65 only")
     parser.add_argument("--out", help="write all results as JSON to this path")
     parser.add_argument("--no-pallas-attn", action="store_true", help="verify attention in jnp instead of Pallas")
+    parser.add_argument("--attn-backend", choices=("auto", *BACKENDS), default="auto",
+                        help="verify_attn backend (auto: mosaic on an H100/H200 where it applies)")
     parser.add_argument("--as-is-max-tokens", type=int, default=65,
                         help="measure the model's own MoE path only up to this many routed tokens")
     parser.add_argument("--budget-s", type=float, default=270.0, help="start no new config after this many seconds")

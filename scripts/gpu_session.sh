@@ -29,6 +29,10 @@
 #   bash scripts/gpu_session.sh mosaic6   # the Mosaic GPU (wgmma) verify_attn: compiled tests, then both backends side by
 #                                         # side at H = 64 (AR rows, batch 1/8/64, 8k/32k; B = 16 trees) (1 GPU, ~8 min)
 #   bash scripts/gpu_session.sh mosaic6b  # verify_attn kernel by kernel (jax.profiler), both backends (1 GPU, ~2 min)
+#   bash scripts/gpu_session.sh mosaic6c  # compiled wgmma tests incl. engine ddtree == ar; K2.6-width round at 32k,
+#                                         # B = 16 and AR, triton vs mosaic (1 GPU, ~8 min)
+#   bash scripts/gpu_session.sh mosaic6d  # verify_attn wall + GPU-kernel time per call, both backends (1 GPU, ~6 min)
+#   bash scripts/gpu_session.sh mosaic6e  # K2.6-width round at batch 8, 4k, B = 16 and AR, triton vs mosaic (1 GPU)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -82,6 +86,25 @@ mosaic6)
         --prefixes 8192 32768 --out "$OUT/bench_mosaic_ar.json"
     run bench_tree 120 "$PY" scripts/bench_kernels.py --skip-tree --budget-s 80 --batches 1 8 --nodes 17 \
         --prefixes 4096 32768 --out "$OUT/bench_mosaic_tree.json"
+    ;;
+mosaic6c)  # the wgmma kernel inside the engine: compiled tests (ddtree == ar on it), K2.6-width round at 32k (1 GPU)
+    PYTHONUNBUFFERED=1 run pytest_mgpu 150 "$PY" -m pytest -v -rf tests/test_verify_attn_mgpu.py
+    for backend in triton mosaic; do
+        run "profile_round_32k_$backend" 210 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --ar \
+            --prompt 32768 --attn-backend "$backend" --out "$OUT/round_$backend"
+    done
+    ;;
+mosaic6d)  # the final side-by-side: wall and GPU-kernel time per call, both backends, AR rows and B = 16 trees (1 GPU)
+    run bench_ar 260 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 200 --batches 1 8 64 --nodes 1 \
+        --prefixes 8192 32768 --out "$OUT/bench_mosaic_ar_trace.json"
+    run bench_tree 200 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 140 --batches 1 8 --nodes 17 \
+        --prefixes 4096 32768 --out "$OUT/bench_mosaic_tree_trace.json"
+    ;;
+mosaic6e)  # the engine at batch 8: K2.6-width round, B = 16 and AR, 4k, triton vs mosaic (1 GPU, ~5 min)
+    for backend in triton mosaic; do
+        run "profile_round_b8_$backend" 200 "$PY" scripts/profile_round.py --batch 8 --budgets 16 --ar \
+            --attn-backend "$backend" --out "$OUT/round_b8_$backend"
+    done
     ;;
 mosaic6b)  # where a mosaic call's time goes, kernel by kernel (1 GPU, ~2 min)
     run trace_verify_attn 150 "$PY" scripts/trace_verify_attn.py --out "$OUT/trace_verify_attn.json"

@@ -56,6 +56,7 @@ from kdtree_jax.drafter import DFlashDrafter  # noqa: E402
 from kdtree_jax.drafter_config import DrafterConfig  # noqa: E402
 from kdtree_jax.engine import decode_loop, prefill  # noqa: E402
 from kdtree_jax.speculative import DecodeSpec  # noqa: E402
+from pallas_kernels.verify_attn import BACKENDS  # noqa: E402
 
 PARTS = ("tree", "verify", "sample", "accept", "cache_update", "draft", "topk")
 BOOKKEEPING = ("tree", "topk", "accept", "cache_update")
@@ -180,6 +181,8 @@ def main(argv=None):
     parser.add_argument("--sliding-window", type=int, default=0,
                         help="drafter layers but the last slide with this window (2048: the K2.6 drafter); 0: none")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--attn-backend", choices=("auto", *BACKENDS), default="auto",
+                        help="verify_attn backend (auto: mosaic on an H100/H200 where it applies)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--ar", action="store_true", help="also the AR loop (no drafter)")
     parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens per request")
@@ -210,7 +213,8 @@ def main(argv=None):
         spec = DecodeSpec(mode=mode, batch=args.batch, prompt_cap=prompt, max_new_tokens=16 * max(ROUNDS),
                           budget=budget, block=1 if mode == "ar" else dcfg.block_size, vocab=cfg.vocab_size,
                           prefill_chunk=min(256, prompt), taps=() if mode == "ar" else dcfg.target_layer_ids,
-                          mask_token_id=dcfg.mask_token_id)
+                          mask_token_id=dcfg.mask_token_id,
+                          attn_backend=None if args.attn_backend == "auto" else args.attn_backend)
         uses_drafter = mode != "ar"
 
         def merged(ts, ds):
@@ -247,7 +251,7 @@ def main(argv=None):
                    round_us=round_us, fixed_us_per_call=(secs[0] * 1e6 - ROUNDS[0] * round_us),
                    kernel_us_per_round=kernel_us, parts_us=parts, bookkeeping_us=book,
                    bookkeeping_share=book / round_us, mean_accept=float(accept.mean()), compile_s=compile_s,
-                   xla_flags=os.environ.get("XLA_FLAGS", ""))
+                   xla_flags=os.environ.get("XLA_FLAGS", ""), attn_backend=args.attn_backend)
         results.append(row)
         print(json.dumps(row), flush=True)
     print("\n" + markdown(results))

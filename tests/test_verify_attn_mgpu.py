@@ -88,3 +88,44 @@ def test_lowers_for_h200(bt, n, s):
     text = lower_for_h200(fn, spec((bt, n, H, a), jnp.bfloat16), spec((bt, s, a), jnp.bfloat16),
                           spec((bt,), jnp.int32), spec((bt, n, a), jnp.bfloat16), spec((bt, n, n), jnp.bool_)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1 and "__gpu$xla.gpu.triton" not in text
+
+
+def _wide_pair(seed: int):
+    """A tiny Kimi-shaped pair whose verify calls take the wgmma path: 64 heads, 128 + 64 latent, bf16 cache."""
+    from engine_utils import drafter_config, random_drafter
+
+    from kdtree_jax import config
+    from kdtree_jax.weights import init_random
+
+    cfg = config.tiny(eos_token_id=(), num_attention_heads=H, kv_lora_rank=128, qk_rope_head_dim=64,
+                      num_hidden_layers=2)
+    return (init_random(cfg, seed=seed, cache_dtype=jnp.bfloat16),
+            random_drafter(drafter_config(cfg, block_size=4), seed))
+
+
+def test_engine_hands_its_backend_to_the_kernel(rng):
+    """The engine's attn_backend reaches verify_attn: "mosaic" on a 4-head model is refused there, by name."""
+    from engine_utils import random_pair
+
+    from kdtree_jax.engine import Engine
+    from kdtree_jax.generate import ATTENTION_BACKENDS
+    from pallas_kernels.verify_attn import BACKENDS
+
+    assert ATTENTION_BACKENDS == ("auto", *BACKENDS)
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)))
+    with pytest.raises(ValueError, match="attn_backend='cuda'"):
+        Engine(target, drafter, None, attn_backend="cuda")
+    with pytest.raises(ValueError, match="backend='mosaic' needs"):
+        Engine(target, drafter, None, attn_backend="mosaic").generate([[1, 2, 3]], 2, mode="ar")
+
+
+@pytest.mark.gpu
+def test_engine_greedy_ddtree_equals_ar_on_the_wgmma_kernel(rng):
+    from kdtree_jax.engine import Engine
+
+    target, drafter = _wide_pair(int(rng.integers(1 << 30)))
+    engine = Engine(target, drafter, None, attn_backend="mosaic")
+    prompts = [rng.integers(0, target.cfg.vocab_size - 1, size=k).tolist() for k in (70, 9, 33)]
+    ar = engine.generate(prompts, 24, mode="ar").token_ids
+    for budget in (4, 16):
+        assert engine.generate(prompts, 24, mode="ddtree", budget=budget).token_ids == ar
