@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--stream-every", type=int, default=1, help="rounds between streamed updates")
     out.add_argument("--no-pallas", action="store_true", help="jnp attention instead of the verify_attn kernel")
     out.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                     help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16, 64 "
-                          "query rows per tile, e.g. 64 heads) or auto = mosaic where it applies on an H100/H200")
+                     help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16 cache, "
+                          "query rows padded to 64-row tiles) or auto = mosaic on an H100/H200 where the tokens x "
+                          "heads of a request fill whole tiles (e.g. 64 heads)")
     return p
 
 

@@ -264,20 +264,23 @@ def _is_hopper() -> bool:
     return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
 
 
-def pick_backend(backend: str | None, dtype, n: int, h: int, r: int, dr: int, seq: int, interpret: bool) -> str:
-    """`mosaic` (Hopper wgmma, verify_attn_mgpu) where it applies and is compiled, else `triton`: by default the
-    wgmma kernel serves every call whose query rows fill 64-row tiles (H = 64: the tensor-core-bound case) on an
-    sm_90 GPU; an explicit choice is honoured or refused with the reason."""
-    fits = verify_attn_mgpu.supports(dtype, n * h, r, dr, seq)
+def pick_backend(backend: str | None, dtype, rows: int, r: int, dr: int, seq: int, interpret: bool) -> str:
+    """`mosaic` (Hopper wgmma, verify_attn_mgpu) or `triton` for a call with `rows` = N*H query rows per request.
+
+    By default the wgmma kernel serves, on an sm_90 GPU, every call it supports whose rows fill whole 64-row tiles:
+    at H = 64 it measured 1.6-2.9x the Triton kernel (BENCHMARKS.md §3, session 6), while H = 8 decode, padded
+    to a tile, measured a tie (0.95-1.05x) and stays on Triton. An explicit choice is honoured (any row count:
+    rows are padded) or refused with the reason."""
+    fits = verify_attn_mgpu.supports(dtype, r, dr, seq)
     if backend is None:
-        return "mosaic" if fits and not interpret and _is_hopper() else "triton"
+        whole_tiles = rows % verify_attn_mgpu.ROWS == 0
+        return "mosaic" if fits and whole_tiles and not interpret and _is_hopper() else "triton"
     if backend not in BACKENDS:
         raise ValueError(f"verify_attn: backend={backend!r} must be one of {BACKENDS} or None (auto)")
     if backend == "mosaic" and not fits:
-        raise ValueError(f"verify_attn: backend='mosaic' needs bf16/fp16, N*H % {verify_attn_mgpu.ROWS} == 0, "
-                         f"kv_lora_rank % 128 == 0, rope width % 64 == 0 and cache rows % "
-                         f"{verify_attn_mgpu.SEQ_ALIGN} == 0; got {jnp.dtype(dtype).name}, N*H={n * h}, {r} + {dr}, "
-                         f"S={seq}")
+        raise ValueError(f"verify_attn: backend='mosaic' needs bf16/fp16, kv_lora_rank % 128 == 0, rope width % 64 "
+                         f"== 0 and cache rows % {verify_attn_mgpu.SEQ_ALIGN} == 0; got {jnp.dtype(dtype).name}, "
+                         f"{r} + {dr}, S={seq}")
     return backend
 
 
@@ -306,13 +309,16 @@ def _merge_partials(acc, m, l, acc_t, m_t, l_t):
 def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret):
     bt, n, h, a = q.shape
     rows = n * h
+    tiles = pl.cdiv(rows, verify_attn_mgpu.ROWS)
     min_split_blocks = 1
     if num_splits is None:  # one 190 KiB program per SM: whole waves, >= MIN_SPLIT_ROWS rows per split
-        num_splits = _default_splits(bt * rows // verify_attn_mgpu.ROWS, cache.shape[2] // MIN_SPLIT_ROWS, 1)
+        num_splits = _default_splits(bt * tiles, cache.shape[2] // MIN_SPLIT_ROWS, 1)
         min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, verify_attn_mgpu.BLOCK_K)
-    acc, m, l = verify_attn_mgpu.prefix_attn(q.reshape(bt, rows, a), cache, prefix_len, scale=scale, value_width=r,
+    q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * verify_attn_mgpu.ROWS)  # padding rows: computed, dropped
+    acc, m, l = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r,
                                              n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
                                              interpret=interpret)
+    acc, m, l = acc[:, :, :rows], m[:, :, :rows], l[:, :, :rows]
     acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
     out = _merge_partials(acc, m, l, acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows), l_t.reshape(bt, rows))
     return out.astype(q.dtype).reshape(bt, n, h, r)
@@ -344,7 +350,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
         cache, layer = cache[None], 0  # [1, Bt, S, A]: one code path
     bt, n, h, a = q.shape
     s, r, dr = cache.shape[2], kv_lora_rank, a - kv_lora_rank
-    if pick_backend(backend, q.dtype, n, h, r, dr, s, interpret) == "mosaic":
+    if pick_backend(backend, q.dtype, n * h, r, dr, s, interpret) == "mosaic":
         return _verify_attn_mosaic(q, cache, jnp.clip(prefix_len.astype(jnp.int32), 0, s), tree_kv.astype(q.dtype),
                                    tree_mask, scale=float(scale), r=r, layer=layer, num_splits=num_splits,
                                    interpret=interpret)

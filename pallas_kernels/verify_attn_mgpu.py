@@ -13,9 +13,10 @@ An fp32 [64, 512] accumulator would take 256 registers per thread; split over tw
 scores are computed once. Each program (request b, query tile t, split j) writes its unnormalised accumulator and
 the row max / sum (m, l) of its share of the prefix blocks; `verify_attn` merges the splits with the tree part.
 
-Limits (checked by `supports`): bf16/fp16 inputs, value width a multiple of 128, rope width a multiple of 64, query
-rows per request a multiple of 64 (H = 64 heads, or any N*H that is) and cache rows a multiple of 8. Everything
-else takes the Triton kernel. Off the GPU the kernel runs in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`), which simulates the
+Limits (checked by `supports`): bf16/fp16 inputs, value width a multiple of 128, rope width a multiple of 64 and cache
+rows a multiple of 8; everything else takes the Triton kernel. Query rows (N*H per request) come in whole 64-row
+tiles: `verify_attn` pads them (rows are independent in the prefix pass), so H = 8 decode runs 8 real rows per tile,
+which costs tensor-core time but not HBM bytes. Off the GPU the kernel runs in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`), which simulates the
 warpgroups, shared memory, TMA and barriers.
 """
 from __future__ import annotations
@@ -40,11 +41,11 @@ SEQ_ALIGN = 8  # TMA reads the cache in tiles of 8 rows: its row count must be a
 STAGES = 2  # KV ring depth: q tile 72 KiB + 2 x 72 KiB KV + 8 KiB P fills the 227 KiB a block may have
 
 
-def supports(dtype, heads_rows: int, value_width: int, rope_width: int, seq: int) -> bool:
-    """Whether this kernel handles a call: wgmma-friendly dtype and widths, whole 64-row query tiles, and a cache
-    whose row count TMA can tile (the engine allocates multiples of SEQ_ALIGN)."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and heads_rows % ROWS == 0
-            and value_width % 128 == 0 and rope_width % 64 == 0 and seq % SEQ_ALIGN == 0)
+def supports(dtype, value_width: int, rope_width: int, seq: int) -> bool:
+    """Whether this kernel handles a call: wgmma-friendly dtype and widths, and a cache whose row count TMA can
+    tile (the engine allocates multiples of SEQ_ALIGN). Query rows are padded to whole tiles by the caller."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and value_width % 128 == 0
+            and rope_width % 64 == 0 and seq % SEQ_ALIGN == 0)
 
 
 def _smem_transforms(minor: int, itemsize: int):

@@ -178,8 +178,7 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                 sets = n_sets(bt, min(sweep.prefixes), capacity, a, itemsize)
                 q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n, caches=sets)
                 for backend in backends:
-                    if backend == "mosaic" and not verify_attn_mgpu.supports(sweep.dtype, n * h, r, sweep.dr,
-                                                                               capacity):
+                    if backend == "mosaic" and not verify_attn_mgpu.supports(sweep.dtype, r, sweep.dr, capacity):
                         continue
 
                     def call(q, c, p, t, m, backend=backend):

@@ -33,6 +33,7 @@
 #                                         # B = 16 and AR, triton vs mosaic (1 GPU, ~8 min)
 #   bash scripts/gpu_session.sh mosaic6d  # verify_attn wall + GPU-kernel time per call, both backends (1 GPU, ~6 min)
 #   bash scripts/gpu_session.sh mosaic6e  # K2.6-width round at batch 8, 4k, B = 16 and AR, triton vs mosaic (1 GPU)
+#   bash scripts/gpu_session.sh mosaic6f  # H = 8 (rows padded to tiles) on the wgmma kernel vs Triton (1 GPU, ~3 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -105,6 +106,12 @@ mosaic6e)  # the engine at batch 8: K2.6-width round, B = 16 and AR, 4k, triton 
         run "profile_round_b8_$backend" 200 "$PY" scripts/profile_round.py --batch 8 --budgets 16 --ar \
             --attn-backend "$backend" --out "$OUT/round_b8_$backend"
     done
+    ;;
+mosaic6f)  # rows padded to 64-row tiles: H = 8 on the wgmma kernel, compiled tests and both backends (1 GPU, ~3 min)
+    PYTHONUNBUFFERED=1 run pytest_mgpu 60 "$PY" -m pytest -q -rf -k "matches_reference or lowers" \
+        tests/test_verify_attn_mgpu.py
+    run bench_h8 90 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 50 --heads 8 --batches 8 64 \
+        --nodes 1 --prefixes 8192 32768 --out "$OUT/bench_h8_trace.json"
     ;;
 mosaic6b)  # where a mosaic call's time goes, kernel by kernel (1 GPU, ~2 min)
     run trace_verify_attn 150 "$PY" scripts/trace_verify_attn.py --out "$OUT/trace_verify_attn.json"

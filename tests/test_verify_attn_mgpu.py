@@ -15,22 +15,25 @@ from tests.test_verify_attn import TOL, assert_close, make_case, run
 H = vm.ROWS  # 64 heads: one query tile per tree node
 
 
-# (prefix per request, N, R, Dr, S, num_splits): partial last blocks, an empty prefix, a prefix that ends on a block
-# edge, more splits than blocks (idle splits), a tree wider than one tile.
+# (prefix per request, N, H, R, Dr, S, num_splits): partial last blocks, an empty prefix, a prefix that ends on a
+# block edge, more splits than blocks (idle splits), a tree wider than one tile, and N*H that is not a whole number
+# of 64-row tiles (8 heads as under 8-way tensor parallelism: rows padded to a tile).
 CASES = [
-    ([200, 0], 3, 128, 64, 200, None),
-    ([130, 64], 1, 128, 64, 192, 3),
-    ([257, 100], 2, 256, 64, 304, 2),
-    ([64], 5, 128, 64, 64, 1),
+    ([200, 0], 3, H, 128, 64, 200, None),
+    ([130, 64], 1, H, 128, 64, 192, 3),
+    ([257, 100], 2, H, 256, 64, 304, 2),
+    ([64], 5, H, 128, 64, 64, 1),
+    ([150, 9], 1, 8, 128, 64, 160, None),
+    ([100, 33], 17, 8, 128, 64, 136, 2),
 ]
 
 
-@pytest.mark.parametrize("prefix,n,r,dr,s,splits", CASES)
+@pytest.mark.parametrize("prefix,n,h,r,dr,s,splits", CASES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_matches_reference(rng, interpret, prefix, n, r, dr, s, splits, dtype):
-    case = make_case(rng, prefix=prefix, n=n, h=H, r=r, dr=dr, s=s, dtype=dtype)
+def test_matches_reference(rng, interpret, prefix, n, h, r, dr, s, splits, dtype):
+    case = make_case(rng, prefix=prefix, n=n, h=h, r=r, dr=dr, s=s, dtype=dtype)
     out, ref = run(case, interpret=interpret, r=r, backend="mosaic", num_splits=splits)
-    assert_close(out, ref, TOL[jnp.bfloat16], f"mosaic prefix={prefix} N={n} splits={splits}")
+    assert_close(out, ref, TOL[jnp.bfloat16], f"mosaic prefix={prefix} N={n} H={h} splits={splits}")
 
 
 def test_agrees_with_triton_path(rng, interpret):
@@ -67,25 +70,36 @@ def test_idle_split_writes_the_empty_partial(rng, interpret):
 
 
 def test_pick_backend():
-    assert pick_backend(None, jnp.bfloat16, 1, 64, 512, 64, 4096, interpret=True) == "triton"  # interpreter: Triton's
-    assert pick_backend("mosaic", jnp.bfloat16, 17, 64, 512, 64, 4096, interpret=True) == "mosaic"
-    with pytest.raises(ValueError, match="N\\*H=32"):
-        pick_backend("mosaic", jnp.bfloat16, 1, 32, 512, 64, 4096, interpret=False)
+    assert pick_backend(None, jnp.bfloat16, 64, 512, 64, 4096, interpret=True) == "triton"  # interpreter: Triton's
+    assert pick_backend("mosaic", jnp.bfloat16, 8, 512, 64, 4096, interpret=True) == "mosaic"  # rows padded
+    with pytest.raises(ValueError, match="32 \\+ 64"):
+        pick_backend("mosaic", jnp.bfloat16, 64, 32, 64, 4096, interpret=False)
     with pytest.raises(ValueError, match="float32"):
-        pick_backend("mosaic", jnp.float32, 1, 64, 512, 64, 4096, interpret=False)
+        pick_backend("mosaic", jnp.float32, 64, 512, 64, 4096, interpret=False)
     with pytest.raises(ValueError, match="S=4097"):
-        pick_backend("mosaic", jnp.bfloat16, 1, 64, 512, 64, 4097, interpret=False)
+        pick_backend("mosaic", jnp.bfloat16, 64, 512, 64, 4097, interpret=False)
     with pytest.raises(ValueError, match="backend='cutlass'"):
-        pick_backend("cutlass", jnp.bfloat16, 1, 64, 512, 64, 4096, interpret=False)
+        pick_backend("cutlass", jnp.bfloat16, 64, 512, 64, 4096, interpret=False)
 
 
-@pytest.mark.parametrize("bt,n,s", [(2, 1, 4096), (1, 17, 8192)])
-def test_lowers_for_h200(bt, n, s):
+@pytest.mark.parametrize("rows,hopper,want", [(64, True, "mosaic"), (17 * 64, True, "mosaic"), (8, True, "triton"),
+                                              (136, True, "triton"), (64, False, "triton")])
+def test_auto_backend_rule(monkeypatch, rows, hopper, want):
+    """Compiled (interpret=False) on an sm_90 device: whole 64-row tiles take wgmma, padded ones stay on Triton."""
+    from pallas_kernels import verify_attn as va
+
+    monkeypatch.setattr(va, "_is_hopper", lambda: hopper)
+    assert pick_backend(None, jnp.bfloat16, rows, 512, 64, 4096, interpret=False) == want
+    assert pick_backend(None, jnp.float32, rows, 512, 64, 4096, interpret=False) == "triton"
+
+
+@pytest.mark.parametrize("bt,n,h,s", [(2, 1, H, 4096), (1, 17, H, 8192), (4, 1, 8, 4096)])
+def test_lowers_for_h200(bt, n, h, s):
     """Mosaic GPU lowering at K2 widths for an abstract H200: shared-memory budget, wgmma operand swizzles and TMA
     divisibility are all checked here, without a GPU."""
     spec, a = jax.ShapeDtypeStruct, 576
     fn = functools.partial(verify_attn, scale=0.1, kv_lora_rank=512, interpret=False, backend="mosaic")
-    text = lower_for_h200(fn, spec((bt, n, H, a), jnp.bfloat16), spec((bt, s, a), jnp.bfloat16),
+    text = lower_for_h200(fn, spec((bt, n, h, a), jnp.bfloat16), spec((bt, s, a), jnp.bfloat16),
                           spec((bt,), jnp.int32), spec((bt, n, a), jnp.bfloat16), spec((bt, n, n), jnp.bool_)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1 and "__gpu$xla.gpu.triton" not in text
 
