@@ -30,15 +30,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 ROWS = 64  # wgmma's M: one query tile
+BLOCK_K = 64  # KV rows per stage; P [64, 64] bf16 is one 128-byte swizzle row, as wgmma needs it to match V's
+STAGES = 2  # KV ring depth: q tile 72 KiB + 2 x 72 KiB KV + 8 KiB P fills the 227 KiB a block may have
+P_STAGES = 1  # P buffers: warpgroup 0 writes P(i+1) after warpgroup 1 has read P(i) (a third stage does not fit)
+SEQ_ALIGN = 8  # TMA reads the cache in tiles of 8 rows: its row count must be a multiple
 SWIZZLE = 128  # bytes; the widest TMA/wgmma shared-memory swizzle
 NEG = -1e30  # finite initial running max: exp2(NEG - m) = 0 for any real m, never inf - inf
 LOG2E = math.log2(math.e)
-COMPUTE_REGS, MEMORY_REGS = 232, 40  # per-thread registers after rebalancing (2 x 232 + 40 <= 512 per lane trio)
-
-
-BLOCK_K = 64  # KV rows per stage; P [64, 64] bf16 is one 128-byte swizzle row, as wgmma needs it to match V's
-SEQ_ALIGN = 8  # TMA reads the cache in tiles of 8 rows: its row count must be a multiple
-STAGES = 2  # KV ring depth: q tile 72 KiB + 2 x 72 KiB KV + 8 KiB P fills the 227 KiB a block may have
+# per-thread registers after rebalancing: the two compute warpgroups hold a [64, 256] fp32 accumulator each (128
+# registers); 2 x 232 + 40 fits the 3 x 170 a 64K-register file gives three warpgroups
+COMPUTE_REGS, MEMORY_REGS = 232, 40
 
 
 def supports(dtype, value_width: int, rope_width: int, seq: int) -> bool:
@@ -66,9 +67,12 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
                 layer: int = 0, interpret: bool = False):
     """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (<= S)
     -> (acc [Bt, splits, rows, R] f32 unnormalised, m [Bt, splits, rows] f32 natural-log row max, l [...] f32 row
-    sum). A split with no blocks writes acc = 0, l = 0, m = NEG."""
+    sum). A split with no blocks writes acc = 0, l = 0 and m = NEG · ln 2 (finite, weighs 0 in a merge)."""
     bt, rows, width = q.shape
-    r, bk, stages, p_stages = value_width, BLOCK_K, STAGES, 1
+    if rows % ROWS or not supports(q.dtype, value_width, width - value_width, cache.shape[2]):
+        raise ValueError(f"verify_attn_mgpu: q {q.shape} {q.dtype} / cache {cache.shape} with R = {value_width}: "
+                         f"needs rows % {ROWS} == 0 and what `supports` lists")
+    r, bk, stages, p_stages = value_width, BLOCK_K, STAGES, P_STAGES
     half = r // 2
     itemsize = q.dtype.itemsize
     n_tiles = rows // ROWS
@@ -150,6 +154,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
                 @pl.when(i >= p_stages)
                 def _wait_p_free():
                     plgpu.barrier_wait(p_free.at[pslot])

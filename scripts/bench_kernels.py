@@ -65,12 +65,16 @@ def kernel_per_call_s(fn, sets) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(run(list(sets)))
-        events = gpu_kernels(trace_dir)
+        return kernel_time_per_call(gpu_kernels(trace_dir), len(sets))
+
+
+def kernel_time_per_call(events: list[dict], calls: int) -> tuple[float, float]:
+    """(summed kernel durations, first start to last end) / calls, in seconds, from trace events (µs ts / dur)."""
     if not events:
         raise RuntimeError("kernel_per_call_s: the trace has no GPU kernel events (is the backend a GPU?)")
     busy = sum(e["dur"] for e in events) * 1e-6
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) * 1e-6
-    return busy / len(sets), span / len(sets)
+    return busy / calls, span / calls
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ import importlib.util
 import os
 import sys
 
+import numpy as np
 import pytest
 
 _SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
@@ -140,3 +141,32 @@ def test_chunked_attention_equals_the_jnp_form(rng):
         got = forms.chunked_attention(q, c, prefix, t, mask, scale=0.3, kv_lora_rank=r,
                                       score_bytes=4 * b * n * h * chunk_rows)
     np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_kernel_time_per_call_from_trace_events(rng):
+    """bench_kernels --trace: kernel busy time and span per call from device timestamps, gaps excluded from busy."""
+    bench_kernels = _load("bench_kernels")
+    calls = int(rng.integers(1, 9))
+    durs = rng.uniform(1.0, 50.0, 3 * calls)
+    gaps = rng.uniform(0.0, 5.0, 3 * calls)
+    t0 = float(rng.uniform(0, 1e6))
+    starts = t0 + np.concatenate([[0.0], np.cumsum(durs + gaps)[:-1]])
+    events = [dict(ts=float(s), dur=float(d)) for s, d in zip(starts, durs)]
+    rng.shuffle(events)
+    busy, span = bench_kernels.kernel_time_per_call(events, calls)
+    assert busy == pytest.approx(durs.sum() * 1e-6 / calls, rel=1e-12)
+    assert span == pytest.approx((durs.sum() + gaps[:-1].sum()) * 1e-6 / calls, rel=1e-9)
+    with pytest.raises(RuntimeError, match="no GPU kernel events"):
+        bench_kernels.kernel_time_per_call([], calls)
+
+
+def test_bandwidth_summary_per_backend_and_clock():
+    """The >= 60% check is reported per backend, on wall time and on kernel time."""
+    bench_kernels = _load("bench_kernels")
+    copy_bw, peak = 4e12, 600e12
+    row = dict(prefix=8192, bytes=4e8, flops=1e9)
+    rows = [dict(row, backend="mosaic", ms=0.2, kernel_ms=0.125), dict(row, backend="triton", ms=0.4, kernel_ms=0.2)]
+    text = bench_kernels.bandwidth_summary(rows, copy_bw, peak)
+    assert "mosaic, wall: memory-bound rows with prefix >= 8192: 1, % of copy bandwidth min 50%" in text
+    assert "mosaic, kernels: memory-bound rows with prefix >= 8192: 1, % of copy bandwidth min 80%" in text
+    assert "triton, wall" in text and "min 25%" in text and "triton, kernels" in text
