@@ -22,7 +22,9 @@ from kdtree_jax import budget as budget_mod
 from kdtree_jax import sampling
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
+from pallas_kernels import verify_attn_mgpu
 from pallas_kernels.verify_attn import BACKENDS as ATTN_BACKENDS
+from pallas_kernels.verify_attn import SM_COUNT
 from kdtree_jax.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
@@ -188,8 +190,15 @@ def estimate_bytes(spec: DecodeSpec, target, drafter) -> dict[str, int]:
 
     def forward(tokens: int, keys: int) -> int:
         logits = bt * tokens * cfg.vocab_size * 4
-        # the verify_attn kernel (verify and, with Pallas, prefill chunks) streams keys: no [Bt, H, T, S] scores
-        scores = 0 if spec.use_pallas else bt * cfg.num_attention_heads * tokens * keys * 4
+        # the verify_attn kernel (verify and, with Pallas, prefill chunks) streams the cached keys: no [Bt, H, T, S]
+        # scores; its wgmma path keeps the [Bt, T, H, T] tree block and fp32 split partials (about two waves of
+        # 64-row programs at most, or the rows themselves)
+        heads = cfg.num_attention_heads
+        partials = max(bt * tokens * heads, 2 * SM_COUNT * verify_attn_mgpu.ROWS) * cfg.kv_lora_rank * 4
+        if spec.use_pallas:
+            scores = bt * heads * tokens * (tokens + 2) * 4 + partials
+        else:
+            scores = bt * heads * tokens * keys * 4
         moe = bt * tokens * max(cfg.n_routed_experts, 1) * max(cfg.moe_intermediate_size, 1) * act
         hidden = bt * tokens * max(cfg.intermediate_size, cfg.hidden_size) * act * 4
         return 2 * (logits + scores + moe + hidden)
