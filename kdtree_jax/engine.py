@@ -22,9 +22,6 @@ from kdtree_jax import budget as budget_mod
 from kdtree_jax import sampling
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
-from pallas_kernels import verify_attn_mgpu
-from pallas_kernels.verify_attn import BACKENDS as ATTN_BACKENDS
-from pallas_kernels.verify_attn import SM_COUNT
 from kdtree_jax.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
@@ -36,6 +33,9 @@ from kdtree_jax.speculative import (
     drafter_pass,
     speculative_round,
 )
+from pallas_kernels import verify_attn_mgpu
+from pallas_kernels.verify_attn import BACKENDS as ATTN_BACKENDS
+from pallas_kernels.verify_attn import SM_COUNT
 
 
 # ---------------------------------------------------------------------------------------------------------------

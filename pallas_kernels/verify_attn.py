@@ -1,5 +1,8 @@
 """Absorbed-MLA tree attention for DDTree verify as a Pallas Triton kernel (flash-style, split-K).
 
+`verify_attn(backend=...)` also routes calls to the Mosaic GPU (Hopper wgmma) prefix kernel in verify_attn_mgpu;
+`pick_backend` says when. What follows describes the Triton kernel.
+
 Every query row (node n, head h) attends to the request's latent cache rows [0, prefix_len) and to the tree rows
 its mask row allows. The KV side is one shared 576-wide latent head (MQA: c_kv | k_pe), so the (N, H) query rows
 are flattened to R_q = N*H rows and processed as 2-D tiles of `block_q` rows; each KV block of `block_k` latents
@@ -268,8 +271,9 @@ def pick_backend(backend: str | None, dtype, rows: int, r: int, dr: int, seq: in
     """`mosaic` (Hopper wgmma, verify_attn_mgpu) or `triton` for a call with `rows` = N*H query rows per request.
 
     By default the wgmma kernel serves, on an sm_90 GPU, every call it supports whose rows fill whole 64-row tiles:
-    at H = 64 it measured 1.6-2.9x the Triton kernel (BENCHMARKS.md §3, session 6), while H = 8 decode, padded
-    to a tile, measured a tie (0.95-1.05x) and stays on Triton. An explicit choice is honoured (any row count:
+    at H = 64 its GPU time per call measured 1.2-2.7x less than the Triton kernel's (wall time 0.9-2.5x, the 0.9 at
+    batch 1, 32k; BENCHMARKS.md §3, session 6), while H = 8 decode, padded to a tile, measured a tie (0.95-1.05x)
+    and stays on Triton. An explicit choice is honoured (any row count:
     rows are padded) or refused with the reason."""
     fits = verify_attn_mgpu.supports(dtype, r, dr, seq)
     if backend is None:
@@ -307,6 +311,8 @@ def _merge_partials(acc, m, l, acc_t, m_t, l_t):
 
 
 def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret):
+    """verify_attn on the wgmma path: the prefix by verify_attn_mgpu (rows padded to 64-row tiles), the tree block
+    and the merge of both in XLA."""
     bt, n, h, a = q.shape
     rows = n * h
     tiles = pl.cdiv(rows, verify_attn_mgpu.ROWS)
