@@ -23,6 +23,7 @@ from kdtree_jax import sampling
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
 from kdtree_jax.speculative import (
+    CACHE_ROW_ALIGN,
     FINISH_LENGTH,
     FINISH_NONFINITE,
     FINISH_REASONS,
@@ -234,6 +235,12 @@ class Engine:
         if attn_backend not in (None, *ATTN_BACKENDS):
             raise ValueError(f"attn_backend={attn_backend!r} must be one of {ATTN_BACKENDS} or None (auto)")
         self.attn_backend = attn_backend  # verify_attn's backend; None: chosen per call by device and shape
+        tcfg = target.cfg
+        if attn_backend == "mosaic" and not verify_attn_mgpu.supports(target.cache_dtype, tcfg.kv_lora_rank,
+                                                                      tcfg.qk_rope_head_dim, CACHE_ROW_ALIGN):
+            raise ValueError(f"attn_backend='mosaic' needs a bf16/fp16 latent cache, kv_lora_rank % 128 == 0 and "
+                             f"qk_rope_head_dim % 64 == 0; this target has a {jnp.dtype(target.cache_dtype).name} "
+                             f"cache, kv_lora_rank={tcfg.kv_lora_rank}, qk_rope_head_dim={tcfg.qk_rope_head_dim}")
         self.prefill_chunk = prefill_chunk
         # fp32 weights must give fp32 results: TF32 matmuls on GPU make the tree-masked verify and the AR step
         # round differently and flip near-tied argmaxes, breaking token identity with autoregressive decoding

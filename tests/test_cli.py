@@ -111,6 +111,14 @@ def test_bad_flags_exit_2_one_line(args, needle, synthetic_pair):
     assert "Traceback" not in proc.stderr
 
 
+def test_attention_backend_that_cannot_serve_the_checkpoint_exits_2(synthetic_pair):
+    target, drafter, _ = synthetic_pair  # fp32 cache, latent widths the wgmma kernel does not take
+    proc = run_cli("--checkpoint", target, "--drafter", drafter, "--attention-backend", "mosaic", "--prompt-ids", "1,2",
+                   check=False)
+    assert proc.returncode == 2 and "attn_backend='mosaic' needs" in proc.stderr and "kv_lora_rank=" in proc.stderr
+    assert "Traceback" not in proc.stderr and "compiling" not in proc.stderr  # refused before any compile
+
+
 def test_mismatched_drafter_and_long_prompt_exit_2(synthetic_pair):
     target, _, bad = synthetic_pair
     proc = run_cli("--checkpoint", target, "--drafter", bad, "--prompt-ids", "1,2", check=False)

@@ -117,8 +117,8 @@ def _wide_pair(seed: int):
             random_drafter(drafter_config(cfg, block_size=4), seed))
 
 
-def test_engine_hands_its_backend_to_the_kernel(rng):
-    """The engine's attn_backend reaches verify_attn: "mosaic" on a 4-head model is refused there, by name."""
+def test_engine_refuses_a_backend_that_cannot_serve_the_target(rng):
+    """Checked when the engine is built, naming the config fields, before any compile."""
     from engine_utils import random_pair
 
     from kdtree_jax.engine import Engine
@@ -126,11 +126,33 @@ def test_engine_hands_its_backend_to_the_kernel(rng):
     from pallas_kernels.verify_attn import BACKENDS
 
     assert ATTENTION_BACKENDS == ("auto", *BACKENDS)
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)))
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)))  # fp32 cache, kv_lora_rank 32
     with pytest.raises(ValueError, match="attn_backend='cuda'"):
         Engine(target, drafter, None, attn_backend="cuda")
-    with pytest.raises(ValueError, match="backend='mosaic' needs"):
-        Engine(target, drafter, None, attn_backend="mosaic").generate([[1, 2, 3]], 2, mode="ar")
+    with pytest.raises(ValueError, match="float32 cache, kv_lora_rank=32, qk_rope_head_dim=8"):
+        Engine(target, drafter, None, attn_backend="mosaic")
+
+
+def test_model_forward_takes_the_chosen_backend(rng, interpret):
+    """forward_verify's attn_backend reaches verify_attn: the 64-head model's logits agree on both backends (and
+    a backend that does not exist is refused from inside the forward)."""
+    from kdtree_jax.model import LatentCache, forward_verify
+
+    target, _ = _wide_pair(int(rng.integers(1 << 30)))
+    cfg, bt, n, s = target.cfg, 2, 3, 64
+    cache = LatentCache(latent=jnp.asarray(rng.standard_normal((cfg.num_hidden_layers, bt, s, cfg.latent_dim)),
+                                           jnp.bfloat16))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (bt, n)), jnp.int32)
+    start = jnp.array([40, 17], jnp.int32)
+    positions = start[:, None] + jnp.arange(n)[None, :]
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (bt, n, n))
+    logits = {b: np.asarray(forward_verify(target, tokens, positions, start, mask, cache, use_pallas=True,
+                                           interpret=interpret, attn_backend=b).logits, np.float64)
+              for b in ("triton", "mosaic")}
+    assert_close(logits["mosaic"], logits["triton"], TOL[jnp.bfloat16], "logits mosaic vs triton")
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        forward_verify(target, tokens, positions, start, mask, cache, use_pallas=True, interpret=interpret,
+                       attn_backend="cuda")
 
 
 @pytest.mark.gpu
