@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import verify_attn_mgpu as vm
 from pallas_kernels._pallas import lower_for_h200
@@ -54,6 +56,18 @@ def test_layer_of_the_whole_cache(rng, interpret):
     args[1] = jnp.asarray(layers)
     whole = verify_attn(*args, scale=0.1, kv_lora_rank=128, layer=1, interpret=interpret, backend="mosaic")
     np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(whole, np.float32))
+
+
+def test_interpreter_outputs_start_poisoned():
+    """The premise of the idle-split test: an output element a Mosaic GPU kernel never writes reads back as NaN."""
+    def body(x_ref, o_ref):
+        o_ref.at[pl.ds(0, 128)][...] = x_ref.at[pl.ds(0, 128)][...]
+
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((256,), jnp.float32),
+                          interpret=plgpu.InterpretGPUParams())
+    out = np.asarray(kernel(jnp.arange(256, dtype=jnp.float32) + 1.0))
+    np.testing.assert_array_equal(out[:128], np.arange(128) + 1.0)
+    assert np.isnan(out[128:]).all()
 
 
 def test_idle_split_writes_the_empty_partial(rng, interpret):
