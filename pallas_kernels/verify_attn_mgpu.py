@@ -16,8 +16,8 @@ the row max / sum (m, l) of its share of the prefix blocks; `verify_attn` merges
 Limits (checked by `supports`): bf16/fp16 inputs, value width a multiple of 128, rope width a multiple of 64 and cache
 rows a multiple of 8; everything else takes the Triton kernel. Query rows (N*H per request) come in whole 64-row
 tiles: `verify_attn` pads them (rows are independent in the prefix pass), so H = 8 decode runs 8 real rows per tile,
-which costs tensor-core time but not HBM bytes. Off the GPU the kernel runs in Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`), which simulates the
-warpgroups, shared memory, TMA and barriers.
+which costs tensor-core time but not HBM bytes. Off the GPU the kernel runs in Mosaic GPU's interpreter
+(`plgpu.InterpretGPUParams`), which simulates the warpgroups, shared memory, TMA and barriers.
 """
 from __future__ import annotations
 

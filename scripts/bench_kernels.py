@@ -1,7 +1,7 @@
 """Kernel benchmark on one GPU: verify_attn at Kimi K2 sizes against ceilings measured in the same run, then the
 tree kernels (`scripts/bench_tree_kernels.py`, when present).
 
-    python scripts/bench_kernels.py [--quick] [--out results.json] [--heads 64 8] [--tune] [--backends ...]
+    python scripts/bench_kernels.py [--quick] [--out results.json] [--heads 64 8] [--tune] [--backends ...] [--trace]
 
 verify_attn: bf16, H heads, A = 512 + 64, N = 1 (AR) and 1 + B tree slots, batch 1/8/64, prefix 1k..32k; the
 cache capacity is fixed per (batch, N) and the prefix length is a runtime value, as in the engine, so one compile
@@ -260,7 +260,7 @@ def tune_table(rows: list[dict]) -> str:
 
 def verify_table(rows: list[dict], copy_bw: float, peak: float) -> str:
     lines = ["| backend | batch | N | H | prefix | ms | GB/s | % copy | kernel ms | span ms | % copy (kernels) | "
-             "TFLOP/s | % roofline | bound | rel err |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TFLOP/s | % roofline | bound | rel err |", "|---" * 15 + "|"]
     for x in rows:
         t_mem, t_mma = x["bytes"] / copy_bw, x["flops"] / peak
         roof = max(t_mem, t_mma) / (x["ms"] / 1e3)
@@ -285,8 +285,8 @@ def bandwidth_summary(rows: list[dict], copy_bw: float, peak: float, min_prefix:
         for label, sec in (("wall", lambda x: x["ms"] / 1e3), ("kernels", lambda x: x.get("kernel_ms", 0) / 1e3)):
             pct = [100 * x["bytes"] / sec(x) / copy_bw for x in mem if sec(x) > 0]
             if pct:
-                lines.append(f"{backend}, {label}: memory-bound rows with prefix >= {min_prefix}: {len(pct)}, % of copy "
-                             f"bandwidth min {min(pct):.0f}% / median {statistics.median(pct):.0f}% / max "
+                lines.append(f"{backend}, {label}: memory-bound rows with prefix >= {min_prefix}: {len(pct)}, "
+                             f"% of copy bandwidth min {min(pct):.0f}% / median {statistics.median(pct):.0f}% / max "
                              f"{max(pct):.0f}% (target >= 60%)")
     return "\n".join(lines)
 

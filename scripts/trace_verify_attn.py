@@ -74,7 +74,8 @@ def main(argv=None):
             per = kernels_per_call(backend, bt, n, args.heads, prefix)
             results.append(dict(backend=backend, batch=bt, nodes=n, heads=args.heads, prefix=prefix, kernels_us=per,
                                 total_us=sum(per.values())))
-            print(f"## {backend} batch {bt} N {n} H {args.heads} prefix {prefix}: {sum(per.values()):.1f} µs of kernels per call")
+            print(f"## {backend} batch {bt} N {n} H {args.heads} prefix {prefix}: {sum(per.values()):.1f} µs of "
+                  "kernels per call")
             for name, us in per.items():
                 print(f"  {us:9.1f} µs  {name[:110]}")
             sys.stdout.flush()
