@@ -21,7 +21,12 @@ from pallas_kernels.tree_accept import tree_accept
 from pallas_kernels.tree_build import Tree, topk_logprobs, tree_build
 
 MODES = ("ar", "chain", "ddtree")
-CACHE_ROW_ALIGN = verify_attn_mgpu.SEQ_ALIGN
+CACHE_ROW_ALIGN = verify_attn_mgpu.SEQ_ALIGN  # the wgmma verify kernel reads the cache by TMA in tiles of 8 rows
+
+
+def aligned_rows(rows: int) -> int:
+    """Cache rows as the engine allocates them: `rows` rounded up to whole TMA row tiles."""
+    return -(-rows // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
 
 RUNNING, FINISH_STOP, FINISH_LENGTH, FINISH_NONFINITE = 0, 1, 2, 3
 FINISH_REASONS = {RUNNING: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_NONFINITE: "nonfinite"}
@@ -78,10 +83,8 @@ class DecodeSpec:
 
     @property
     def capacity(self) -> int:
-        """Cache rows: prompt + generated + one round's scratch, rounded up to whole TMA row tiles (the wgmma
-        verify kernel reads the cache by TMA, which needs a row count that is a multiple of CACHE_ROW_ALIGN)."""
-        need = self.prompt_cap + self.max_new_tokens + self.slack
-        return -(-need // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
+        """Cache rows: prompt + generated + one round's scratch, in whole TMA row tiles (`aligned_rows`)."""
+        return aligned_rows(self.prompt_cap + self.max_new_tokens + self.slack)
 
     @property
     def max_rounds(self) -> int:

@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_util import _back_to_back, copy_ceiling, matmul_peak, per_call_s  # noqa: E402
-from kdtree_jax.speculative import CACHE_ROW_ALIGN  # noqa: E402
+from kdtree_jax.speculative import aligned_rows  # noqa: E402
 from pallas_kernels import verify_attn_mgpu  # noqa: E402
 from pallas_kernels.verify_attn import (BACKENDS, MIN_SPLIT_ROWS, SM_COUNT, _default_splits,  # noqa: E402
                                        _make_plan, verify_attn)
@@ -58,6 +58,11 @@ def kernel_per_call_s(fn, sets) -> tuple[float, float]:
     """(GPU kernel time, kernel span) per call from a jax.profiler trace of the same back-to-back jit: the sum of
     every kernel's duration, and first kernel start to last kernel end (kernels + the gaps between them, without
     the host dispatch before the first). Device timestamps, so what the kernels themselves take."""
+    return kernel_time_per_call(traced_kernels(fn, sets), len(sets))
+
+
+def traced_kernels(fn, sets) -> list[dict]:
+    """The GPU kernel events of one run of fn over every set back to back in one jit (a warm run first)."""
     from profile_round import gpu_kernels
 
     run = _back_to_back(fn)
@@ -65,7 +70,7 @@ def kernel_per_call_s(fn, sets) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(run(list(sets)))
-        return kernel_time_per_call(gpu_kernels(trace_dir), len(sets))
+        return gpu_kernels(trace_dir)
 
 
 def kernel_time_per_call(events: list[dict], calls: int) -> tuple[float, float]:
@@ -178,7 +183,7 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                 if time.perf_counter() > deadline:
                     print(f"time budget spent: skipping H={h} N={n} batch={bt}", flush=True)
                     continue
-                capacity = -(-(max(sweep.prefixes) + n) // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN  # as the engine
+                capacity = aligned_rows(max(sweep.prefixes) + n)  # as the engine allocates it
                 sets = n_sets(bt, min(sweep.prefixes), capacity, a, itemsize)
                 q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n, caches=sets)
                 for backend in backends:

@@ -56,7 +56,7 @@ from bench_util import copy_ceiling, matmul_peak, median_s  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.layers import rms_norm  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
-from kdtree_jax.speculative import CACHE_ROW_ALIGN  # noqa: E402
+from kdtree_jax.speculative import aligned_rows  # noqa: E402
 from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
 from pallas_kernels.verify_attn import BACKENDS  # noqa: E402
 
@@ -197,11 +197,6 @@ def _distinct(record: list, n_experts: int) -> jax.Array:
     return jnp.stack([jnp.zeros((n_experts,), jnp.int32).at[i.reshape(-1)].set(1).sum() for i in record])
 
 
-def cache_rows(need: int) -> int:
-    """Cache rows as the engine allocates them (whole TMA row tiles, DecodeSpec.capacity)."""
-    return -(-need // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
-
-
 def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool, attn_backend: str | None = None):
     """One jit running a verify step once per token set ([calls, Bt, N]) in a loop that threads the cache: the
     host dispatch (tens of µs) is paid once per `calls` steps, as in the engine's compiled decode loop. Returns
@@ -321,7 +316,7 @@ class Runner:
 
     def verify_configs(self):
         sw = self.sweep
-        capacity = cache_rows(max(sw.prefixes) + max(sw.nodes))
+        capacity = aligned_rows(max(sw.prefixes) + max(sw.nodes))
         modes = ["kernel", "as_is"]
         for mode in modes:
             for bt in sw.batches:
@@ -381,7 +376,7 @@ class Runner:
     def ar_breakdown(self):
         """The AR step (N = 1) side by side with the same step without the routed experts and with the head alone:
         experts = full - skip, decoder layers without experts = skip - head."""
-        capacity = cache_rows(max(self.sweep.prefixes) + 1)
+        capacity = aligned_rows(max(self.sweep.prefixes) + 1)
         for bt in self.sweep.batches:
             for mode in ("kernel", "skip"):
                 base = dict(kind="verify", moe=mode, batch=bt, nodes=1, pallas_attn=not self.args.no_pallas_attn)

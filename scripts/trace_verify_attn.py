@@ -16,7 +16,6 @@ import collections
 import json
 import os
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -25,31 +24,23 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_kernels import SCALE, Sweep, make_inputs, timed_sets  # noqa: E402
-from bench_util import _back_to_back  # noqa: E402
-from kdtree_jax.speculative import CACHE_ROW_ALIGN  # noqa: E402
+from bench_kernels import SCALE, Sweep, make_inputs, timed_sets, traced_kernels  # noqa: E402
+from kdtree_jax.speculative import aligned_rows  # noqa: E402
 from pallas_kernels import verify_attn_mgpu  # noqa: E402
 from pallas_kernels.verify_attn import BACKENDS, verify_attn  # noqa: E402
-from profile_round import gpu_kernels  # noqa: E402
 
 CALLS = 8  # distinct caches, one call each (identical calls would be merged by XLA)
 
 
 def kernels_per_call(backend: str, bt: int, n: int, h: int, prefix: int) -> dict[str, float]:
     sweep = Sweep(batches=(bt,), nodes=(n,), prefixes=(prefix,))
-    capacity = -(-(prefix + n) // CACHE_ROW_ALIGN) * CACHE_ROW_ALIGN
-    q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt + n, caches=CALLS)
+    q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, aligned_rows(prefix + n), seed=bt + n, caches=CALLS)
 
     def call(q, c, p, t, m):
         return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=sweep.r, backend=backend)
 
-    run = _back_to_back(call)
     sets = timed_sets(q, caches, prefix, tree_kv, mask)
-    jax.block_until_ready(run(sets))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready(run(sets))
-        events = gpu_kernels(trace_dir)
+    events = traced_kernels(call, sets)
     per_name: dict[str, float] = collections.defaultdict(float)
     for e in events:
         per_name[e["name"]] += e["dur"] / len(sets)
