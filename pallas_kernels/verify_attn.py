@@ -356,14 +356,14 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
         cache, layer = cache[None], 0  # [1, Bt, S, A]: one code path
     bt, n, h, a = q.shape
     s, r, dr = cache.shape[2], kv_lora_rank, a - kv_lora_rank
+    prefix_len = jnp.clip(prefix_len.astype(jnp.int32), 0, s)
+    tree_kv = tree_kv.astype(q.dtype)
     if pick_backend(backend, q.dtype, n * h, r, dr, s, interpret) == "mosaic":
-        return _verify_attn_mosaic(q, cache, jnp.clip(prefix_len.astype(jnp.int32), 0, s), tree_kv.astype(q.dtype),
-                                   tree_mask, scale=float(scale), r=r, layer=layer, num_splits=num_splits,
-                                   interpret=interpret)
+        return _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, scale=float(scale), r=r, layer=layer,
+                                   num_splits=num_splits, interpret=interpret)
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
     plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)
 
-    tree_kv = tree_kv.astype(q.dtype)
     q2 = q.reshape(bt, n * h, a)  # [Bt, N*H, A]: row n*H + h
     if (r_pad, dr_pad) != (r, dr):  # tiny configs only; K2's 512 + 64 needs no copy
         q2, cache, tree_kv = (_pad_latent(x, r, r_pad, dr_pad) for x in (q2, cache, tree_kv))
@@ -371,7 +371,6 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     cache = _pad_axis(cache, 2, plan.seq)  # [L, Bt, seq, A']
     tree_kv = _pad_axis(tree_kv, 1, plan.tree)  # [Bt, tree, A']
     mask = _pad_axis(_pad_axis(tree_mask.astype(jnp.int8), 2, plan.tree), 1, plan.mask_rows)  # [Bt, mask_rows, tree]
-    prefix_len = jnp.clip(prefix_len.astype(jnp.int32), 0, s)
 
     ap = r_pad + dr_pad
     full = lambda *shape: pl.BlockSpec((None, *shape), lambda i, j, b: (b,) + (0,) * len(shape))  # noqa: E731
