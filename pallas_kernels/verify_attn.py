@@ -290,19 +290,22 @@ def pick_backend(backend: str | None, dtype, rows: int, r: int, dr: int, seq: in
 
 def _tree_partial(q, tree_kv, tree_mask, *, scale: float, r: int):
     """The tree block in XLA for the mosaic path: (acc [Bt, N, H, R] unnormalised, m, l [Bt, N, H]) in fp32.
-    N x N per request, small next to the prefix; rows that see no tree node get l = 0."""
-    f32, hi = jnp.float32, lax.Precision.HIGHEST
-    kv = tree_kv.astype(f32)
-    s = jnp.einsum("bnha,bka->bnhk", q.astype(f32), kv, precision=hi) * scale
+    N x N per request, small next to the prefix; rows that see no tree node get l = 0. The arithmetic is the prefix
+    kernel's: products of the bf16/fp16 inputs summed in fp32, P rounded to the input dtype for P · V. Both dots
+    then run on tensor cores; fp32 HIGHEST einsums ran as FFMA GEMMs, 36 µs per call at batch 8, N = 17."""
+    f32 = jnp.float32
+    s = jnp.einsum("bnha,bka->bnhk", q, tree_kv, preferred_element_type=f32) * scale
     vis = tree_mask[:, :, None, :]
     m = jnp.where(vis, s, NEG).max(axis=-1)
     p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
-    return jnp.einsum("bnhk,bkr->bnhr", p, kv[..., :r], precision=hi), m, p.sum(axis=-1)
+    acc = jnp.einsum("bnhk,bkr->bnhr", p.astype(q.dtype), tree_kv[..., :r], preferred_element_type=f32)
+    return acc, m, p.sum(axis=-1)
 
 
 def _merge_partials(acc, m, l, acc_t, m_t, l_t):
-    """Flash-decoding merge of the prefix splits (acc [Bt, splits, rows, R], m / l [Bt, splits, rows]) and the tree
-    part (acc_t [Bt, rows, R], m_t / l_t [Bt, rows]) -> [Bt, rows, R]; a row that saw nothing gets 0."""
+    """Flash-decoding merge of the prefix splits (acc [Bt, splits, rows, R] in bf16, m / l [Bt, splits, rows]) and
+    the tree part (acc_t [Bt, rows, R], m_t / l_t [Bt, rows]) -> [Bt, rows, R] in fp32; a row that saw nothing
+    gets 0."""
     top = jnp.maximum(m.max(axis=1), m_t)
     w, w_t = jnp.exp(m - top[:, None]), jnp.exp(m_t - top)
     num = (w[..., None] * acc).sum(axis=1) + w_t[..., None] * acc_t
@@ -310,7 +313,8 @@ def _merge_partials(acc, m, l, acc_t, m_t, l_t):
     return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret):
+def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret,
+                        partial_dtype):
     """verify_attn on the wgmma path: the prefix by verify_attn_mgpu (rows padded to 64-row tiles), the tree block
     and the merge of both in XLA."""
     bt, n, h, a = q.shape
@@ -323,7 +327,7 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
     q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * verify_attn_mgpu.ROWS)  # padding rows: computed, dropped
     acc, m, l = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r,
                                              n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
-                                             interpret=interpret)
+                                             interpret=interpret, acc_dtype=partial_dtype)
     acc, m, l = acc[:, :, :rows], m[:, :, :rows], l[:, :, :rows]
     acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
     out = _merge_partials(acc, m, l, acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows), l_t.reshape(bt, rows))
@@ -331,11 +335,11 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "num_splits",
-                                             "num_warps", "num_stages", "interpret", "backend"))
+                                             "num_warps", "num_stages", "interpret", "backend", "partial_dtype"))
 def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int, layer: int | None = None,
                 block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                backend: str | None = None) -> jax.Array:
+                backend: str | None = None, partial_dtype=verify_attn_mgpu.PARTIAL_DTYPE) -> jax.Array:
     """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
 
     q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
@@ -346,7 +350,8 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     the tree block in XLA) or None = `pick_backend`'s choice.
     Tuning knobs (all optional): block_k / block_q (powers of two >= 16, Triton); num_splits (split-K programs per
     query tile; default: whole waves of SMs, each split reading >= MIN_SPLIT_ROWS rows; an explicit value divides
-    every prefix over all of them); num_warps / num_stages (Triton).
+    every prefix over all of them); num_warps / num_stages (Triton); partial_dtype (mosaic: the split partials'
+    accumulator, verify_attn_mgpu.PARTIAL_DTYPE).
     """
     _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
     interpret = resolve_interpret(interpret)
@@ -356,11 +361,12 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
         cache, layer = cache[None], 0  # [1, Bt, S, A]: one code path
     bt, n, h, a = q.shape
     s, r, dr = cache.shape[2], kv_lora_rank, a - kv_lora_rank
-    prefix_len = jnp.clip(prefix_len.astype(jnp.int32), 0, s)
+    prefix_len = prefix_len.astype(jnp.int32)
     tree_kv = tree_kv.astype(q.dtype)
-    if pick_backend(backend, q.dtype, n * h, r, dr, s, interpret) == "mosaic":
+    if pick_backend(backend, q.dtype, n * h, r, dr, s, interpret) == "mosaic":  # its kernel clips prefix_len
         return _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, scale=float(scale), r=r, layer=layer,
-                                   num_splits=num_splits, interpret=interpret)
+                                   num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype)
+    prefix_len = jnp.clip(prefix_len, 0, s)
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
     plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)
 

@@ -12,6 +12,9 @@ issues Hopper `wgmma` from 64-row query tiles, the FlashMLA layout:
 An fp32 [64, 512] accumulator would take 256 registers per thread; split over two warpgroups it takes 128, and the
 scores are computed once. Each program (request b, query tile t, split j) writes its unnormalised accumulator and
 the row max / sum (m, l) of its share of the prefix blocks; `verify_attn` merges the splits with the tree part.
+The accumulator is written in bf16 (PARTIAL_DTYPE): at batch 1 the 128 splits' partials are as many bytes as half
+the cache they summarise, and bf16 keeps fp32's range (an unnormalised sum cannot overflow) at the 2^-9 relative
+precision the bf16 output has anyway.
 
 Limits (checked by `supports`): bf16/fp16 inputs, value width a multiple of 128, rope width a multiple of 64 and cache
 rows a multiple of 8; everything else takes the Triton kernel. Query rows (N*H per request) come in whole 64-row
@@ -40,6 +43,7 @@ LOG2E = math.log2(math.e)
 # per-thread registers after rebalancing: the two compute warpgroups hold a [64, 256] fp32 accumulator each (128
 # registers); 2 x 232 + 40 fits the 3 x 170 a 64K-register file gives three warpgroups
 COMPUTE_REGS, MEMORY_REGS = 232, 40
+PARTIAL_DTYPE = jnp.bfloat16  # split partials' accumulator (module docstring: why not fp32, why not fp16)
 
 
 def supports(dtype, value_width: int, rope_width: int, seq: int) -> bool:
@@ -64,10 +68,11 @@ def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
 
 
 def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_splits: int, min_split_blocks: int = 1,
-                layer: int = 0, interpret: bool = False):
-    """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (<= S)
-    -> (acc [Bt, splits, rows, R] f32 unnormalised, m [Bt, splits, rows] f32 natural-log row max, l [...] f32 row
-    sum). A split with no blocks writes acc = 0, l = 0 and m = NEG · ln 2 (finite, weighs 0 in a merge)."""
+                layer: int = 0, interpret: bool = False, acc_dtype=PARTIAL_DTYPE):
+    """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (clipped to S
+    here) -> (acc [Bt, splits, rows, R] unnormalised in acc_dtype, m [Bt, splits, rows] f32 natural-log row max,
+    l [...] f32 row sum). A split with no blocks writes acc = 0, l = 0 and m = NEG · ln 2 (finite, weighs 0 in a
+    merge)."""
     bt, rows, width = q.shape
     if rows % ROWS or not supports(q.dtype, value_width, width - value_width, cache.shape[2]):
         raise ValueError(f"verify_attn_mgpu: q {q.shape} {q.dtype} / cache {cache.shape} with R = {value_width}: "
@@ -75,14 +80,14 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
     r, bk, stages, p_stages = value_width, BLOCK_K, STAGES, P_STAGES
     half = r // 2
     itemsize = q.dtype.itemsize
-    n_tiles = rows // ROWS
+    n_tiles, seq = rows // ROWS, cache.shape[2]
     c = scale * LOG2E  # scores in log2 units: exp2 is one instruction
 
     def body(plen_ref, q_ref, cache_ref, acc_ref, m_ref, l_ref, q_smem, kv_smem, p_smem, alpha_smem,
              q_bar, kv_bar, kv_free, p_ready, p_free):
         t, j, b = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("req")
         wg = lax.axis_index("wg")
-        prefix = plen_ref[b]
+        prefix = jnp.minimum(plen_ref[b], seq)  # clipped here: an XLA clip would be one more launch per call
         lo, hi = block_range(prefix, j, n_splits, bk, min_split_blocks)
         n = hi - lo
         r0 = pl.multiple_of(t * ROWS, ROWS)
@@ -169,7 +174,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
 
             acc, m, l = lax.fori_loop(jnp.int32(0), n, step, (acc, m, l))
             drain(p_free, n, p_stages)
-            acc_ref.at[*rows_out, pl.ds(0, half)][...] = acc
+            acc_ref.at[*rows_out, pl.ds(0, half)][...] = acc.astype(acc_dtype)
             m_ref.at[rows_out][...] = m * math.log(2.0)
             l_ref.at[rows_out][...] = l
 
@@ -190,9 +195,9 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
                 return acc
 
             acc = lax.fori_loop(jnp.int32(0), n, step, acc)
-            acc_ref.at[*rows_out, pl.ds(half, half)][...] = acc
+            acc_ref.at[*rows_out, pl.ds(half, half)][...] = acc.astype(acc_dtype)
 
-    out_type = (jax.ShapeDtypeStruct((bt, n_splits, rows, r), jnp.float32),
+    out_type = (jax.ShapeDtypeStruct((bt, n_splits, rows, r), acc_dtype),
                 jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32),
                 jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32))
     scratch = (

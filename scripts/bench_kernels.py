@@ -10,6 +10,8 @@ FLOPs = 2 * N*H * (prefix + N) * (A + R). Ceilings: a 2 GiB elementwise copy (re
 bf16 matmul. "% copy" = achieved bandwidth / copy bandwidth (the target is >= 60% where the call is memory-bound,
 i.e. AR); "% roofline" = max(bytes / copy bw, FLOPs / matmul peak) / time, the fair figure for trees, which are
 compute-bound (intensity ~ 2*N*H flop per cache byte, far above the ~190 flop/byte machine balance).
+With `--trace`, "read" is the GPU time of an XLA sum over the same cache bytes in the same harness, and "% read" =
+read time / kernel time: where a call reads only a few MB, a read alone stays far below the copy bandwidth.
 `--tune` first times a few (block_q, block_k, warps, stages, splits) choices on representative shapes for
 each `--heads` value, the kernel's defaults and its split rule's predecessor (CDIV_RULE) among them.
 Timing: `bench_util.per_call_s` (calls back to back inside one jit, host dispatch amortised) over enough
@@ -170,10 +172,21 @@ def timed_sets(q, caches, prefix: int, tree_kv, mask):
     return [(q, c, jnp.full((bt,), prefix - i, jnp.int32), tree_kv, mask) for i, c in enumerate(caches)]
 
 
+def read_same_bytes(caches, prefix: int, trace: bool) -> tuple[float, float]:
+    """(wall, GPU kernel) seconds per call of an XLA sum over the cache rows a verify call reads, in the same
+    back-to-back harness: the time a call that only reads those bytes takes at this size, launch and tail
+    included. For a small read this, not the 2 GiB copy, bounds what any attention kernel can reach."""
+    def read(c):
+        return c[:, :prefix].astype(jnp.float32).sum(axis=(1, 2))
+
+    sets = [(c,) for c in caches]
+    return median_per_call_s(read, sets), (kernel_per_call_s(read, sets)[0] if trace else float("nan"))
+
+
 def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, deadline: float,
                       backends: tuple[str, ...] = ("triton",), trace: bool = False) -> list[dict]:
     """Every shape with each backend that applies to it, on the same inputs, one after the other; with `trace`,
-    also the GPU kernel time per call (kernel_per_call_s)."""
+    also the GPU kernel time per call (kernel_per_call_s), and that of an XLA read of the same cache bytes."""
     rows = []
     a, r = sweep.r + sweep.dr, sweep.r
     itemsize = jnp.dtype(sweep.dtype).itemsize
@@ -186,6 +199,7 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                 capacity = aligned_rows(max(sweep.prefixes) + n)  # as the engine allocates it
                 sets = n_sets(bt, min(sweep.prefixes), capacity, a, itemsize)
                 q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n, caches=sets)
+                reads = {}  # prefix -> read_same_bytes, measured once for both backends
                 for backend in backends:
                     if backend == "mosaic" and not verify_attn_mgpu.supports(sweep.dtype, r, sweep.dr, capacity):
                         continue
@@ -204,6 +218,8 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                         sets_k = timed_sets(q, caches[:k], prefix, tree_kv, mask)
                         sec = median_per_call_s(call, sets_k)
                         kernel_s, span_s = kernel_per_call_s(call, sets_k) if trace else (float("nan"),) * 2
+                        if prefix not in reads:
+                            reads[prefix] = read_same_bytes(caches[:k], prefix, trace)
                         nbytes = (bt * prefix * a * itemsize + q.nbytes + q.nbytes * r // a + tree_kv.nbytes
                                   + mask.nbytes)
                         flops = 2 * bt * n * h * (prefix + n) * (a + r)
@@ -211,7 +227,8 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                                          prefix=prefix, ms=sec * 1e3, bytes=nbytes, flops=flops,
                                          gbps=nbytes / sec / 1e9, tflops=flops / sec / 1e12, rel_err_row0=err,
                                          first_call_s=compile_s, sets=k, kernel_ms=kernel_s * 1e3,
-                                         span_ms=span_s * 1e3, kernel_gbps=nbytes / kernel_s / 1e9))
+                                         span_ms=span_s * 1e3, kernel_gbps=nbytes / kernel_s / 1e9,
+                                         read_ms=reads[prefix][0] * 1e3, read_kernel_ms=reads[prefix][1] * 1e3))
                         print(json.dumps(rows[-1]), flush=True)
                 del q, caches, tree_kv, mask
     return rows
@@ -265,7 +282,7 @@ def tune_table(rows: list[dict]) -> str:
 
 def verify_table(rows: list[dict], copy_bw: float, peak: float) -> str:
     lines = ["| backend | batch | N | H | prefix | ms | GB/s | % copy | kernel ms | span ms | % copy (kernels) | "
-             "TFLOP/s | % roofline | bound | rel err |", "|---" * 15 + "|"]
+             "read ms (kernels) | % read (kernels) | TFLOP/s | % roofline | bound | rel err |", "|---" * 17 + "|"]
     for x in rows:
         t_mem, t_mma = x["bytes"] / copy_bw, x["flops"] / peak
         roof = max(t_mem, t_mma) / (x["ms"] / 1e3)
@@ -273,7 +290,8 @@ def verify_table(rows: list[dict], copy_bw: float, peak: float) -> str:
         lines.append(f"| {x.get('backend', 'triton')} | {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | "
                      f"{x['ms']:.3f} | {x['gbps']:.1f} | {100 * x['gbps'] * 1e9 / copy_bw:.0f}% | {kern:.3f} | "
                      f"{x.get('span_ms', float('nan')):.3f} | {100 * x['bytes'] / (kern / 1e3) / copy_bw:.0f}% | "
-                     f"{x['tflops']:.1f} | "
+                     f"{x.get('read_kernel_ms', float('nan')):.3f} | "
+                     f"{100 * x.get('read_kernel_ms', float('nan')) / kern:.0f}% | {x['tflops']:.1f} | "
                      f"{100 * roof:.0f}% | {'mem' if t_mem >= t_mma else 'mma'} | {x['rel_err_row0']:.1e} |")
     return "\n".join(lines)
 
