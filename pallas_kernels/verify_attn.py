@@ -302,19 +302,17 @@ def _tree_partial(q, tree_kv, tree_mask, *, scale: float, r: int):
     return acc, m, p.sum(axis=-1)
 
 
-def _merge_partials(acc, m, l, acc_t, m_t, l_t):
-    """Flash-decoding merge of the prefix splits (acc [Bt, splits, rows, R] in bf16, m / l [Bt, splits, rows]) and
-    the tree part (acc_t [Bt, rows, R], m_t / l_t [Bt, rows]) -> [Bt, rows, R] in fp32; a row that saw nothing
-    gets 0."""
-    top = jnp.maximum(m.max(axis=1), m_t)
-    w, w_t = jnp.exp(m - top[:, None]), jnp.exp(m_t - top)
-    num = (w[..., None] * acc).sum(axis=1) + w_t[..., None] * acc_t
-    den = (w * l).sum(axis=1) + w_t * l_t
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
+def _merge_partials(o, lse, acc_t, m_t, l_t):
+    """Flash-decoding merge of the prefix splits (o [Bt, splits, rows, R] normalised, lse [Bt, splits, rows]) and
+    the tree part (acc_t [Bt, rows, R] unnormalised, m_t / l_t [Bt, rows]) -> [Bt, rows, R] in fp32. An empty split
+    has o = 0 and lse = NEG; a row that saw nothing gets 0 (every weight is then 1 on a zero output)."""
+    top = jnp.maximum(lse.max(axis=1), m_t)
+    w, w_t = jnp.exp(lse - top[:, None]), jnp.exp(m_t - top)
+    num = (w[..., None] * o).sum(axis=1) + w_t[..., None] * acc_t
+    return num / (w.sum(axis=1) + w_t * l_t)[..., None]
 
 
-def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret,
-                        partial_dtype):
+def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret):
     """verify_attn on the wgmma path: the prefix by verify_attn_mgpu (rows padded to 64-row tiles), the tree block
     and the merge of both in XLA."""
     bt, n, h, a = q.shape
@@ -325,21 +323,21 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
         num_splits = _default_splits(bt * tiles, cache.shape[2] // MIN_SPLIT_ROWS, 1)
         min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, verify_attn_mgpu.BLOCK_K)
     q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * verify_attn_mgpu.ROWS)  # padding rows: computed, dropped
-    acc, m, l = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r,
-                                             n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
-                                             interpret=interpret, acc_dtype=partial_dtype)
-    acc, m, l = acc[:, :, :rows], m[:, :, :rows], l[:, :, :rows]
+    o, lse = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r,
+                                          n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
+                                          interpret=interpret)
     acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
-    out = _merge_partials(acc, m, l, acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows), l_t.reshape(bt, rows))
+    out = _merge_partials(o[:, :, :rows], lse[:, :, :rows], acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows),
+                          l_t.reshape(bt, rows))
     return out.astype(q.dtype).reshape(bt, n, h, r)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "num_splits",
-                                             "num_warps", "num_stages", "interpret", "backend", "partial_dtype"))
+                                             "num_warps", "num_stages", "interpret", "backend"))
 def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int, layer: int | None = None,
                 block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                backend: str | None = None, partial_dtype=verify_attn_mgpu.PARTIAL_DTYPE) -> jax.Array:
+                backend: str | None = None) -> jax.Array:
     """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
 
     q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
@@ -350,8 +348,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     the tree block in XLA) or None = `pick_backend`'s choice.
     Tuning knobs (all optional): block_k / block_q (powers of two >= 16, Triton); num_splits (split-K programs per
     query tile; default: whole waves of SMs, each split reading >= MIN_SPLIT_ROWS rows; an explicit value divides
-    every prefix over all of them); num_warps / num_stages (Triton); partial_dtype (mosaic: the split partials'
-    accumulator, verify_attn_mgpu.PARTIAL_DTYPE).
+    every prefix over all of them); num_warps / num_stages (Triton).
     """
     _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
     interpret = resolve_interpret(interpret)
@@ -365,7 +362,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     tree_kv = tree_kv.astype(q.dtype)
     if pick_backend(backend, q.dtype, n * h, r, dr, s, interpret) == "mosaic":  # its kernel clips prefix_len
         return _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, scale=float(scale), r=r, layer=layer,
-                                   num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype)
+                                   num_splits=num_splits, interpret=interpret)
     prefix_len = jnp.clip(prefix_len, 0, s)
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
     plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)

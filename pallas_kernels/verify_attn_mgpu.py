@@ -10,11 +10,11 @@ issues Hopper `wgmma` from 64-row query tiles, the FlashMLA layout:
   - warpgroup 1 rescales its accumulator and computes P · V for the second half, reading P from shared memory.
 
 An fp32 [64, 512] accumulator would take 256 registers per thread; split over two warpgroups it takes 128, and the
-scores are computed once. Each program (request b, query tile t, split j) writes its unnormalised accumulator and
-the row max / sum (m, l) of its share of the prefix blocks; `verify_attn` merges the splits with the tree part.
-The accumulator is written in bf16 (PARTIAL_DTYPE): at batch 1 the 128 splits' partials are as many bytes as half
-the cache they summarise, and bf16 keeps fp32's range (an unnormalised sum cannot overflow) at the 2^-9 relative
-precision the bf16 output has anyway.
+scores are computed once. Each program (request b, query tile t, split j) writes the normalised output of its share
+of the prefix blocks, in the input dtype, and its rows' log-sum-exp; `verify_attn` merges the splits with the tree
+part. The output leaves through shared memory (the q tile's, dead by then) and TMA stores: written from the wgmma
+register layout it cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA: 1.8 / 2.9 µs), the largest part of
+a short call (BENCHMARKS.md §3, session 7).
 
 Limits (checked by `supports`): bf16/fp16 inputs, value width a multiple of 128, rope width a multiple of 64 and cache
 rows a multiple of 8; everything else takes the Triton kernel. Query rows (N*H per request) come in whole 64-row
@@ -37,13 +37,13 @@ BLOCK_K = 64  # KV rows per stage; P [64, 64] bf16 is one 128-byte swizzle row, 
 STAGES = 2  # KV ring depth: q tile 72 KiB + 2 x 72 KiB KV + 8 KiB P fills the 227 KiB a block may have
 P_STAGES = 1  # P buffers: warpgroup 0 writes P(i+1) after warpgroup 1 has read P(i) (a third stage does not fit)
 SEQ_ALIGN = 8  # TMA reads the cache in tiles of 8 rows: its row count must be a multiple
+TILE_ROWS = 8  # rows of one shared-memory tile (_smem_transforms): the output's TMA stores go one tile row each
 SWIZZLE = 128  # bytes; the widest TMA/wgmma shared-memory swizzle
 NEG = -1e30  # finite initial running max: exp2(NEG - m) = 0 for any real m, never inf - inf
 LOG2E = math.log2(math.e)
 # per-thread registers after rebalancing: the two compute warpgroups hold a [64, 256] fp32 accumulator each (128
 # registers); 2 x 232 + 40 fits the 3 x 170 a 64K-register file gives three warpgroups
 COMPUTE_REGS, MEMORY_REGS = 232, 40
-PARTIAL_DTYPE = jnp.bfloat16  # split partials' accumulator (module docstring: why not fp32, why not fp16)
 
 
 def supports(dtype, value_width: int, rope_width: int, seq: int) -> bool:
@@ -68,11 +68,10 @@ def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
 
 
 def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_splits: int, min_split_blocks: int = 1,
-                layer: int = 0, interpret: bool = False, acc_dtype=PARTIAL_DTYPE):
+                layer: int = 0, interpret: bool = False):
     """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (clipped to S
-    here) -> (acc [Bt, splits, rows, R] unnormalised in acc_dtype, m [Bt, splits, rows] f32 natural-log row max,
-    l [...] f32 row sum). A split with no blocks writes acc = 0, l = 0 and m = NEG · ln 2 (finite, weighs 0 in a
-    merge)."""
+    here) -> (out [Bt, splits, rows, R] normalised, in q's dtype; lse [Bt, splits, rows] f32 natural-log
+    log-sum-exp of the scores). A split with no blocks writes out = 0 and lse = NEG (weighs 0 in a merge)."""
     bt, rows, width = q.shape
     if rows % ROWS or not supports(q.dtype, value_width, width - value_width, cache.shape[2]):
         raise ValueError(f"verify_attn_mgpu: q {q.shape} {q.dtype} / cache {cache.shape} with R = {value_width}: "
@@ -83,15 +82,25 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
     n_tiles, seq = rows // ROWS, cache.shape[2]
     c = scale * LOG2E  # scores in log2 units: exp2 is one instruction
 
-    def body(plen_ref, q_ref, cache_ref, acc_ref, m_ref, l_ref, q_smem, kv_smem, p_smem, alpha_smem,
-             q_bar, kv_bar, kv_free, p_ready, p_free):
+    def body(plen_ref, q_ref, cache_ref, out_ref, lse_ref, q_smem, kv_smem, p_smem, alpha_smem,
+             q_bar, kv_bar, kv_free, p_ready, p_free, l_ready):
         t, j, b = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("req")
         wg = lax.axis_index("wg")
         prefix = jnp.minimum(plen_ref[b], seq)  # clipped here: an XLA clip would be one more launch per call
         lo, hi = block_range(prefix, j, n_splits, bk, min_split_blocks)
         n = hi - lo
         r0 = pl.multiple_of(t * ROWS, ROWS)
-        rows_out = (b, j, pl.ds(r0, ROWS))
+
+        def write_out(o, col0):
+            """Normalised output columns [col0, col0 + half) -> q_smem -> TMA to `out_ref`. A TMA source must be
+            contiguous, and a column slice of the tiled q tile is so only within one 8-row tile row."""
+            cols = pl.ds(col0, half)
+            q_smem.at[:, cols][...] = o.astype(q.dtype)
+            plgpu.commit_smem()
+            for i in range(0, ROWS, TILE_ROWS):
+                sub = pl.ds(i, TILE_ROWS)
+                plgpu.copy_smem_to_gmem(q_smem.at[sub, cols], out_ref.at[b, j, pl.ds(r0 + i, TILE_ROWS), cols])
+            plgpu.wait_smem_to_gmem(0)
 
         def drain(bars, n, depth):
             """Observe the last `depth` phases of a ring of barriers this warpgroup produced into, so that every
@@ -173,10 +182,15 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
                 return acc, m_new, l
 
             acc, m, l = lax.fori_loop(jnp.int32(0), n, step, (acc, m, l))
-            drain(p_free, n, p_stages)
-            acc_ref.at[*rows_out, pl.ds(0, half)][...] = acc.astype(acc_dtype)
-            m_ref.at[rows_out][...] = m * math.log(2.0)
-            l_ref.at[rows_out][...] = l
+            drain(p_free, n, p_stages)  # warpgroup 1 has read the last alpha: the slot can take 1 / l
+            seen = l > 0.0
+            inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)  # a row that saw nothing writes 0
+            alpha_smem[0] = inv_l
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(l_ready)
+            write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), 0)  # q is dead: the last scores are done
+            lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * math.log(2.0), NEG)
+            lse_ref.at[b, j, pl.ds(r0, ROWS)][...] = lse
 
         @pl.when(wg == 1)
         def _second_half():
@@ -195,10 +209,11 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
                 return acc
 
             acc = lax.fori_loop(jnp.int32(0), n, step, acc)
-            acc_ref.at[*rows_out, pl.ds(half, half)][...] = acc.astype(acc_dtype)
+            plgpu.barrier_wait(l_ready)
+            inv_l = plgpu.load(alpha_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), half)
 
-    out_type = (jax.ShapeDtypeStruct((bt, n_splits, rows, r), acc_dtype),
-                jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32),
+    out_type = (jax.ShapeDtypeStruct((bt, n_splits, rows, r), q.dtype),
                 jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32))
     scratch = (
         plgpu.SMEM((ROWS, width), q.dtype, transforms=_smem_transforms(width, itemsize)),
@@ -210,6 +225,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # KV slot read by both compute warpgroups
         plgpu.Barrier(num_barriers=p_stages),  # P and alpha written by warpgroup 0
         plgpu.Barrier(num_barriers=p_stages),  # P read by warpgroup 1
+        plgpu.Barrier(num_barriers=1),  # 1 / l written by warpgroup 0
     )
     kernel = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(n_tiles, n_splits, bt),

@@ -31,8 +31,8 @@
 #   bash scripts/gpu_session.sh mosaic6b  # verify_attn kernel by kernel (jax.profiler), both backends (1 GPU, ~2 min)
 #   bash scripts/gpu_session.sh mosaic6c  # compiled wgmma tests incl. engine ddtree == ar; K2.6-width round at 32k,
 #                                         # B = 16 and AR, triton vs mosaic (1 GPU, ~8 min)
-#   bash scripts/gpu_session.sh small7    # the wgmma path's fixed costs: compiled tests, kernel by kernel with bf16 vs fp32
-#                                         # partials, both backends' AR rows with a same-bytes XLA read (1 GPU, ~7 min)
+#   bash scripts/gpu_session.sh small7    # the wgmma path's fixed costs: compiled tests, fixed vs per-block time, kernel
+#                                         # by kernel, both backends' AR rows with a same-bytes XLA read (1 GPU, ~7 min)
 #   bash scripts/gpu_session.sh mosaic6d  # verify_attn wall + GPU-kernel time per call, both backends (1 GPU, ~6 min)
 #   bash scripts/gpu_session.sh mosaic6e  # K2.6-width round at batch 8, 4k, B = 16 and AR, triton vs mosaic (1 GPU)
 #   bash scripts/gpu_session.sh mosaic6f  # H = 8 (rows padded to tiles) on the wgmma kernel vs Triton (1 GPU, ~3 min)
@@ -90,10 +90,12 @@ mosaic6)
     run bench_tree 120 "$PY" scripts/bench_kernels.py --skip-tree --budget-s 80 --batches 1 8 --nodes 17 \
         --prefixes 4096 32768 --out "$OUT/bench_mosaic_tree.json"
     ;;
-small7)  # bf16 split partials, the clip in the kernel: compiled tests, kernel by kernel, AR rows vs a same-bytes read
+small7)  # the wgmma path's fixed costs: compiled tests, fixed vs per-block time, kernel by kernel, AR rows vs a read
     PYTHONUNBUFFERED=1 run pytest_mgpu 150 "$PY" -m pytest -v -x -rf tests/test_verify_attn_mgpu.py
-    run trace_partials 150 "$PY" scripts/trace_verify_attn.py --backends mosaic --partial-dtypes bfloat16 float32 \
-        --shapes 1x1x8192 1x1x32768 8x1x8192 8x1x32768 64x1x8192 8x17x32768 --out "$OUT/trace_partials.json"
+    run probe 120 "$PY" scripts/probe_mgpu_fixed_cost.py --programs 8 128 --blocks 0 1 8 32 --micro \
+        --out "$OUT/probe.json"
+    run trace 120 "$PY" scripts/trace_verify_attn.py --backends mosaic \
+        --shapes 1x1x8192 1x1x32768 8x1x8192 8x1x32768 64x1x8192 8x17x32768 --out "$OUT/trace.json"
     run bench_ar 240 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 190 --batches 1 8 64 --nodes 1 \
         --prefixes 8192 32768 --out "$OUT/bench_ar_trace.json"
     ;;

@@ -1,13 +1,12 @@
 """verify_attn kernel by kernel: GPU time per call of every kernel one call launches (jax.profiler trace).
 
     python scripts/trace_verify_attn.py [--backends triton mosaic] [--shapes 8x1x32768 1x17x4096 ...] [--heads 64]
-                                        [--partial-dtypes bfloat16 float32] [--out f.json]
+                                        [--out f.json]
 
 Each shape is BATCHxNxPREFIX at H heads, A = 512 + 64, bf16, the cache capacity rounded as the engine does. The calls
 run back to back inside one jit over distinct caches (as `bench_kernels.py` times them), under `jax.profiler`;
 kernel events are summed by name and divided by the number of calls. Shows what a call's wall time is made of:
-the attention kernel, XLA's merge of split-K partials, the tree block (mosaic path). `--partial-dtypes` runs the
-mosaic path once per dtype of its split partials, side by side. (Nsight Systems is not on
+the attention kernel, XLA's merge of split-K partials, the tree block (mosaic path). (Nsight Systems is not on
 the H200 machine and Nsight Compute crashes on JAX processes there: jax.profiler is the working path.)
 """
 from __future__ import annotations
@@ -33,14 +32,12 @@ from pallas_kernels.verify_attn import BACKENDS, verify_attn  # noqa: E402
 CALLS = 8  # distinct caches, one call each (identical calls would be merged by XLA)
 
 
-def kernels_per_call(backend: str, bt: int, n: int, h: int, prefix: int,
-                     partial_dtype=verify_attn_mgpu.PARTIAL_DTYPE) -> dict[str, float]:
+def kernels_per_call(backend: str, bt: int, n: int, h: int, prefix: int) -> dict[str, float]:
     sweep = Sweep(batches=(bt,), nodes=(n,), prefixes=(prefix,))
     q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, aligned_rows(prefix + n), seed=bt + n, caches=CALLS)
 
     def call(q, c, p, t, m):
-        return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=sweep.r, backend=backend,
-                           partial_dtype=partial_dtype)
+        return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=sweep.r, backend=backend)
 
     sets = timed_sets(q, caches, prefix, tree_kv, mask)
     events = traced_kernels(call, sets)
@@ -55,8 +52,6 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--shapes", nargs="+", default=["1x1x32768", "8x1x32768", "64x1x8192", "8x17x32768"])
     parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--partial-dtypes", nargs="+", default=[jnp.dtype(verify_attn_mgpu.PARTIAL_DTYPE).name],
-                        choices=["bfloat16", "float32"], help="mosaic: dtypes of the split partials to compare")
     parser.add_argument("--out", help="write the results as JSON to this path")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -64,13 +59,13 @@ def main(argv=None):
     results = []
     for shape in args.shapes:
         bt, n, prefix = (int(x) for x in shape.split("x"))
-        variants = [(b, d) for b in args.backends for d in (args.partial_dtypes if b == "mosaic" else [None])]
-        for backend, dtype in variants:
-            per = kernels_per_call(backend, bt, n, args.heads, prefix, *([dtype] if dtype else []))
-            results.append(dict(backend=backend, partial_dtype=dtype, batch=bt, nodes=n, heads=args.heads,
-                                prefix=prefix, kernels_us=per, total_us=sum(per.values())))
-            label = f"{backend} ({dtype} partials)" if dtype else backend
-            print(f"## {label} batch {bt} N {n} H {args.heads} prefix {prefix}: {sum(per.values()):.1f} µs of "
+        for backend in args.backends:
+            if backend == "mosaic" and not verify_attn_mgpu.supports(jnp.bfloat16, 512, 64, 8):
+                continue
+            per = kernels_per_call(backend, bt, n, args.heads, prefix)
+            results.append(dict(backend=backend, batch=bt, nodes=n, heads=args.heads, prefix=prefix, kernels_us=per,
+                                total_us=sum(per.values())))
+            print(f"## {backend} batch {bt} N {n} H {args.heads} prefix {prefix}: {sum(per.values()):.1f} µs of "
                   "kernels per call")
             for name, us in per.items():
                 print(f"  {us:9.1f} µs  {name[:110]}")

@@ -70,17 +70,32 @@ def test_interpreter_outputs_start_poisoned():
     assert np.isnan(out[128:]).all()
 
 
-def test_idle_split_writes_the_empty_partial(rng, interpret):
-    """A split with no prefix blocks must still write its tile: acc 0, l 0 and a finite very negative m, which the
-    merge weighs by exp(m - max) = 0. Outputs start as NaN-filled buffers, so an unwritten one would show."""
-    q = jnp.asarray(rng.standard_normal((2, H, 192)), jnp.bfloat16)
-    cache = jnp.asarray(rng.standard_normal((1, 2, 128, 192)), jnp.bfloat16)
-    acc, m, l = vm.prefix_attn(q, cache, jnp.array([128, 0], jnp.int32), scale=0.1, value_width=128, n_splits=3,
-                               interpret=interpret)
-    acc, m, l = map(np.asarray, (acc, m, l))
-    assert np.isfinite(acc).all() and np.isfinite(m).all() and np.isfinite(l).all()
-    assert (l[0, :2] > 0).all() and (l[0, 2] == 0).all() and (l[1] == 0).all()  # 2 blocks over 3 splits
-    assert (acc[0, 2] == 0).all() and (acc[1] == 0).all() and (m[1] < -1e29).all()
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_split_outputs_match_reference(rng, interpret, dtype):
+    """Each split's own output, normalised over its blocks, and its log-sum-exp against float64; a split with no
+    blocks writes o = 0 and lse = NEG. Outputs start as NaN-filled buffers, so an unwritten one would show."""
+    r, splits, scale = 128, 3, 0.1
+    prefix = np.array([300, 70])  # 5 blocks (2 + 2 + 1 per split, a partial last one) and 2 (1 + 1 + idle)
+    q = jnp.asarray(rng.standard_normal((2, H, 192)), dtype)
+    cache = jnp.asarray(rng.standard_normal((1, 2, 320, 192)), dtype)
+    o, lse = map(np.asarray, vm.prefix_attn(q, cache, jnp.asarray(prefix, jnp.int32), scale=scale, value_width=r,
+                                            n_splits=splits, interpret=interpret))
+    assert np.isfinite(o.astype(np.float32)).all() and np.isfinite(lse).all()
+    q64, kv64 = np.asarray(q, np.float64), np.asarray(cache[0], np.float64)
+    for b in range(2):
+        n_blocks = -(-prefix[b] // vm.BLOCK_K)
+        per_split = -(-n_blocks // splits)
+        for j in range(splits):
+            lo, hi = j * per_split * vm.BLOCK_K, min((j + 1) * per_split * vm.BLOCK_K, prefix[b])
+            if lo >= hi:
+                assert (o[b, j] == 0).all() and (lse[b, j] < -1e29).all()
+                continue
+            keys = kv64[b, lo:hi]
+            s = q64[b] @ keys.T * scale
+            want_lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
+            want_o = np.exp(s - want_lse[:, None]) @ keys[:, :r]
+            np.testing.assert_allclose(lse[b, j], want_lse, atol=TOL[jnp.bfloat16])
+            assert_close(o[b, j].astype(np.float32), want_o, TOL[jnp.bfloat16], f"request {b} split {j}")
 
 
 def test_pick_backend():
