@@ -303,7 +303,7 @@ def _tree_partial(q, tree_kv, tree_mask, *, scale: float, r: int):
 
 
 def _merge_partials(o, lse, acc_t, m_t, l_t):
-    """Flash-decoding merge of the prefix splits (o [Bt, splits, rows, R] normalised, lse [Bt, splits, rows]) and
+    """Flash-decoding merge of the prefix splits (o [Bt, splits, rows, R] fp32 normalised, lse [Bt, splits, rows]) and
     the tree part (acc_t [Bt, rows, R] unnormalised, m_t / l_t [Bt, rows]) -> [Bt, rows, R] in fp32. An empty split
     has o = 0 and lse = NEG; a row that saw nothing gets 0 (every weight is then 1 on a zero output)."""
     top = jnp.maximum(lse.max(axis=1), m_t)
@@ -327,7 +327,8 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
                                           n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
                                           interpret=interpret)
     acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
-    out = _merge_partials(o[:, :, :rows], lse[:, :, :rows], acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows),
+    o = o[:, :, 0, :rows].astype(jnp.float32) + o[:, :, 1, :rows].astype(jnp.float32)  # hi + lo parts
+    out = _merge_partials(o, lse[:, :, :rows], acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows),
                           l_t.reshape(bt, rows))
     return out.astype(q.dtype).reshape(bt, n, h, r)
 

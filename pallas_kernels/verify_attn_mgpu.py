@@ -11,10 +11,12 @@ issues Hopper `wgmma` from 64-row query tiles, the FlashMLA layout:
 
 An fp32 [64, 512] accumulator would take 256 registers per thread; split over two warpgroups it takes 128, and the
 scores are computed once. Each program (request b, query tile t, split j) writes the normalised output of its share
-of the prefix blocks, in the input dtype, and its rows' log-sum-exp; `verify_attn` merges the splits with the tree
-part. The output leaves through shared memory (the q tile's, dead by then) and TMA stores: written from the wgmma
-register layout it cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA: 1.8 / 2.9 µs), the largest part of
-a short call (BENCHMARKS.md §3, session 7).
+of the prefix blocks and its rows' log-sum-exp; `verify_attn` merges the splits with the tree part. The output
+leaves through shared memory (the q tile's, dead by then) and TMA stores: written from the wgmma register layout it
+cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA: 1.8 / 2.9 µs), the largest part of a short call
+(BENCHMARKS.md §3, session 7). That buffer holds the input dtype, so the fp32 output goes as two parts, hi = o
+rounded and lo = o - hi: 16 significant bits, as many bytes as fp32. One bf16 part alone (8 bits) made the greedy
+ddtree and AR calls round differently enough to pick different tokens on a random model.
 
 Limits (checked by `supports`): bf16/fp16 inputs, value width a multiple of 128, rope width a multiple of 64 and cache
 rows a multiple of 8; everything else takes the Triton kernel. Query rows (N*H per request) come in whole 64-row
@@ -70,8 +72,9 @@ def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
 def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_splits: int, min_split_blocks: int = 1,
                 layer: int = 0, interpret: bool = False):
     """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (clipped to S
-    here) -> (out [Bt, splits, rows, R] normalised, in q's dtype; lse [Bt, splits, rows] f32 natural-log
-    log-sum-exp of the scores). A split with no blocks writes out = 0 and lse = NEG (weighs 0 in a merge)."""
+    here) -> (out [Bt, splits, 2, rows, R] normalised, as hi and lo parts in q's dtype (out[:, :, 0] + out[:, :, 1]
+    in fp32); lse [Bt, splits, rows] f32 natural-log log-sum-exp of the scores). A split with no blocks writes
+    out = 0 and lse = NEG (weighs 0 in a merge)."""
     bt, rows, width = q.shape
     if rows % ROWS or not supports(q.dtype, value_width, width - value_width, cache.shape[2]):
         raise ValueError(f"verify_attn_mgpu: q {q.shape} {q.dtype} / cache {cache.shape} with R = {value_width}: "
@@ -92,14 +95,19 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
         r0 = pl.multiple_of(t * ROWS, ROWS)
 
         def write_out(o, col0):
-            """Normalised output columns [col0, col0 + half) -> q_smem -> TMA to `out_ref`. A TMA source must be
-            contiguous, and a column slice of the tiled q tile is so only within one 8-row tile row."""
+            """Normalised output columns [col0, col0 + half), hi then lo part -> q_smem -> TMA to `out_ref`. A TMA
+            source must be contiguous, and a column slice of the tiled q tile is so only within one 8-row tile row."""
             cols = pl.ds(col0, half)
-            q_smem.at[:, cols][...] = o.astype(q.dtype)
-            plgpu.commit_smem()
-            for i in range(0, ROWS, TILE_ROWS):
-                sub = pl.ds(i, TILE_ROWS)
-                plgpu.copy_smem_to_gmem(q_smem.at[sub, cols], out_ref.at[b, j, pl.ds(r0 + i, TILE_ROWS), cols])
+            hi = o.astype(q.dtype)
+            for part, value in enumerate((hi, (o - hi.astype(jnp.float32)).astype(q.dtype))):
+                if part:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the hi part has left the buffer
+                q_smem.at[:, cols][...] = value
+                plgpu.commit_smem()
+                for i in range(0, ROWS, TILE_ROWS):
+                    sub = pl.ds(i, TILE_ROWS)
+                    plgpu.copy_smem_to_gmem(q_smem.at[sub, cols],
+                                            out_ref.at[b, j, part, pl.ds(r0 + i, TILE_ROWS), cols])
             plgpu.wait_smem_to_gmem(0)
 
         def drain(bars, n, depth):
@@ -213,7 +221,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
             inv_l = plgpu.load(alpha_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
             write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), half)
 
-    out_type = (jax.ShapeDtypeStruct((bt, n_splits, rows, r), q.dtype),
+    out_type = (jax.ShapeDtypeStruct((bt, n_splits, 2, rows, r), q.dtype),
                 jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32))
     scratch = (
         plgpu.SMEM((ROWS, width), q.dtype, transforms=_smem_transforms(width, itemsize)),
