@@ -92,6 +92,9 @@ mosaic6)
     ;;
 small7)  # the wgmma path's fixed costs: compiled tests, fixed vs per-block time, kernel by kernel, AR rows vs a read
     PYTHONUNBUFFERED=1 run pytest_mgpu 150 "$PY" -m pytest -v -x -rf tests/test_verify_attn_mgpu.py
+    for i in 1 2; do  # fresh seeds: the greedy ddtree == ar check again
+        run "pytest_engine_$i" 90 "$PY" -m pytest -q -rf tests/test_verify_attn_mgpu.py -k engine_greedy
+    done
     run probe 120 "$PY" scripts/probe_mgpu_fixed_cost.py --programs 8 128 --blocks 0 1 8 32 --micro \
         --out "$OUT/probe.json"
     run trace 120 "$PY" scripts/trace_verify_attn.py --backends mosaic \
