@@ -183,15 +183,30 @@ def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi, w
         lse_ref[pl.ds(r0, bq)] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG)
 
 
+def _merge_splits(o, lse, tree=None):
+    """Flash-decoding merge, both backends: split outputs o [Bt, splits, rows, R] (fp32, normalised) weighed by
+    their log-sum-exps lse [Bt, splits, rows], plus on the mosaic path the tree part `tree` = (acc [Bt, rows, R]
+    unnormalised, row max m, row sum l [Bt, rows]) -> [Bt, rows, R] fp32. A split that saw nothing has o = 0 and
+    lse = NEG; a row that saw nothing anywhere gets 0 (its weights are all 1, on zeros). The denominator is >= 1:
+    the largest term has weight 1."""
+    top = lse.max(axis=1)
+    if tree is not None:
+        acc_t, m_t, l_t = tree
+        top = jnp.maximum(top, m_t)
+    w = jnp.exp(lse - top[:, None])
+    num, den = (w[..., None] * o).sum(axis=1), w.sum(axis=1)
+    if tree is not None:
+        w_t = jnp.exp(m_t - top)
+        num, den = num + w_t[..., None] * acc_t, den + w_t * l_t
+    return num / den[..., None]
+
+
 def _combine(o, lse, prefix_len, plan: _Plan):
-    """Merge the active splits' normalised outputs o [Bt, splits, rows, r] by their log-sum-exps lse [Bt, splits,
-    rows] (flash-decoding). Inactive splits were never written: masked here before any arithmetic."""
+    """_merge_splits over the Triton kernel's active splits: inactive ones were never written, so they are masked
+    to (0, NEG) before any arithmetic."""
     _, _, n_active = _split_range(prefix_len, 0, plan)  # [Bt]
     active = jnp.arange(plan.n_splits)[None, :] < n_active[:, None]  # [Bt, splits]
-    lse = jnp.where(active[..., None], lse, NEG)
-    o = jnp.where(active[..., None, None], o, 0.0)
-    w = jnp.exp(lse - lse.max(axis=1, keepdims=True))  # a row that saw nothing: o = 0 in every split
-    return (w[..., None] * o).sum(axis=1) / w.sum(axis=1)[..., None]  # [Bt, rows, r]; sum(w) >= 1
+    return _merge_splits(jnp.where(active[..., None, None], o, 0.0), jnp.where(active[..., None], lse, NEG))
 
 
 def _pad_latent(x, r, r_pad, dr_pad):
@@ -302,16 +317,6 @@ def _tree_partial(q, tree_kv, tree_mask, *, scale: float, r: int):
     return acc, m, p.sum(axis=-1)
 
 
-def _merge_partials(o, lse, acc_t, m_t, l_t):
-    """Flash-decoding merge of the prefix splits (o [Bt, splits, rows, R] fp32 normalised, lse [Bt, splits, rows]) and
-    the tree part (acc_t [Bt, rows, R] unnormalised, m_t / l_t [Bt, rows]) -> [Bt, rows, R] in fp32. An empty split
-    has o = 0 and lse = NEG; a row that saw nothing gets 0 (every weight is then 1 on a zero output)."""
-    top = jnp.maximum(lse.max(axis=1), m_t)
-    w, w_t = jnp.exp(lse - top[:, None]), jnp.exp(m_t - top)
-    num = (w[..., None] * o).sum(axis=1) + w_t[..., None] * acc_t
-    return num / (w.sum(axis=1) + w_t * l_t)[..., None]
-
-
 def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret):
     """verify_attn on the wgmma path: the prefix by verify_attn_mgpu (rows padded to 64-row tiles), the tree block
     and the merge of both in XLA."""
@@ -328,8 +333,8 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
                                           interpret=interpret)
     acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
     o = o[:, :, 0, :rows].astype(jnp.float32) + o[:, :, 1, :rows].astype(jnp.float32)  # hi + lo parts
-    out = _merge_partials(o, lse[:, :, :rows], acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows),
-                          l_t.reshape(bt, rows))
+    out = _merge_splits(o, lse[:, :, :rows], (acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows),
+                                             l_t.reshape(bt, rows)))
     return out.astype(q.dtype).reshape(bt, n, h, r)
 
 

@@ -244,3 +244,32 @@ def test_compiled_engine_sizes(rng, prefix, n, h, dtype, backend):
     case = make_case(rng, prefix=prefix, n=n, h=h, r=512, dr=64, s=4096, dtype=dtype)
     out, ref = run(case, interpret=False, r=512, backend=backend)
     assert_close(out, ref, TOL[dtype], f"compiled {backend} prefix={prefix} N={n} H={h}")
+
+
+def test_merge_splits_is_one_softmax(rng):
+    """The flash-decoding merge of split outputs (normalised, with log-sum-exps), an idle split and the mosaic
+    path's unnormalised tree part equals one softmax over all their keys (float64); a row that saw nothing in any
+    part gets 0, not NaN."""
+    bt, rows, r, sizes = 2, 5, 8, (7, 0, 4, 3)  # three prefix splits (one idle), then the tree's keys
+    s = rng.standard_normal((bt, rows, sum(sizes))) * 3
+    v = rng.standard_normal((bt, sum(sizes), r))
+    edges = np.cumsum((0,) + sizes)
+    o, lse = np.zeros((bt, 3, rows, r)), np.full((bt, 3, rows), va.NEG)
+    for j in range(3):
+        lo, hi = edges[j], edges[j + 1]
+        if hi > lo:
+            lse[:, j] = np.log(np.exp(s[..., lo:hi]).sum(-1))
+            o[:, j] = np.einsum("brk,bkd->brd", np.exp(s[..., lo:hi] - lse[:, j, :, None]), v[:, lo:hi])
+    t = slice(edges[3], edges[4])
+    m_t = s[..., t].max(-1)
+    p_t = np.exp(s[..., t] - m_t[..., None])
+    tree = (np.einsum("brk,bkd->brd", p_t, v[:, t]), m_t, p_t.sum(-1))
+    m_t[1, 0], tree[2][1, 0], tree[0][1, 0] = va.NEG, 0.0, 0.0  # request 1, row 0 sees no tree key ...
+    lse[1, :, 0], o[1, :, 0] = va.NEG, 0.0  # ... and no prefix key
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    got = np.asarray(va._merge_splits(f32(o), f32(lse), tuple(map(f32, tree))), np.float64)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("brk,bkd->brd", p / p.sum(-1, keepdims=True), v)
+    want[1, 0] = 0.0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[1, 0] == 0).all()
