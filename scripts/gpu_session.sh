@@ -32,7 +32,7 @@
 #   bash scripts/gpu_session.sh mosaic6c  # compiled wgmma tests incl. engine ddtree == ar; K2.6-width round at 32k,
 #                                         # B = 16 and AR, triton vs mosaic (1 GPU, ~8 min)
 #   bash scripts/gpu_session.sh small7    # the wgmma path's fixed costs: compiled tests, fixed vs per-block time, kernel
-#                                         # by kernel, both backends' AR rows with a same-bytes XLA read (1 GPU, ~7 min)
+#                                         # by kernel, both backends' AR rows with a same-bytes XLA read (1 GPU, ~9 min)
 #   bash scripts/gpu_session.sh mosaic6d  # verify_attn wall + GPU-kernel time per call, both backends (1 GPU, ~6 min)
 #   bash scripts/gpu_session.sh mosaic6e  # K2.6-width round at batch 8, 4k, B = 16 and AR, triton vs mosaic (1 GPU)
 #   bash scripts/gpu_session.sh mosaic6f  # H = 8 (rows padded to tiles) on the wgmma kernel vs Triton (1 GPU, ~3 min)
@@ -95,7 +95,7 @@ small7)  # the wgmma path's fixed costs: compiled tests, fixed vs per-block time
     for i in 1 2; do  # fresh seeds: the greedy ddtree == ar check again
         run "pytest_engine_$i" 90 "$PY" -m pytest -q -rf tests/test_verify_attn_mgpu.py -k engine_greedy
     done
-    run probe 120 "$PY" scripts/probe_mgpu_fixed_cost.py --programs 8 128 --blocks 0 1 8 32 --micro \
+    run probe 240 "$PY" scripts/probe_mgpu_fixed_cost.py --programs 8 128 --blocks 0 1 8 32 --micro \
         --out "$OUT/probe.json"
     run trace 120 "$PY" scripts/trace_verify_attn.py --backends mosaic \
         --shapes 1x1x8192 1x1x32768 8x1x8192 8x1x32768 64x1x8192 8x17x32768 --out "$OUT/trace.json"
