@@ -170,3 +170,16 @@ def test_bandwidth_summary_per_backend_and_clock():
     assert "mosaic, wall: memory-bound rows with prefix >= 8192: 1, % of copy bandwidth min 50%" in text
     assert "mosaic, kernels: memory-bound rows with prefix >= 8192: 1, % of copy bandwidth min 80%" in text
     assert "triton, wall" in text and "min 25%" in text and "triton, kernels" in text
+
+
+def test_verify_table_reads_against_the_same_bytes(rng):
+    """The `--trace` table's read columns: an XLA read's kernel time and its share of the kernel's."""
+    bench_kernels = _load("bench_kernels")
+    kern, read = rng.uniform(0.02, 0.2), rng.uniform(0.005, 0.02)
+    row = dict(backend="mosaic", batch=1, nodes=1, heads=64, prefix=8192, ms=0.05, gbps=200.0, bytes=1e7, flops=1e9,
+               kernel_ms=kern, span_ms=kern, read_kernel_ms=read, tflops=20.0, rel_err_row0=1e-3)
+    header, _, line = (
+        [c.strip() for c in x.split("|")[1:-1]] for x in bench_kernels.verify_table([row], 4e12, 6e14).splitlines())
+    got = dict(zip(header, line))
+    assert got["read ms (kernels)"] == f"{read:.3f}"
+    assert got["% read (kernels)"] == f"{100 * read / kern:.0f}%"
