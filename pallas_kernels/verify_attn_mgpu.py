@@ -99,8 +99,8 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
             """Normalised output columns [col0, col0 + half), hi then lo part -> q_smem -> TMA to `out_ref`. A TMA
             source must be contiguous, and a column slice of the tiled q tile is so only within one 8-row tile row."""
             cols = pl.ds(col0, half)
-            hi = o.astype(q.dtype)
-            for part, value in enumerate((hi, (o - hi.astype(jnp.float32)).astype(q.dtype))):
+            o_hi = o.astype(q.dtype)  # not `hi`: that name is the split's last block
+            for part, value in enumerate((o_hi, (o - o_hi.astype(jnp.float32)).astype(q.dtype))):
                 if part:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the hi part has left the buffer
                 q_smem.at[:, cols][...] = value
