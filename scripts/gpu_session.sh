@@ -33,6 +33,9 @@
 #                                         # B = 16 and AR, triton vs mosaic (1 GPU, ~8 min)
 #   bash scripts/gpu_session.sh small7    # the wgmma path's fixed costs: compiled tests, fixed vs per-block time, kernel
 #                                         # by kernel, both backends' AR rows with a same-bytes XLA read (1 GPU, ~9 min)
+#   bash scripts/gpu_session.sh small8    # the output parts staged in KV slots: compiled tests, fixed vs per-block time,
+#                                         # kernel by kernel, AR rows with a same-bytes read (1 GPU, ~8 min)
+#   bash scripts/gpu_session.sh owed5s    # owed5 on one GPU, one run after the other (1 GPU, ~7 min)
 #   bash scripts/gpu_session.sh mosaic6d  # verify_attn wall + GPU-kernel time per call, both backends (1 GPU, ~6 min)
 #   bash scripts/gpu_session.sh mosaic6e  # K2.6-width round at batch 8, 4k, B = 16 and AR, triton vs mosaic (1 GPU)
 #   bash scripts/gpu_session.sh mosaic6f  # H = 8 (rows padded to tiles) on the wgmma kernel vs Triton (1 GPU, ~3 min)
@@ -101,6 +104,20 @@ small7)  # the wgmma path's fixed costs: compiled tests, fixed vs per-block time
         --shapes 1x1x8192 1x1x32768 8x1x8192 8x1x32768 64x1x8192 8x17x32768 --out "$OUT/trace.json"
     run bench_ar 240 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 190 --batches 1 8 64 --nodes 1 \
         --prefixes 8192 32768 --out "$OUT/bench_ar_trace.json"
+    ;;
+small8)  # the output's two parts staged at once in the free KV slots: compiled tests, probe, kernel by kernel, AR rows
+    PYTHONUNBUFFERED=1 run pytest_mgpu 150 "$PY" -m pytest -v -x -rf tests/test_verify_attn_mgpu.py
+    run probe 90 "$PY" scripts/probe_mgpu_fixed_cost.py --programs 8 128 --blocks 0 1 8 32 --out "$OUT/probe.json"
+    run trace 90 "$PY" scripts/trace_verify_attn.py --backends mosaic \
+        --shapes 1x1x8192 1x1x32768 8x1x8192 8x1x32768 64x1x8192 8x17x32768 --out "$OUT/trace.json"
+    run bench_ar 200 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 150 --batches 1 8 64 --nodes 1 \
+        --prefixes 8192 32768 --out "$OUT/bench_ar_trace.json"
+    ;;
+owed5s)  # owed5 on one GPU: the K2.6-width round at 32k, all-full drafter, then K2.6's sliding layers
+    run profile_round_b1_32k 240 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --prompt 32768 \
+        --out "$OUT/round_full"
+    run profile_round_b1_32k_sliding 240 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --prompt 32768 \
+        --sliding-window 2048 --out "$OUT/round_sliding"
     ;;
 mosaic6c)  # the wgmma kernel inside the engine: compiled tests (ddtree == ar on it), K2.6-width round at 32k (1 GPU)
     PYTHONUNBUFFERED=1 run pytest_mgpu 150 "$PY" -m pytest -v -rf tests/test_verify_attn_mgpu.py
