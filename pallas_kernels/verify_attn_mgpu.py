@@ -12,11 +12,10 @@ issues Hopper `wgmma` from 64-row query tiles, the FlashMLA layout:
 An fp32 [64, 512] accumulator would take 256 registers per thread; split over two warpgroups it takes 128, and the
 scores are computed once. Each program (request b, query tile t, split j) writes the normalised output of its share
 of the prefix blocks and its rows' log-sum-exp; `verify_attn` merges the splits with the tree part. The output
-leaves through shared memory and TMA stores: written from the wgmma register layout it cost 4.4 µs per program alone
-(8.5 µs with 128 programs; TMA: 1.8 / 2.9 µs), the largest part of a short call (BENCHMARKS.md §3, session 7).
-Shared memory holds the input dtype, so the fp32 output goes as two parts, hi = o rounded and lo = o - hi: 16
-significant bits, as many bytes as fp32. Each compute warpgroup stages both parts of its half at once in a KV slot
-that is free by then (one part at a time through the q tile cost two rounds of staging). One bf16 part alone (8 bits) made the greedy
+leaves through shared memory (the q tile's, dead by then) and TMA stores: written from the wgmma register layout it
+cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA: 1.8 / 2.9 µs), the largest part of a short call
+(BENCHMARKS.md §3, session 7). That buffer holds the input dtype, so the fp32 output goes as two parts, hi = o
+rounded and lo = o - hi: 16 significant bits, as many bytes as fp32. One bf16 part alone (8 bits) made the greedy
 ddtree and AR calls round differently enough to pick different tokens on a random model: one prefix over 1 and over
 5 splits then differs by 2.3e-3 relative before the final cast, against 8e-4 with both parts (P's own bf16 rounding).
 
@@ -96,19 +95,20 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
         n = hi - lo
         r0 = pl.multiple_of(t * ROWS, ROWS)
 
-        def write_out(o, slot, col0):
-            """Normalised output columns [col0, col0 + half) as hi and lo parts, staged side by side in KV slot
-            `slot` (free by then: see the callers), then TMA to `out_ref`. A TMA source must be contiguous, and a
-            column slice of a tiled buffer is so only within one 8-row tile row."""
+        def write_out(o, col0):
+            """Normalised output columns [col0, col0 + half), hi then lo part -> q_smem -> TMA to `out_ref`. A TMA
+            source must be contiguous, and a column slice of the tiled q tile is so only within one 8-row tile row."""
+            cols = pl.ds(col0, half)
             o_hi = o.astype(q.dtype)  # not `hi`: that name is the split's last block
-            parts = (o_hi, (o - o_hi.astype(jnp.float32)).astype(q.dtype))
-            for part, value in enumerate(parts):
-                kv_smem.at[slot, :, pl.ds(part * half, half)][...] = value
-            plgpu.commit_smem()
-            for part in range(len(parts)):
+            for part, value in enumerate((o_hi, (o - o_hi.astype(jnp.float32)).astype(q.dtype))):
+                if part:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the hi part has left the buffer
+                q_smem.at[:, cols][...] = value
+                plgpu.commit_smem()
                 for i in range(0, ROWS, TILE_ROWS):
-                    plgpu.copy_smem_to_gmem(kv_smem.at[slot, pl.ds(i, TILE_ROWS), pl.ds(part * half, half)],
-                                            out_ref.at[b, j, part, pl.ds(r0 + i, TILE_ROWS), pl.ds(col0, half)])
+                    sub = pl.ds(i, TILE_ROWS)
+                    plgpu.copy_smem_to_gmem(q_smem.at[sub, cols],
+                                            out_ref.at[b, j, part, pl.ds(r0 + i, TILE_ROWS), cols])
             plgpu.wait_smem_to_gmem(0)
 
         def drain(bars, n, depth):
@@ -197,9 +197,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
             alpha_smem[0] = inv_l
             plgpu.commit_smem()
             plgpu.barrier_arrive(l_ready)
-            # slot n % stages last held block n - stages, which both warpgroups are done with (warpgroup 1 freed it
-            # before P(n - 1) was written); warpgroup 1 stages in the last block's slot, the other one
-            write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), lax.rem(n, stages), 0)
+            write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), 0)  # q is dead: the last scores are done
             lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * math.log(2.0), NEG)
             lse_ref.at[b, j, pl.ds(r0, ROWS)][...] = lse
 
@@ -222,8 +220,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
             acc = lax.fori_loop(jnp.int32(0), n, step, acc)
             plgpu.barrier_wait(l_ready)
             inv_l = plgpu.load(alpha_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-            # the last block's slot: this warpgroup's P · V of it is done, and l_ready says warpgroup 0's is too
-            write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), lax.rem(n + stages - 1, stages), half)
+            write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), half)
 
     out_type = (jax.ShapeDtypeStruct((bt, n_splits, 2, rows, r), q.dtype),
                 jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32))
