@@ -35,6 +35,10 @@
 #                                         # by kernel, both backends' AR rows with a same-bytes XLA read (1 GPU, ~9 min)
 #   bash scripts/gpu_session.sh small8    # the output parts staged in KV slots: compiled tests, fixed vs per-block time,
 #                                         # kernel by kernel, AR rows with a same-bytes read (1 GPU, ~8 min)
+#   bash scripts/gpu_session.sh trim8     # after trimming idle splits: compiled verify_attn tests (both backends), AR rows
+#                                         # of both backends with the same-bytes read (1 GPU, ~7 min)
+#   bash scripts/gpu_session.sh owed8     # the shipped budget profile re-measured; the K2.6 AR step vs the roofline with
+#                                         # the wgmma kernel (1 GPU, ~9 min)
 #   bash scripts/gpu_session.sh owed5s    # owed5 on one GPU, one run after the other (1 GPU, ~7 min)
 #   bash scripts/gpu_session.sh mosaic6d  # verify_attn wall + GPU-kernel time per call, both backends (1 GPU, ~6 min)
 #   bash scripts/gpu_session.sh mosaic6e  # K2.6-width round at batch 8, 4k, B = 16 and AR, triton vs mosaic (1 GPU)
@@ -112,6 +116,17 @@ small8)  # the output's two parts staged at once in the free KV slots: compiled 
         --shapes 1x1x8192 1x1x32768 8x1x8192 8x1x32768 64x1x8192 8x17x32768 --out "$OUT/trace.json"
     run bench_ar 200 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 150 --batches 1 8 64 --nodes 1 \
         --prefixes 8192 32768 --out "$OUT/bench_ar_trace.json"
+    ;;
+trim8)  # the default split count trimmed to busy splits: compiled tests of both backends, AR rows side by side
+    PYTHONUNBUFFERED=1 run pytest_verify_attn 240 "$PY" -m pytest -q -rf tests/test_verify_attn_mgpu.py \
+        tests/test_verify_attn.py
+    run bench_ar 240 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 170 --batches 1 8 64 --nodes 1 \
+        --prefixes 8192 32768 --out "$OUT/bench_ar_trace.json"
+    ;;
+owed8)  # the shipped budget profile after sessions 6-8's kernel changes; the AR step vs the roofline (wgmma kernel)
+    run profile_budget 330 "$PY" scripts/profile_budget.py --out "$OUT/budget_profile.nvidia-h200.json"
+    run bench_kimi_ar 200 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --steps 8 32 --budget-s 120 \
+        --out "$OUT/bench_kimi_ar.json"
     ;;
 owed5s)  # owed5 on one GPU: the K2.6-width round at 32k, all-full drafter, then K2.6's sliding layers
     run profile_round_b1_32k 240 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --prompt 32768 \
