@@ -62,6 +62,16 @@ def _smem_transforms(minor: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def shared_memory(dtype, width: int):
+    """A program's shared memory: q tile, KV ring, P buffers (the input dtype, wgmma/TMA tiled) and the rows' alpha
+    (fp32). One list, so that kernels measured against prefix_attn's launch shape take the same occupancy."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return (plgpu.SMEM((ROWS, width), dtype, transforms=_smem_transforms(width, itemsize)),
+            plgpu.SMEM((STAGES, BLOCK_K, width), dtype, transforms=_smem_transforms(width, itemsize)),
+            plgpu.SMEM((P_STAGES, ROWS, BLOCK_K), dtype, transforms=_smem_transforms(BLOCK_K, itemsize)),
+            plgpu.SMEM((P_STAGES, ROWS), jnp.float32))
+
+
 def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
     """Prefix blocks [lo, hi) of split j: every split but the last reads the same count, >= min_split_blocks."""
     n_blocks = pl.cdiv(prefix, block_k)
@@ -82,7 +92,6 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
                          f"needs rows % {ROWS} == 0 and what `supports` lists")
     r, bk, stages, p_stages = value_width, BLOCK_K, STAGES, P_STAGES
     half = r // 2
-    itemsize = q.dtype.itemsize
     n_tiles, seq = rows // ROWS, cache.shape[2]
     c = scale * LOG2E  # scores in log2 units: exp2 is one instruction
 
@@ -225,10 +234,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
     out_type = (jax.ShapeDtypeStruct((bt, n_splits, 2, rows, r), q.dtype),
                 jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32))
     scratch = (
-        plgpu.SMEM((ROWS, width), q.dtype, transforms=_smem_transforms(width, itemsize)),
-        plgpu.SMEM((stages, bk, width), q.dtype, transforms=_smem_transforms(width, itemsize)),
-        plgpu.SMEM((p_stages, ROWS, bk), q.dtype, transforms=_smem_transforms(bk, itemsize)),
-        plgpu.SMEM((p_stages, ROWS), jnp.float32),
+        *shared_memory(q.dtype, width),
         plgpu.Barrier(num_barriers=1),  # q tile landed
         plgpu.Barrier(num_barriers=stages),  # KV block landed (TMA)
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # KV slot read by both compute warpgroups

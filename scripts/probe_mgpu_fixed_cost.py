@@ -61,9 +61,8 @@ def micro_kernel(variant: str, programs: int, interpret: bool = False):
     fixed work: nothing ("launch"), the q tile's TMA load ("q"), plus the [64, 512] bf16 partial written from
     registers ("q+store") or staged in the q tile's shared memory and written by TMA ("q+tma-store")."""
     width, half = R + DR, R // 2
-    transforms = vm._smem_transforms(width, 2)
 
-    def body(q_ref, out_ref, q_smem, kv_smem, p_smem, q_bar):
+    def body(q_ref, out_ref, q_smem, kv_smem, p_smem, alpha_smem, q_bar):
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
 
         @pl.when(wg == 2)
@@ -92,10 +91,7 @@ def micro_kernel(variant: str, programs: int, interpret: bool = False):
                         plgpu.copy_smem_to_gmem(q_smem.at[rows, cols], out_ref.at[p, rows, cols])
                     plgpu.wait_smem_to_gmem(0)
 
-    scratch = (plgpu.SMEM((vm.ROWS, width), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((vm.STAGES, vm.BLOCK_K, width), jnp.bfloat16, transforms=transforms),
-               plgpu.SMEM((vm.P_STAGES, vm.ROWS, vm.BLOCK_K), jnp.bfloat16, transforms=vm._smem_transforms(64, 2)),
-               plgpu.Barrier(num_barriers=1))
+    scratch = (*vm.shared_memory(jnp.bfloat16, width), plgpu.Barrier(num_barriers=1))
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs, vm.ROWS, R), jnp.bfloat16),
                         scratch_types=scratch, grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
