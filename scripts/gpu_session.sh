@@ -33,8 +33,9 @@
 #                                         # B = 16 and AR, triton vs mosaic (1 GPU, ~8 min)
 #   bash scripts/gpu_session.sh small7    # the wgmma path's fixed costs: compiled tests, fixed vs per-block time, kernel
 #                                         # by kernel, both backends' AR rows with a same-bytes XLA read (1 GPU, ~9 min)
-#   bash scripts/gpu_session.sh small8    # the output parts staged in KV slots: compiled tests, fixed vs per-block time,
-#                                         # kernel by kernel, AR rows with a same-bytes read (1 GPU, ~8 min)
+#   bash scripts/gpu_session.sh small8    # compiled tests, fixed vs per-block time, kernel by kernel, AR rows with a
+#                                         # same-bytes read; session 8 ran it on the KV-slot staging (efab2b0, reverted)
+#                                         # (1 GPU, ~8 min)
 #   bash scripts/gpu_session.sh trim8     # after trimming idle splits: compiled verify_attn tests (both backends), AR rows
 #                                         # of both backends with the same-bytes read (1 GPU, ~7 min)
 #   bash scripts/gpu_session.sh owed8     # the shipped budget profile re-measured; the K2.6 AR step vs the roofline with
@@ -109,7 +110,7 @@ small7)  # the wgmma path's fixed costs: compiled tests, fixed vs per-block time
     run bench_ar 240 "$PY" scripts/bench_kernels.py --skip-tree --trace --budget-s 190 --batches 1 8 64 --nodes 1 \
         --prefixes 8192 32768 --out "$OUT/bench_ar_trace.json"
     ;;
-small8)  # the output's two parts staged at once in the free KV slots: compiled tests, probe, kernel by kernel, AR rows
+small8)  # after an output-path change (session 8: KV-slot staging): compiled tests, probe, kernel by kernel, AR rows
     PYTHONUNBUFFERED=1 run pytest_mgpu 150 "$PY" -m pytest -v -x -rf tests/test_verify_attn_mgpu.py
     run probe 90 "$PY" scripts/probe_mgpu_fixed_cost.py --programs 8 128 --blocks 0 1 8 32 --out "$OUT/probe.json"
     run trace 90 "$PY" scripts/trace_verify_attn.py --backends mosaic \
