@@ -186,18 +186,15 @@ def test_verify_table_reads_against_the_same_bytes(rng):
 
 
 @pytest.mark.parametrize("variant", ["q+store", "q+tma-store"])
-def test_probe_micro_kernels_write_their_output(variant):
-    """The probe's fixed-work kernels, in Mosaic GPU's interpreter: the output path they time writes every column of
-    every program (the interpreter starts outputs poisoned), so the timed work is the work named. Each compute
-    warpgroup writes column c of its half as c * (program + 1)."""
-    import jax
+def test_probe_micro_kernels_write_their_output(variant, rng, interpret):
+    """The probe's fixed-work kernels write every column of every program (the interpreter starts outputs poisoned),
+    so the timed work is the work named. Each compute warpgroup writes column c of its half as c * (program + 1)."""
     import jax.numpy as jnp
 
     probe = _load("probe_mgpu_fixed_cost")
     programs, half = 2, probe.R // 2
-    q = jax.random.normal(jax.random.key(np.random.SeedSequence().entropy % 2**31),
-                          (probe.REQUESTS, probe.vm.ROWS, probe.R + probe.DR), jnp.bfloat16)
-    out = np.asarray(probe.micro_kernel(variant, programs, interpret=True)(q).astype(jnp.float32))
+    q = jnp.asarray(rng.standard_normal((probe.REQUESTS, probe.vm.ROWS, probe.R + probe.DR)), jnp.bfloat16)
+    out = np.asarray(probe.micro_kernel(variant, programs, interpret=interpret)(q).astype(jnp.float32))
     col = np.arange(probe.R) % half
     want = np.asarray(jnp.asarray(col[None, :] * (np.arange(programs)[:, None] + 1.0), jnp.float32)
                       .astype(jnp.bfloat16).astype(jnp.float32))
