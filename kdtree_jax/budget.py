@@ -182,6 +182,30 @@ def checkpoint_name(path: str | os.PathLike) -> str:
     return "/".join(p for p in parts[-2:] if p)
 
 
+def merge_profiles(old: BudgetProfile, new: BudgetProfile) -> BudgetProfile:
+    """`new` plus the batch sizes of `old` that `new` did not measure, for the same engine and device: a profile
+    re-measured one batch size at a time (each run within a device call's time limit) keeps the others. Settings are
+    kept per batch size (`settings["by_batch"]`), so each table says when and how it was measured."""
+    key = ProfileKey(new.device_kind, new.dtype, new.n_devices, new.target, new.drafter)
+    why = old.mismatch(key)
+    if why is not None:
+        raise ProfileError(f"cannot merge budget profiles of different engines: {why}")
+    by_batch = {**_settings_by_batch(old), **_settings_by_batch(new)}
+    return dataclasses.replace(new, batches={**old.batches, **new.batches},
+                               settings={"by_batch": {k: by_batch[k] for k in sorted(by_batch, key=int)}})
+
+
+def _settings_by_batch(profile: BudgetProfile) -> dict:
+    """{batch: settings}; a profile written before settings were kept per batch has one flat dict with
+    `tokens_per_s` keyed by batch (the shipped session-5 profile): its fields apply to every batch."""
+    if "by_batch" in profile.settings:
+        return dict(profile.settings["by_batch"])
+    flat = {k: v for k, v in profile.settings.items() if k != "tokens_per_s"}
+    rates = profile.settings.get("tokens_per_s", {})
+    return {str(b): {**flat, **({"tokens_per_s": rates[str(b)]} if str(b) in rates else {})}
+            for b in profile.batches}
+
+
 def save_profile(profile: BudgetProfile, path: str | os.PathLike) -> str:
     """Written atomically: a reader never sees half a profile."""
     return write_text_atomic(path, json.dumps(profile.to_json(), indent=2) + "\n")

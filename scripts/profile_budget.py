@@ -7,6 +7,9 @@ The table ends with the check that matters: measured tokens/s of the automatic c
 
     python scripts/profile_budget.py                 # shipped pair, batches 1 8, budgets 8 .. 256
     python scripts/profile_budget.py --n-prompts 2 --max-new-tokens 16 --budgets 4 16 --batches 1 2 --repeats 1
+
+The profile is written after each batch size. A profile already at --out for the same engine and device keeps the
+batch sizes this run does not measure, so one batch size per run (e.g. per time-limited device call) rebuilds it.
 """
 from __future__ import annotations
 
@@ -52,21 +55,34 @@ def measure(engine, prompts, batch: int, mode: str, budget: int, max_new: int, r
     return row, ids
 
 
-def build_profile(engine, args, rows: dict, device_kind: str) -> budget_mod.BudgetProfile:
+def build_profile(engine, args, rows: dict, measured_at: dict, device_kind: str) -> budget_mod.BudgetProfile:
     batches = {}
     for batch, by_budget in rows.items():
         points = {b: budget_mod.BudgetPoint(tau=r["mean_acceptance_length"], round_s=r["round_s"])
                   for b, r in by_budget.items() if b != "ar"}
         batches[batch] = budget_mod.BatchProfile(ar_step_s=by_budget["ar"]["round_s"], budgets=points)
     key = engine.profile_key()
-    settings = {
-        "n_prompts": args.n_prompts, "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "prompts": os.path.basename(args.prompts),
-        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "tokens_per_s": {str(bt): {str(b): r["tokens_per_s"] for b, r in by.items()} for bt, by in rows.items()},
-    }
+    run = {"n_prompts": args.n_prompts, "prompt_tokens": args.prompt_tokens, "max_new_tokens": args.max_new_tokens,
+           "repeats": args.repeats, "prompts": os.path.basename(args.prompts)}
+    settings = {"by_batch": {str(bt): {**run, "measured_at": measured_at[bt],
+                                       "tokens_per_s": {str(b): r["tokens_per_s"] for b, r in by.items()}}
+                             for bt, by in rows.items()}}
     return budget_mod.BudgetProfile(device_kind=device_kind, dtype=key.dtype, n_devices=key.n_devices,
                                     target=key.target, drafter=key.drafter, batches=batches, settings=settings)
+
+
+def existing_profile(path: str, profile: budget_mod.BudgetProfile) -> budget_mod.BudgetProfile | None:
+    """The profile already at `path` when it was measured for the same engine and device (its other batch sizes
+    are kept); None when there is none, or it is for another engine (it is replaced, with a line saying so)."""
+    if not os.path.isfile(path):
+        return None
+    old = budget_mod.load_profile(path)
+    why = old.mismatch(budget_mod.ProfileKey(profile.device_kind, profile.dtype, profile.n_devices, profile.target,
+                                             profile.drafter))
+    if why is not None:
+        print(f"replacing {path}: {why}", flush=True)
+        return None
+    return old
 
 
 def report(profile: budget_mod.BudgetProfile, rows: dict, args) -> str:
@@ -129,7 +145,10 @@ def main(argv=None) -> None:
     device_kind = jax.devices()[0].device_kind
     engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
     prompts = load_prompts(args.prompts, engine.tokenizer, args.n_prompts, args.prompt_tokens)
+    out = args.out or budget_mod.default_profile_path(args.checkpoint, device_kind)
     rows: dict = {}
+    measured_at: dict = {}
+    old = None
     for batch in args.batches:
         ar_row, ar_ids = measure(engine, prompts, batch, "ar", 0, args.max_new_tokens, args.repeats)
         rows[batch] = {"ar": ar_row}
@@ -141,9 +160,12 @@ def main(argv=None) -> None:
             print(f"batch {batch} ddtree B={budget:<4d} tau {row['mean_acceptance_length']:.2f} "
                   f"{1e3 * row['round_s']:.3f} ms/round {row['tokens_per_s']:.1f} tok/s same={row['identical_to_ar']}",
                   flush=True)
-    profile = build_profile(engine, args, rows, device_kind)
-    out = args.out or budget_mod.default_profile_path(args.checkpoint, device_kind)
-    budget_mod.save_profile(profile, out)
+        measured_at[batch] = time.strftime("%Y-%m-%d %H:%M:%S")
+        profile = build_profile(engine, args, rows, measured_at, device_kind)
+        if batch == args.batches[0]:
+            old = existing_profile(out, profile)
+        budget_mod.save_profile(budget_mod.merge_profiles(old, profile) if old else profile, out)
+        print(f"wrote batch {batch} to {out}", flush=True)  # each batch as it completes: a time limit loses one
     print("\n" + report(profile, rows, args))
     print(f"\nwrote {out}")
     if not all(r["identical_to_ar"] for by in rows.values() for k, r in by.items() if k != "ar"):

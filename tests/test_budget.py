@@ -161,6 +161,25 @@ def test_profile_json_round_trip_is_exact_and_atomic(rng, tmp_path):
     assert budget_mod.checkpoint_name("/x/kdtree-mini/target/") == "kdtree-mini/target"
 
 
+def test_merge_keeps_the_batches_a_run_did_not_measure(rng, tmp_path):
+    """A profile re-measured one batch size per run: the new tables replace theirs, the other batch sizes stay, and
+    each batch keeps its own settings, including those of a profile written with flat settings (session 5's)."""
+    key = ProfileKey(device_kind="NVIDIA H200", dtype="float32", n_devices=1, target="a/target", drafter="a/drafter")
+    old = dataclasses.replace(random_profile(rng, key=key, batches=[1, 8, 64]),
+                              settings={"repeats": 3, "tokens_per_s": {"1": {"ar": 1.0}, "8": {"ar": 2.0}}})
+    new = dataclasses.replace(random_profile(rng, key=key, batches=[8, 2]),
+                              settings={"by_batch": {"8": {"measured_at": "now"}, "2": {"measured_at": "now"}}})
+    merged = budget_mod.merge_profiles(old, new)
+    assert merged.batches == {1: old.batches[1], 8: new.batches[8], 64: old.batches[64], 2: new.batches[2]}
+    assert merged.settings["by_batch"] == {"1": {"repeats": 3, "tokens_per_s": {"ar": 1.0}},
+                                           "2": {"measured_at": "now"}, "8": {"measured_at": "now"},
+                                           "64": {"repeats": 3}}
+    budget_mod.save_profile(merged, tmp_path / "p.json")
+    assert budget_mod.load_profile(tmp_path / "p.json") == merged
+    with pytest.raises(ProfileError, match="dtype"):
+        budget_mod.merge_profiles(dataclasses.replace(old, dtype="bfloat16"), new)
+
+
 def _valid_json(rng) -> dict:
     return random_profile(rng, batches=[1], budgets=[4, 16], ties=False).to_json()
 
@@ -341,21 +360,30 @@ def test_cli_budget_auto_reports_the_chosen_budget(shipped, rng, tmp_path):
 
 @pytest.mark.slow
 def test_profile_script_smoke_run_writes_a_loadable_profile(tmp_path):
+    """Batch 1, then batch 2 in a second run to the same file: the second keeps the first's table."""
     out = tmp_path / "profile.json"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "profile_budget.py"), "--n-prompts", "2",
-                           "--max-new-tokens", "16", "--budgets", "4", "16", "--batches", "1", "2", "--repeats", "1",
-                           "--out", str(out)], capture_output=True, text=True, cwd=REPO, env=_subprocess_env(),
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def run(batch):
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "profile_budget.py"), "--n-prompts",
+                               "2", "--max-new-tokens", "16", "--budgets", "4", "16", "--batches", str(batch),
+                               "--repeats", "1", "--out", str(out)], capture_output=True, text=True, cwd=REPO,
+                              env=_subprocess_env(), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    first = run(1)
+    batch_1 = budget_mod.load_profile(out).batches[1]
+    proc = run(2)
     profile = budget_mod.load_profile(out)
+    assert profile.batches[1] == batch_1 and sorted(profile.settings["by_batch"]) == ["1", "2"]
     assert profile.device_kind == jax.devices()[0].device_kind and profile.dtype == "float32"
     assert (profile.target, profile.drafter) == ("kdtree-mini/target", "kdtree-mini/drafter")
     assert sorted(profile.batches) == [1, 2]
     for t in profile.batches.values():
         assert sorted(t.budgets) == [4, 16] and t.ar_step_s > 0
         assert all(p.tau > 1.0 and p.round_s > 0 for p in t.budgets.values())  # the shipped drafter is trained
-    for batch in (1, 2):
-        rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {batch} | ")]
+    for batch, batch_run in ((1, first), (2, proc)):
+        rows = [line for line in batch_run.stdout.splitlines() if line.startswith(f"| {batch} | ")]
         auto = [line for line in rows if "(auto)" in line]
         if budget_mod.speculation_pays(profile, batch):
             want = f"| {batch} | ddtree | **{budget_mod.choose_budget(profile, batch)}** (auto) |"
