@@ -40,6 +40,8 @@
 #                                         # of both backends with the same-bytes read (1 GPU, ~7 min)
 #   bash scripts/gpu_session.sh owed8     # the shipped budget profile re-measured; the K2.6 AR step vs the roofline with
 #                                         # the wgmma kernel (1 GPU, ~9 min)
+#   bash scripts/gpu_session.sh budget9   # the shipped budget profile re-measured one batch size per run, merged into a
+#                                         # copy of the shipped one: copy $OUT's file to checkpoints/ (1 GPU, ~9 min)
 #   bash scripts/gpu_session.sh owed5s    # owed5 on one GPU, one run after the other (1 GPU, ~7 min)
 #   bash scripts/gpu_session.sh mosaic6d  # verify_attn wall + GPU-kernel time per call, both backends (1 GPU, ~6 min)
 #   bash scripts/gpu_session.sh mosaic6e  # K2.6-width round at batch 8, 4k, B = 16 and AR, triton vs mosaic (1 GPU)
@@ -128,6 +130,13 @@ owed8)  # the shipped budget profile after sessions 6-8's kernel changes; the AR
     run profile_budget 330 "$PY" scripts/profile_budget.py --out "$OUT/budget_profile.nvidia-h200.json"
     run bench_kimi_ar 200 "$PY" scripts/bench_kimi_layer.py --ar-breakdown --steps 8 32 --budget-s 120 \
         --out "$OUT/bench_kimi_ar.json"
+    ;;
+budget9)  # the budget profile, one batch size per run into a copy of the shipped profile (a cut run keeps the rest)
+    cp checkpoints/kdtree-mini/budget_profile.nvidia-h200.json "$OUT/"
+    for batch in 1 8; do
+        run "profile_budget_b$batch" 280 "$PY" scripts/profile_budget.py --batches "$batch" \
+            --out "$OUT/budget_profile.nvidia-h200.json"
+    done
     ;;
 owed5s)  # owed5 on one GPU: the K2.6-width round at 32k, all-full drafter, then K2.6's sliding layers
     run profile_round_b1_32k 240 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --prompt 32768 \
