@@ -71,14 +71,14 @@ def build_profile(engine, args, rows: dict, measured_at: dict, device_kind: str)
                                     target=key.target, drafter=key.drafter, batches=batches, settings=settings)
 
 
-def existing_profile(path: str, profile: budget_mod.BudgetProfile) -> budget_mod.BudgetProfile | None:
+def existing_profile(path: str, key: budget_mod.ProfileKey) -> budget_mod.BudgetProfile | None:
     """The profile already at `path` when it was measured for the same engine and device (its other batch sizes
-    are kept); None when there is none, or it is for another engine (it is replaced, with a line saying so)."""
+    are kept); None when there is none, or it is for another engine (it is replaced, with a line saying so). Read
+    before any measuring, so that a file that does not parse stops the run before it costs anything."""
     if not os.path.isfile(path):
         return None
     old = budget_mod.load_profile(path)
-    why = old.mismatch(budget_mod.ProfileKey(profile.device_kind, profile.dtype, profile.n_devices, profile.target,
-                                             profile.drafter))
+    why = old.mismatch(key)
     if why is not None:
         print(f"replacing {path}: {why}", flush=True)
         return None
@@ -146,9 +146,9 @@ def main(argv=None) -> None:
     engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
     prompts = load_prompts(args.prompts, engine.tokenizer, args.n_prompts, args.prompt_tokens)
     out = args.out or budget_mod.default_profile_path(args.checkpoint, device_kind)
+    old = existing_profile(out, engine.profile_key())
     rows: dict = {}
     measured_at: dict = {}
-    old = None
     for batch in args.batches:
         ar_row, ar_ids = measure(engine, prompts, batch, "ar", 0, args.max_new_tokens, args.repeats)
         rows[batch] = {"ar": ar_row}
@@ -162,8 +162,6 @@ def main(argv=None) -> None:
                   flush=True)
         measured_at[batch] = time.strftime("%Y-%m-%d %H:%M:%S")
         profile = build_profile(engine, args, rows, measured_at, device_kind)
-        if batch == args.batches[0]:
-            old = existing_profile(out, profile)
         budget_mod.save_profile(budget_mod.merge_profiles(old, profile) if old else profile, out)
         print(f"wrote batch {batch} to {out}", flush=True)  # each batch as it completes: a time limit loses one
     print("\n" + report(profile, rows, args))
