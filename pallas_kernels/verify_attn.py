@@ -98,8 +98,9 @@ def _default_splits(programs: int, max_splits: int, resident: int) -> int:
 def _busy_splits(n_blocks: int, splits: int, min_split_blocks: int) -> int:
     """The default split count, trimmed to the splits a full cache keeps busy. Splits read cdiv(n_blocks, splits)
     blocks each (at least min_split_blocks), so the rounding can leave the last ones without a block even at prefix =
-    S, where they would still launch, write empty partials and be merged: 512 blocks over 126 splits are 5 blocks
-    each for 103 splits. The fewer splits are no slower: no split reads more blocks than before."""
+    S, where they would still launch, write empty partials and be merged: 512 blocks over 122 splits are 5 blocks
+    each for 103 splits (batch 1, 32k on the wgmma path). The fewer splits are no slower: no split reads more blocks
+    than before."""
     per_split = max(pl.cdiv(n_blocks, splits), min_split_blocks)
     return max(1, pl.cdiv(n_blocks, per_split))
 
