@@ -105,6 +105,14 @@ def _busy_splits(n_blocks: int, splits: int, min_split_blocks: int) -> int:
     return max(1, pl.cdiv(n_blocks, per_split))
 
 
+def _auto_splits(programs: int, seq: int, block_k: int, resident: int) -> tuple[int, int]:
+    """(split count, blocks each split reads at least) when the caller gives none, both backends: whole waves of
+    `programs` x splits, trimmed to busy splits, each reading >= MIN_SPLIT_ROWS of a `seq`-row cache."""
+    min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, block_k)
+    splits = _default_splits(programs, seq // MIN_SPLIT_ROWS, resident)
+    return _busy_splits(pl.cdiv(seq, block_k), splits, min_split_blocks), min_split_blocks
+
+
 def _online_update(carry, q_lat, q_pe, k_lat, k_pe, valid, *, scale, precision):
     """One flash step: fold a KV block (k_lat [bk, r], k_pe [bk, dr], valid [bq or 1, bk]) into (o, m, l)."""
     o, m, l = carry  # [bq, r] f32, [bq] f32, [bq] f32
@@ -273,9 +281,7 @@ def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsiz
     if num_splits is None:
         if (block_q or default_q, block_k or default_k) != (default_q, default_k):
             resident = 1  # a tile the report has not measured: assume the least
-        min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, bk)
-        num_splits = _busy_splits(pl.cdiv(s, bk), _default_splits(bt * n_q, s // MIN_SPLIT_ROWS, resident),
-                                  min_split_blocks)
+        num_splits, min_split_blocks = _auto_splits(bt * n_q, s, bk, resident)
     if num_splits < 1:
         raise ValueError(f"verify_attn: num_splits={num_splits} must be >= 1")
     sel = next_pow2(max(MIN_DOT, (bq - 1) // h + 2))  # nodes a tile of bq rows starting anywhere can span
@@ -335,11 +341,8 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
     rows = n * h
     tiles = pl.cdiv(rows, verify_attn_mgpu.ROWS)
     min_split_blocks = 1
-    if num_splits is None:  # one 190 KiB program per SM: whole waves, >= MIN_SPLIT_ROWS rows per split
-        s, bk = cache.shape[2], verify_attn_mgpu.BLOCK_K
-        min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, bk)
-        num_splits = _busy_splits(pl.cdiv(s, bk), _default_splits(bt * tiles, s // MIN_SPLIT_ROWS, 1),
-                                  min_split_blocks)
+    if num_splits is None:  # one 190 KiB program per SM
+        num_splits, min_split_blocks = _auto_splits(bt * tiles, cache.shape[2], verify_attn_mgpu.BLOCK_K, 1)
     q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * verify_attn_mgpu.ROWS)  # padding rows: computed, dropped
     o, lse = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r,
                                           n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
