@@ -2,15 +2,17 @@
 
     python scripts/bench_mesh_scaling.py [--layers 4] [--meshes 1x1x2 1x1x4 1x1x8] [--modes ar chain ddtree]
                                          [--budget 16] [--batch 1] [--prompt-len 64] [--max-new-tokens 32]
-                                         [--dtype float32] [--out scaling.json]
+                                         [--short-tokens 8] [--dtype float32] [--out scaling.json]
 
 The target is `kimi_k2_6()` cut to `--layers` decoder layers (layer 0 dense, the rest MoE with 384 INT4 experts),
 random weights made on the device leaf by leaf (`bench_kimi_layer.random_module`); the drafter is a random
 one-layer DFlash drafter of the same width (it accepts ~nothing: this measures the cost of a round, not tau). The
 one-device run (no mesh, the model's own MoE path) is the reference; each mesh runs the same generation with the
 model sharded by the engine's rules (`sharding.shard_model`, expert-parallel MoE) and must give its tokens.
-Time per round = generation wall time / rounds (compile excluded: each generation runs once to compile, then is
-timed). On a CPU backend it runs a tiny config over simulated devices (set XLA_FLAGS=
+A generation's wall time holds the prefill too, which at K2.6 width weighs like many rounds, so the time per
+round is a slope: the same prompts generated for `--short-tokens` and for `--max-new-tokens` new tokens, (t2 - t1)
+/ (rounds2 - rounds1); what is left of the short run is the fixed part (prefill, transfers). Each generation runs
+once to compile, then is timed. The tokens compared are the long run's. On a CPU backend it runs a tiny config over simulated devices (set XLA_FLAGS=
 --xla_force_host_platform_device_count=8), which checks the script, not the speed.
 """
 from __future__ import annotations
@@ -65,12 +67,17 @@ def models(cfg, dtype, moe_impl: str):
 
 
 def run(engine: Engine, prompts, mode: str, args) -> dict:
-    kw = dict(max_new_tokens=args.max_new_tokens, mode=mode, budget=args.budget)
-    engine.generate(prompts, **kw)  # compile + first run
-    res = engine.generate(prompts, **kw)
-    rounds = max(res.stats.rounds, 1)
-    return dict(tokens=[o.token_ids for o in res.outputs], rounds=res.stats.rounds,
-                ms_per_round=1e3 * res.stats.wall_s / rounds, tokens_per_s=res.stats.tokens_per_s)
+    """Tokens and timing of one mode: ms per round from two generation lengths, the rest as fixed ms."""
+    timed = []
+    for n in (args.short_tokens, args.max_new_tokens):
+        kw = dict(max_new_tokens=n, mode=mode, budget=args.budget)
+        engine.generate(prompts, **kw)  # compile + first run
+        timed.append(engine.generate(prompts, **kw))
+    short, long = (r.stats for r in timed)
+    extra_rounds = long.rounds - short.rounds
+    ms_per_round = 1e3 * (long.wall_s - short.wall_s) / extra_rounds if extra_rounds > 0 else float("nan")
+    return dict(tokens=[o.token_ids for o in timed[1].outputs], rounds=long.rounds, ms_per_round=ms_per_round,
+                fixed_ms=1e3 * short.wall_s - short.rounds * ms_per_round, tokens_per_s=long.tokens_per_s)
 
 
 def main(argv=None):
@@ -82,9 +89,13 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--short-tokens", type=int, default=8, help="the shorter generation of the round-time slope")
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     p.add_argument("--out", help="write the rows as JSON")
     args = p.parse_args(argv)
+    if not 1 <= args.short_tokens < args.max_new_tokens:
+        p.error(f"--short-tokens must be in 1..--max-new-tokens - 1 ({args.max_new_tokens - 1}), "
+                f"got {args.short_tokens}")
     on_gpu = jax.default_backend() == "gpu"
     cfg = target_config(args.layers, on_gpu)
     dtype = DTYPES[args.dtype]
@@ -114,11 +125,12 @@ def main(argv=None):
     lines = [f"K2-shaped target, {args.layers} layers ({'K2.6 width' if on_gpu else 'tiny CPU config'}), "
              f"{args.dtype}, batch {args.batch}, prompt {args.prompt_len}, {args.max_new_tokens} new tokens, "
              f"ddtree B={args.budget}" + (f"; meshes skipped (too few devices): {skipped}" if skipped else ""),
-             "", "| mesh | devices | mode | rounds | ms / round | tokens/s | same tokens as 1 device |",
-             "|---|---|---|---|---|---|---|"]
+             f" (ms / round: slope of {args.short_tokens} and {args.max_new_tokens} new tokens)",
+             "", "| mesh | devices | mode | rounds | ms / round | fixed ms | tokens/s | same tokens as 1 device |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mesh']} | {r['devices']} | {r['mode']} | {r['rounds']} | {r['ms_per_round']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['same']} |")
+                     f"{r['fixed_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['same']} |")
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:
