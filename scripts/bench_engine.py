@@ -73,13 +73,18 @@ def agreement(ids: list[list[int]], ar_ids: list[list[int]]) -> dict:
     return {"prompts_identical": len(ids) - len(firsts), "first_difference_at": firsts}
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The pair, prompts and generation length every engine benchmark shares (profile_budget.py too)."""
+def add_pair_args(p: argparse.ArgumentParser) -> None:
+    """The pair and the held-out prompts (dtype_agreement.py too)."""
     p.add_argument("--checkpoint", default=os.path.join(DEFAULT_DIR, "target"))
     p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
     p.add_argument("--prompts", default=os.path.join(DEFAULT_DIR, "heldout_prompts.jsonl"))
     p.add_argument("--n-prompts", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The pair, prompts and generation length every engine benchmark shares (profile_budget.py too)."""
+    add_pair_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

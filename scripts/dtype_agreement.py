@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax.numpy as jnp  # noqa: E402
 
-from bench_engine import DEFAULT_DIR, agreement, load_prompts  # noqa: E402
+from bench_engine import add_pair_args, agreement, load_prompts  # noqa: E402
 from kdtree_jax import training as T  # noqa: E402
 from kdtree_jax.engine import Engine  # noqa: E402
 
@@ -41,11 +41,7 @@ def top2_margin(logits: np.ndarray) -> np.ndarray:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=os.path.join(DEFAULT_DIR, "target"))
-    p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
-    p.add_argument("--prompts", default=os.path.join(DEFAULT_DIR, "heldout_prompts.jsonl"))
-    p.add_argument("--n-prompts", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=64)
+    add_pair_args(p)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--out", help="write the result as JSON")

@@ -4,15 +4,17 @@ import os
 
 import numpy as np
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "dtype_agreement.py")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PATH = os.path.join(_REPO, "scripts", "dtype_agreement.py")
+_PAIR = os.path.join(_REPO, "checkpoints", "kdtree-mini")
 
 
 def test_next_token_logits_argmax_is_the_engines_greedy_token():
     spec = importlib.util.spec_from_file_location("_dtype_agreement", _PATH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    engine = mod.Engine.load(os.path.join(mod.DEFAULT_DIR, "target"), None, dtype="float32")
-    prompts = mod.load_prompts(os.path.join(mod.DEFAULT_DIR, "heldout_prompts.jsonl"), engine.tokenizer, 3, 64)
+    engine = mod.Engine.load(os.path.join(_PAIR, "target"), None, dtype="float32")
+    prompts = mod.load_prompts(os.path.join(_PAIR, "heldout_prompts.jsonl"), engine.tokenizer, 3, 64)
     rng = np.random.default_rng()
     prompts = [p[int(rng.integers(0, 32)):] for p in prompts]  # fresh prompt lengths each run
     for prompt, tokens in zip(prompts, engine.generate(prompts, 8, mode="ar").token_ids):
