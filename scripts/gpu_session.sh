@@ -5,7 +5,7 @@
 #   bash scripts/gpu_session.sh kimi      # INT4 expert matmul vs XLA vs bf16; full-width K2.6 layers (1 GPU)
 #   bash scripts/gpu_session.sh engine    # round breakdown; budget profile (auto vs every fixed B) (1 GPU)
 #   bash scripts/gpu_session.sh mesh2     # sharding tests + 2-GPU generation == 1 GPU, timed (nvidia-h200-x2)
-#   bash scripts/gpu_session.sh scaling   # K2-width layers sharded over 2/4/8 GPUs == 1 GPU, per-round time, batch 1 and 8 (x2, x8)
+#   bash scripts/gpu_session.sh scaling   # K2-width layers on 2/4/8 GPUs == 1 GPU, ms per round, batch 1 and 8 (x2, x8)
 #   bash scripts/gpu_session.sh retune    # after a kernel retune: compiled tests, verify_attn H 64 / 8, K2.6 verify
 #                                         # layers, INT4 kernel (both GPUs of nvidia-h200-x2 in parallel, ~7 min)
 #   bash scripts/gpu_session.sh split     # verify_attn tune (wave split rule, value chunks) H 64 | compiled tests, top-K
