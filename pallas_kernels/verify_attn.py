@@ -348,7 +348,7 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
                                           n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
                                           interpret=interpret)
     acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
-    o = o[:, :, 0, :rows].astype(jnp.float32) + o[:, :, 1, :rows].astype(jnp.float32)  # hi + lo parts
+    o = verify_attn_mgpu.join_parts(o[..., :rows, :])
     out = _merge_splits(o, lse[:, :, :rows], (acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows),
                                              l_t.reshape(bt, rows)))
     return out.astype(q.dtype).reshape(bt, n, h, r)

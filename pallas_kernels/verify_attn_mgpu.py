@@ -72,6 +72,11 @@ def shared_memory(dtype, width: int):
             plgpu.SMEM((P_STAGES, ROWS), jnp.float32))
 
 
+def join_parts(out):
+    """prefix_attn's output [..., 2, rows, R] (hi and lo parts in the input dtype) -> [..., rows, R] fp32."""
+    return out[..., 0, :, :].astype(jnp.float32) + out[..., 1, :, :].astype(jnp.float32)
+
+
 def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
     """Prefix blocks [lo, hi) of split j: every split but the last reads the same count, >= min_split_blocks."""
     n_blocks = pl.cdiv(prefix, block_k)
@@ -83,8 +88,8 @@ def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
 def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_splits: int, min_split_blocks: int = 1,
                 layer: int = 0, interpret: bool = False):
     """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (clipped to S
-    here) -> (out [Bt, splits, 2, rows, R] normalised, as hi and lo parts in q's dtype (out[:, :, 0] + out[:, :, 1]
-    in fp32); lse [Bt, splits, rows] f32 natural-log log-sum-exp of the scores). A split with no blocks writes
+    here) -> (out [Bt, splits, 2, rows, R] normalised, as hi and lo parts in q's dtype (`join_parts`
+    adds them in fp32); lse [Bt, splits, rows] f32 natural-log log-sum-exp of the scores). A split with no blocks writes
     out = 0 and lse = NEG (weighs 0 in a merge)."""
     bt, rows, width = q.shape
     if rows % ROWS or not supports(q.dtype, value_width, width - value_width, cache.shape[2]):
