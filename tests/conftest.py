@@ -60,10 +60,11 @@ def interpret(request) -> bool:
 
 @pytest.fixture
 def rng(request):
-    """Fresh random data every run; the seed is printed on failure so a case can be replayed."""
+    """Fresh random data every run; the seed is printed on failure, and KDTREE_TEST_SEED=<seed> replays it."""
     import numpy as np
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    replay = os.environ.get("KDTREE_TEST_SEED")
+    seed = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
     return np.random.default_rng(seed)
