@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -27,6 +28,17 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already states its default or X is None / False
+    (an unset option or an off switch: nothing to state)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 def _budget(text: str) -> int | str:
     """--budget: an integer B or 'auto' (the measured best B for this device and batch size)."""
     if text.strip().lower() == "auto":
@@ -41,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m kdtree_jax.generate",
         description="Generate with DDTree speculative decoding (or the chain / autoregressive baselines).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     io = p.add_argument_group("model")
     io.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
@@ -51,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "checkpoint is the shipped target")
     io.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter/compute dtype")
     io.add_argument("--mesh", default=None,
-                    help="device layout as data x tensor x expert, e.g. 1x8x1 or 2x4 (default: one device)")
+                    help="device layout as data x tensor x expert, e.g. 1x8x1 or 2x4; default: one device")
     pr = p.add_argument_group("prompts")
-    pr.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    pr.add_argument("--prompt", action="append", default=None,
+                    help=f"prompt text (repeatable); default without any prompt flag: {DEFAULT_PROMPT!r}")
     pr.add_argument("--prompt-file", default=None, help="file with one prompt per line")
     pr.add_argument("--prompt-ids", action="append", default=None,
                     help="comma-separated token ids (repeatable)")
@@ -62,18 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower,
                     choices=("ddtree", "chain", "ar"), default="ddtree",
                     help="ddtree: draft tree; chain: DFlash block; ar: one token per target forward")
-    sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=_budget, default=32,
+    sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=_budget, default=None,
                     help="DDTree node budget B (tree tokens verified per round = 1 + B), or 'auto': the B with the "
                          "most measured tokens/s for this device and batch size, or plain ar where the profile "
-                         "measured ar faster than every tree (scripts/profile_budget.py)")
+                         "measured ar faster than every tree (scripts/profile_budget.py); default: auto where a "
+                         "budget profile measured on this device applies (the shipped pair has one for the H200), "
+                         "else 32")
     sm.add_argument("--budget-profile", default=None,
-                    help="budget profile JSON for --budget auto; default: budget_profile.<device kind>.json in the "
-                         "checkpoint's parent directory")
-    sm.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=128)
+                    help="budget profile JSON for --budget auto and the default budget; default: "
+                         "budget_profile.<device kind>.json in the checkpoint's parent directory")
+    sm.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=128,
+                    help="most tokens generated per prompt")
     sm.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sm.add_argument("--top-p", type=float, default=1.0)
+    sm.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
     sm.add_argument("--top-k", type=int, default=0, help="0 = off")
-    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--seed", type=int, default=0, help="sampling seed; prompt i uses seed + i")
     sm.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object per prompt per line, in prompt order")
@@ -107,7 +123,7 @@ def _prompts(args) -> list:
 
 
 def _check_args(args) -> None:
-    if args.budget != "auto" and args.budget < 0:
+    if isinstance(args.budget, int) and args.budget < 0:
         raise UsageError(f"--budget must be >= 0, got {args.budget}")
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
@@ -146,8 +162,10 @@ def run(argv: list[str] | None = None) -> int:
                          attn_backend=None if args.attention_backend == "auto" else args.attention_backend)
     if any(isinstance(p, str) for p in prompts) and engine.tokenizer is None:
         raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; pass --prompt-ids instead")
+    budget = args.budget if args.budget is not None else _default_budget(engine, args.mode,
+                                                                          min(len(prompts), args.batch_size))
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              mode=args.mode, budget=args.budget, chat=args.chat)
+              mode=args.mode, budget=budget, chat=args.chat)
     totals = {"tokens": 0, "rounds": 0, "wall": 0.0, "compile": 0.0, "acc": [], "budgets": set()}
     for lo in range(0, len(prompts), args.batch_size):
         batch = prompts[lo : lo + args.batch_size]
@@ -175,6 +193,26 @@ def run(argv: list[str] | None = None) -> int:
           f"tokens/s={tps:.1f} run_s={totals['wall']:.2f} compile_s={totals['compile']:.2f}{_budget_note(totals)}",
           file=sys.stderr)
     return 0
+
+
+def _default_budget(engine, mode: str, batch: int) -> int | str:
+    """No --budget: "auto" where a budget profile measured on this device applies (the B the README's speedups were
+    measured at), else the fixed budget. Unlike an explicit --budget auto, a missing or foreign profile is no
+    warning: a plain run on a device nobody profiled is not a mistake. The engine keeps the profile it read."""
+    from kdtree_jax import budget as budget_mod
+
+    if mode != "ddtree":  # ar and chain take no budget
+        return budget_mod.DEFAULT_BUDGET
+    budget_log = logging.getLogger(budget_mod.__name__)
+    level = budget_log.level
+    budget_log.setLevel(logging.ERROR)
+    try:
+        source = engine.resolve_budget("auto", mode, batch)[1]
+    except budget_mod.ProfileError:  # an unreadable profile file: only an explicit --budget auto makes it an error
+        return budget_mod.DEFAULT_BUDGET
+    finally:
+        budget_log.setLevel(level)
+    return budget_mod.DEFAULT_BUDGET if source == "auto-default" else "auto"
 
 
 def _budget_note(totals) -> str:
@@ -216,15 +254,25 @@ def _run_batch(engine, batch, seeds, args, kw):
     return result
 
 
+def _close_progress_bars() -> None:
+    """Close the progress bars an error left open (loading, compiling): they are leave=False bars, so closing erases
+    them and the error that follows is the one line left on the terminal, not text glued to a half-drawn bar."""
+    std = sys.modules.get("tqdm.std")  # not imported: no bar was ever drawn
+    for bar in list(getattr(std.tqdm, "_instances", ()) if std is not None else ()):
+        bar.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         code = run(argv)
     except UsageError as e:
+        _close_progress_bars()
         print(f"error: {e}", file=sys.stderr)
         code = 2
     except (ValueError, FileNotFoundError) as e:  # bad checkpoint, prompt too long, mismatched drafter, ...
         if os.environ.get("KDTREE_DEBUG"):
             raise
+        _close_progress_bars()
         print(f"error: {e}", file=sys.stderr)
         code = 2
     sys.exit(code)
