@@ -46,6 +46,9 @@
 #   bash scripts/gpu_session.sh mosaic6d  # verify_attn wall + GPU-kernel time per call, both backends (1 GPU, ~6 min)
 #   bash scripts/gpu_session.sh mosaic6e  # K2.6-width round at batch 8, 4k, B = 16 and AR, triton vs mosaic (1 GPU)
 #   bash scripts/gpu_session.sh mosaic6f  # H = 8 (rows padded to tiles) on the wgmma kernel vs Triton (1 GPU, ~3 min)
+#   bash scripts/gpu_session.sh pair10    # the shipped pair end to end: ar / chain / ddtree B 16-256 at batch 1 (GPU 0) and
+#                                         # batch 8 (GPU 1), JSON + plot; eval_pair.py fills a copy of the model card
+#                                         # (nvidia-h200-x2, ~9 min)
 #   bash scripts/gpu_session.sh owed      # what session 3 left unmeasured: round + budget profile with the retuned
 #                                         # kernel (GPU 0); verify_attn H = 8 sweep, K2.6 prefill (GPU 1) (x2, ~10 min)
 #
@@ -349,6 +352,20 @@ owed5)
     export CUDA_VISIBLE_DEVICES=1
     run profile_round_b1_32k_sliding 200 "$PY" scripts/profile_round.py --batch 1 --budgets 16 --prompt 32768 \
         --sliding-window 2048 --out "$OUT/round_sliding"
+    wait
+    ;;
+pair10)
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        run bench_engine_b1 280 "$PY" scripts/bench_engine.py --batches 1 --repeats 2 \
+            --out "$OUT/bench_engine_b1.json" --plot "$OUT/bench_engine_b1.png"
+        cp checkpoints/kdtree-mini/MODEL_CARD.md "$OUT/MODEL_CARD.md"
+        run eval_pair 290 "$PY" scripts/eval_pair.py --out-dir "$OUT/eval_pair" --batch-sizes 1,8 \
+            --budgets 16,64,256 --model-card "$OUT/MODEL_CARD.md"
+    ) &
+    export CUDA_VISIBLE_DEVICES=1
+    run bench_engine_b8 560 "$PY" scripts/bench_engine.py --batches 8 --repeats 2 \
+        --out "$OUT/bench_engine_b8.json" --plot "$OUT/bench_engine_b8.png"
     wait
     ;;
 scaling)
