@@ -37,6 +37,7 @@ def atomic_dir(path: str | os.PathLike, *, overwrite: bool = True) -> Iterator[s
     os.makedirs(parent, exist_ok=True)
     remove_stale_partials(path)
     tmp = tempfile.mkdtemp(prefix=partial_prefix(path), dir=parent)
+    old = None
     try:
         os.chmod(tmp, DIR_MODE)
         yield tmp
@@ -45,16 +46,19 @@ def atomic_dir(path: str | os.PathLike, *, overwrite: bool = True) -> Iterator[s
                 os.chmod(os.path.join(dirpath, d), DIR_MODE)
             for f in filenames:
                 os.chmod(os.path.join(dirpath, f), FILE_MODE)
-        old = None
         if os.path.exists(path):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
             os.rename(path, os.path.join(old, "d"))
         os.rename(tmp, path)
-        if old:
-            shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old and not os.path.exists(path) and os.path.exists(os.path.join(old, "d")):
+            os.rename(os.path.join(old, "d"), path)  # the commit failed after moving the old one aside: put it back
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
         raise
+    if old:
+        shutil.rmtree(old)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> str:

@@ -7,19 +7,22 @@ A converted checkpoint is a directory:
     kdtree_meta.json     format tag, expert format, dtypes and the sha256 of every other file (written last)
 It is written into a hidden temp directory next to the destination and renamed into place only when complete,
 so a failed or killed conversion leaves nothing that loads. Loading reads only data files (never pickles or
-code) and checks every file's hash before restoring.
+code), checks every file's hash, and checks kdtree_meta.json's fields (which no hash covers) and every stored
+parameter's shape and dtype against orbax's own metadata before restoring.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from kdtree_jax.atomic import atomic_dir
@@ -71,27 +74,37 @@ def dtype_name(dtype) -> str:
 
 
 def save_converted(model, dst: str | os.PathLike, *, config_json: dict, extra_files: list[str] = (),
-                   expert_format: str = "float", overwrite: bool = False, before_commit: Callable | None = None) -> str:
-    """Write `model` as a converted checkpoint at `dst`, atomically."""
+                   expert_format: str = "float", overwrite: bool = False, before_commit: Callable | None = None,
+                   progress: bool = False) -> str:
+    """Write `model` as a converted checkpoint at `dst`, atomically (with `progress`, a bar over the steps)."""
     import orbax.checkpoint as ocp
 
     dst = os.path.abspath(os.fspath(dst))
-    with atomic_dir(dst, overwrite=overwrite) as tmp:
+    with atomic_dir(dst, overwrite=overwrite) as tmp, _Steps(progress, 2 + len(extra_files)) as steps:
         state = nnx.to_pure_dict(nnx.state(model))
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(tmp, PARAMS), state)
-        ckptr.wait_until_finished()
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config_json, f, indent=2)
+        with steps.step(PARAMS):  # one orbax call: the bar moves per step, not per tensor
+            ckptr = ocp.StandardCheckpointer()
+            ckptr.save(os.path.join(tmp, PARAMS), state)
+            ckptr.wait_until_finished()
+        with steps.step("config.json"):
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(config_json, f, indent=2)
         for src in extra_files:
-            shutil.copy2(src, os.path.join(tmp, os.path.basename(src)))
-        leaves = jax.tree.leaves(state)
+            with steps.step(os.path.basename(src)):
+                shutil.copy2(src, os.path.join(tmp, os.path.basename(src)))
+        flat = _flat(state)
+        files = _files(tmp)
+        steps.add(len(files))
+        digests = {}
+        for rel in files:  # hashing ~600 GB is the slow part for a real checkpoint
+            with steps.step(f"sha256 {rel}"):
+                digests[rel] = file_sha256(os.path.join(tmp, rel))
         meta = {
             "format": FORMAT,
             "expert_format": expert_format,
-            "param_dtype": _float_dtype(leaves),
-            "n_params": int(sum(np.prod(x.shape) for x in leaves)),
-            "sha256": {rel: file_sha256(os.path.join(tmp, rel)) for rel in _files(tmp)},
+            "param_dtype": _param_dtype(flat),
+            "n_params": _n_params(flat),
+            "sha256": digests,
         }
         if before_commit is not None:
             before_commit(tmp)
@@ -100,11 +113,64 @@ def save_converted(model, dst: str | os.PathLike, *, config_json: dict, extra_fi
     return dst
 
 
-def _float_dtype(leaves) -> str:
-    for x in leaves:
-        if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2:
-            return jnp.dtype(x.dtype).name
-    return "float32"
+class _Steps:
+    """A tqdm bar over named steps on stderr, or nothing when disabled."""
+
+    def __init__(self, enabled: bool, total: int, desc: str = "saving"):
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="step", leave=False)
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        if self._bar is not None:
+            self._bar.set_postfix_str(name, refresh=True)
+        yield
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def add(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.total += n
+            self._bar.refresh()
+
+    def __enter__(self) -> "_Steps":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ---- parameter trees as {dotted name: (shape, dtype name)} -------------------------------------------------------
+def _flat(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Arrays, ShapeDtypeStructs or orbax ArrayMetadata leaves, keyed like `layers.1.mlp.gate_packed`."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        out[name] = (tuple(int(d) for d in leaf.shape), jnp.dtype(leaf.dtype).name)
+    return out
+
+
+def _is_weight(name: str, dtype: str) -> bool:
+    """A float parameter stored in param_dtype (the f32 selection bias and the bf16 INT4 scales are not)."""
+    last = name.rsplit(".", 1)[-1]
+    return jnp.issubdtype(jnp.dtype(dtype), jnp.floating) and last != "bias" and not last.endswith("_scale")
+
+
+def _param_dtype(flat: dict) -> str:
+    counts = collections.Counter(dt for name, (_, dt) in flat.items() if _is_weight(name, dt))
+    return counts.most_common(1)[0][0] if counts else "float32"
+
+
+def _expert_format(flat: dict) -> str:
+    return "int4" if any(name.endswith("_packed") for name in flat) else "float"
+
+
+def _n_params(flat: dict) -> int:
+    return int(sum(math.prod(shape) for shape, _ in flat.values()))
 
 
 def read_meta(path: str, *, verify: bool = True) -> dict:
@@ -142,6 +208,8 @@ def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     path = os.path.abspath(os.fspath(path))
     meta = read_meta(path, verify=verify)
     cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
+    stored = _stored_params(path)
+    _check_meta(path, meta, stored)
     param_dtype = DTYPES[meta["param_dtype"]]
     compute = DTYPES[dtype] if dtype else param_dtype
 
@@ -158,6 +226,7 @@ def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
     else:
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
+    _check_stored(path, stored, _flat(target))  # orbax would silently cast a stored dtype to the target's
     try:
         restored = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS), target)
     except Exception as e:  # orbax/tensorstore raise many types; name the directory
@@ -167,6 +236,45 @@ def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     if dtype and DTYPES[dtype] != param_dtype:
         model = cast_params(model, DTYPES[dtype])
     return model
+
+
+def _stored_params(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every stored parameter's shape and dtype, from orbax's metadata (no tensor data is read)."""
+    import orbax.checkpoint as ocp
+
+    params = os.path.join(path, PARAMS)
+    try:
+        md = ocp.StandardCheckpointer().metadata(params)
+        return _flat(getattr(md, "item_metadata", md))
+    except Exception as e:  # orbax raises many types; name the directory
+        raise CheckpointIntegrityError(f"{params}: cannot read the orbax metadata ({type(e).__name__}: {e})") from e
+
+
+def _check_meta(path: str, meta: dict, stored: dict) -> None:
+    """kdtree_meta.json is not covered by a hash: each field must agree with what the params actually hold."""
+    actual = {"expert_format": _expert_format(stored), "param_dtype": _param_dtype(stored),
+              "n_params": _n_params(stored)}
+    for field, value in actual.items():
+        if meta.get(field) != value:
+            raise CheckpointIntegrityError(
+                f"{os.path.join(path, META)}: {field} is {meta.get(field)!r} but the stored parameters "
+                f"({os.path.join(path, PARAMS)}) hold {value!r}; the file was edited or belongs to another checkpoint")
+
+
+def _check_stored(path: str, stored: dict, want: dict) -> None:
+    """The stored tree has exactly the model's parameters, each with the model's shape and dtype."""
+    where = os.path.join(path, PARAMS, "_METADATA")
+    where = where if os.path.isfile(where) else os.path.join(path, PARAMS)
+    for names, what in ((sorted(set(want) - set(stored)), "is expected by the model but not stored"),
+                        (sorted(set(stored) - set(want)), "is stored but not part of the model")):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise CheckpointIntegrityError(f"{where}: parameter {names[0]!r} {what}{more}")
+    for name, (shape, dtype) in want.items():
+        got_shape, got_dtype = stored[name]
+        if (got_shape, got_dtype) != (shape, dtype):
+            raise CheckpointIntegrityError(f"{where}: parameter {name!r} is stored as {got_dtype} {list(got_shape)}, "
+                                           f"the model expects {dtype} {list(shape)}")
 
 
 def cast_params(model, dtype):

@@ -226,6 +226,14 @@ _REQUIRED_INT = (
     "intermediate_size",
 )
 _MOE_INT = ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")
+_MOE_DECISIVE = (  # (name, kind, value for a dense model)
+    ("n_shared_experts", int, 0),
+    ("first_k_dense_replace", int, 0),
+    ("n_group", int, 1),
+    ("topk_group", int, 1),
+    ("norm_topk_prob", bool, True),
+    ("routed_scaling_factor", float, 1.0),
+)
 
 
 def _from_hf_dict(raw: dict[str, Any], source: str) -> ModelConfig:
@@ -261,39 +269,69 @@ def _from_hf_dict(raw: dict[str, Any], source: str) -> ModelConfig:
             return value
         raise TypeError(kind)
 
+    def present(name: str) -> None:  # the key must be there; an explicit null is meaningful for this field
+        if name not in text:
+            raise ConfigError(f"{where}{name} is missing")
+
     fields: dict[str, Any] = {name: get(name, int) for name in _REQUIRED_INT}
+    present("n_routed_experts")  # null = dense model (HF's `n_routed_experts is not None`)
     n_routed = get("n_routed_experts", int, 0)
     for name in _MOE_INT:
         fields[name] = get(name, int) if n_routed else get(name, int, 0)
+    present("q_lora_rank")  # null = direct q_proj (DeepSeek-V2-Lite style)
     fields["q_lora_rank"] = get("q_lora_rank", int, None)
-    fields["n_shared_experts"] = get("n_shared_experts", int, 0)
-    fields["first_k_dense_replace"] = get("first_k_dense_replace", int, 0)
+    # Routing fields decide the semantics and transformers' DeepseekV3Config defaults to DeepSeek-V3's values
+    # (n_group 8, topk_group 4, first_k_dense_replace 3, norm_topk_prob true, ...): never guess them for a MoE.
+    for name, kind, default in _MOE_DECISIVE:
+        fields[name] = get(name, kind) if n_routed else get(name, kind, default)
     fields["moe_layer_freq"] = get("moe_layer_freq", int, 1)
-    fields["n_group"] = get("n_group", int, 1)
-    fields["topk_group"] = get("topk_group", int, 1)
     fields["topk_method"] = get("topk_method", str, "noaux_tc")
     fields["scoring_func"] = get("scoring_func", str, "sigmoid")
-    fields["routed_scaling_factor"] = get("routed_scaling_factor", float, 1.0)
-    fields["norm_topk_prob"] = get("norm_topk_prob", bool, False)
     fields["rope_theta"] = get("rope_theta", float, 10000.0)
     fields["max_position_embeddings"] = get("max_position_embeddings", int)
     fields["rms_norm_eps"] = get("rms_norm_eps", float, 1e-6)
-    fields["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-    fields["bos_token_id"] = text.get("bos_token_id", raw.get("bos_token_id"))
-    eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    fields["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))  # the wrapper's top level first
+    tie_loc = f"{source}: " if "tie_word_embeddings" in raw else where
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{tie_loc}tie_word_embeddings must be true/false, got {tie!r}")
+    if tie:
+        raise ConfigError(f"{tie_loc}tie_word_embeddings is true; DeepSeek-V3/Kimi checkpoints have an untied lm_head")
+    fields["tie_word_embeddings"] = tie
+    vocab = fields["vocab_size"]
+    fields["bos_token_id"] = _token_ids(text, raw, "bos_token_id", where, source, vocab, single=True)
+    fields["eos_token_id"] = _token_ids(text, raw, "eos_token_id", where, source, vocab, single=False)
     fields["rope_scaling"] = _rope_scaling(text.get("rope_scaling"), where)
-    quant_raw = text.get("quantization_config", raw.get("quantization_config"))
-    fields["quantization"] = _quant_from_hf(quant_raw, where)
+    if "quantization_config" in text:
+        fields["quantization"] = _quant_from_hf(text["quantization_config"], where)
+    else:  # K2.5/K2.6 wrappers carry it at the top level or inside text_config (both occur)
+        fields["quantization"] = _quant_from_hf(raw.get("quantization_config"), f"{source}: ")
     if wrapped:
         fields["tensor_prefix"] = "language_model.model."
         fields["lm_head_name"] = "language_model.lm_head.weight"
+    if text.get("attention_bias", False) is not False:
+        raise ConfigError(f"{where}attention_bias {text['attention_bias']!r} is not supported (MLA has no biases)")
     act = text.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{where}hidden_act {act!r} is not supported (only 'silu')")
     cfg = ModelConfig(**fields)
     _check_consistent(cfg, where)
     return cfg
+
+
+def _token_ids(text: dict, raw: dict, name: str, where: str, source: str, vocab: int, *, single: bool):
+    """bos (one id or null) / eos (one id, a list of ids, or null) from text_config, else the top level."""
+    loc = where if name in text else f"{source}: "
+    value = text[name] if name in text else raw.get(name)
+    if value is None:
+        return None if single else ()
+    ids = [value] if single or not isinstance(value, list) else value
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        kind = "an integer or null" if single else "an integer, a list of integers, or null"
+        raise ConfigError(f"{loc}{name} must be {kind}, got {value!r}")
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise ConfigError(f"{loc}{name} {t} is outside the vocabulary (0..{vocab - 1})")
+    return ids[0] if single else tuple(ids)
 
 
 def _rope_scaling(rs: Any, where: str) -> RopeScaling:
@@ -402,6 +440,9 @@ def _check_consistent(cfg: ModelConfig, where: str) -> None:
                   f"({cfg.num_hidden_layers})")
     if cfg.moe_layer_freq < 1:
         raise bad("moe_layer_freq", "must be >= 1")
+    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
+    if dense and cfg.intermediate_size <= 0:
+        raise bad("intermediate_size", f"must be > 0 (layer {dense[0]} is a dense MLP layer)")
     if cfg.n_routed_experts:
         if cfg.num_experts_per_tok < 1 or cfg.num_experts_per_tok > cfg.n_routed_experts:
             raise bad("num_experts_per_tok", f"({cfg.num_experts_per_tok}) must be in 1..n_routed_experts "
@@ -424,11 +465,6 @@ def _check_consistent(cfg: ModelConfig, where: str) -> None:
             raise bad("scoring_func", f"{cfg.scoring_func!r} is not supported (sigmoid or softmax)")
     if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
         raise bad("q_lora_rank", "must be > 0 or null")
-    if cfg.tie_word_embeddings:
-        raise bad("tie_word_embeddings", "is true; DeepSeek-V3/Kimi checkpoints have an untied lm_head")
-    for t in cfg.eos_token_id:
-        if not 0 <= t < cfg.vocab_size:
-            raise bad("eos_token_id", f"{t} is outside the vocabulary (0..{cfg.vocab_size - 1})")
 
 
 def tiny(**overrides: Any) -> ModelConfig:

@@ -27,7 +27,7 @@ def convert(src: str, dst: str, *, dtype: str = "bfloat16", overwrite: bool = Fa
         with open(os.path.join(src, "config.json")) as f:
             config_json = json.load(f)
         return save_converted(model, dst, config_json=config_json, extra_files=tokenizer_files(src),
-                              expert_format=expert_format, overwrite=overwrite)
+                              expert_format=expert_format, overwrite=overwrite, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,10 @@
 """HF checkpoint reading: three formats x two layouts, exact decoding, sharding, and every error path."""
+import dataclasses
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -17,9 +20,11 @@ from kdtree_jax.hf_checkpoint import (
     tokenizer_files,
 )
 from kdtree_jax.quant import Int4Packed, dequant_int4
+from kdtree_jax.reference import reference_forward, reference_weights
 from kdtree_jax.synthetic import write_synthetic_checkpoint
 
 FORMATS = ("bf16", "fp8", "int4")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _seed(rng) -> int:
@@ -187,6 +192,38 @@ def test_single_file_checkpoint(tmp_path, rng):
     ck.validate()
     np.testing.assert_array_equal(ck.get_float("layers.0.mlp.down_proj.weight", np.float64),
                                   eff["layers.0.mlp.down_proj.weight"])
+
+
+def test_make_synthetic_checkpoint_script(tmp_path, rng):
+    """The CLI writes a sharded K2.6-style INT4 checkpoint with an index and the tokenizer; it validates, holds the
+    same weights as `write_synthetic_checkpoint` with those arguments, and gives finite reference logits."""
+    out, seed = tmp_path / "ckpt", _seed(rng)
+    toy = os.path.join(REPO, "tests", "data", "kimi_toy")
+    run = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "make_synthetic_checkpoint.py"), str(out),
+                          "--fmt", "int4", "--wrapped", "--seed", str(seed), "--shards", "3", "--layers", "2",
+                          "--tokenizer-from", toy], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"wrote {out}:" in run.stdout and "fmt=int4, wrapped=True" in run.stdout
+    shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    with open(out / "model.safetensors.index.json") as f:
+        assert set(json.load(f)["weight_map"].values()) == set(shards)
+    assert [os.path.basename(p) for p in tokenizer_files(out)] == ["tiktoken.model", "tokenizer_config.json",
+                                                                    "chat_template.jinja"]
+    ck = HFCheckpoint.open(out)
+    ck.validate()
+    cfg = ck.config
+    assert cfg.num_hidden_layers == 2 and cfg.tensor_prefix == "language_model.model."
+    assert cfg.quantization.method == "compressed-tensors"
+    assert ck.kind("layers.1.mlp.experts.0.up_proj.weight") == "int4"
+    want = write_synthetic_checkpoint(tmp_path / "in_process", dataclasses.replace(tiny(), num_hidden_layers=2),
+                                      fmt="int4", wrapped=True, seed=seed, n_shards=3)
+    weights = reference_weights(ck)
+    assert weights.keys() == want.keys()
+    for name, w in want.items():
+        np.testing.assert_array_equal(weights[name], w, err_msg=name)
+    logits = reference_forward(cfg, weights, rng.integers(0, cfg.vocab_size, size=5))
+    assert logits.shape == (5, cfg.vocab_size) and np.isfinite(logits).all() and logits.std() > 0.1
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------

@@ -13,21 +13,36 @@ fp32). Written defensively for transformers 4.5x-5.x; each version hazard is han
   `experts.down_proj` [E, d, I] (5.x). The state dict is filled by key and shape; moe_intermediate_size is chosen
   so 2I != d, which keeps the fused orientation unambiguous.
 - hidden_states[-1] is post-final-norm in HF, so only layers 0..L-2 are compared as hidden states.
+Two configs: `tiny` (q_lora, n_group 4 / topk_group 2, one dense layer, mscale == mscale_all_dim) and `direct_q`
+(q_lora_rank None -> q_proj, n_group 2 / topk_group 1, no dense layer, mscale != mscale_all_dim so the cos/sin
+amplitude is not 1). Both route with sigmoid: HF's DeepseekV3 has no softmax routing.
 """
 import inspect
 
 import numpy as np
 import pytest
 
-from kdtree_jax.config import tiny
+from kdtree_jax.config import RopeScaling, tiny
 from kdtree_jax.hf_checkpoint import HFCheckpoint
 from kdtree_jax.reference import reference_forward, reference_weights, softmax_scale, yarn_inv_freq
 from kdtree_jax.synthetic import write_synthetic_checkpoint
 
-pytestmark = pytest.mark.torch
-
 REL_TOL = 1e-4
 T = 12
+# moe_intermediate_size 48: 2I = 96 != hidden 64, so the fused-expert orientation is unambiguous
+CONFIGS = {
+    "tiny": tiny(moe_intermediate_size=48),
+    "direct_q": tiny(moe_intermediate_size=48, q_lora_rank=None, n_group=2, topk_group=1, first_k_dense_replace=0,
+                     rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=256, beta_fast=16.0,
+                                              beta_slow=2.0, mscale=0.8, mscale_all_dim=1.2)),
+}
+
+
+def _amplitude(cfg) -> float:
+    """cos/sin multiplier mscale(factor, mscale) / mscale(factor, mscale_all_dim) (HF's yarn attention_factor)."""
+    rs = cfg.rope_scaling
+    m = [0.1 * v * np.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0 for v in (rs.mscale, rs.mscale_all_dim)]
+    return m[0] / m[1]
 
 
 def _hf_config(cfg):
@@ -86,17 +101,28 @@ def _fill_state_dict(model, cfg, weights):
     model.load_state_dict(sd, strict=True)
 
 
-def test_reference_matches_transformers(tmp_path, rng):
+def test_configs_differ_where_intended():  # runs without torch too: guards the second config's purpose
+    a, b = CONFIGS["tiny"], CONFIGS["direct_q"]
+    assert a.q_lora_rank and b.q_lora_rank is None
+    assert (a.n_group, a.topk_group, a.first_k_dense_replace) == (4, 2, 1)
+    assert (b.n_group, b.topk_group, b.first_k_dense_replace) == (2, 1, 0)
+    assert _amplitude(a) == 1.0 and abs(_amplitude(b) - 1.0) > 0.02
+    assert a.scoring_func == b.scoring_func == "sigmoid"
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_reference_matches_transformers(tmp_path, rng, name):
     import torch
     from transformers import DeepseekV3ForCausalLM
     from transformers.models.deepseek_v3 import modeling_deepseek_v3
 
     if "interleave" not in inspect.getsource(modeling_deepseek_v3):
         pytest.skip("this transformers' DeepseekV3 has no interleaved (DeepSeek) rope layout")
-    cfg = tiny(moe_intermediate_size=48)  # 2I = 96 != hidden 64: fused-expert orientation is unambiguous
-    write_synthetic_checkpoint(tmp_path, cfg, fmt="bf16", seed=int(rng.integers(0, 2**31)))
+    write_synthetic_checkpoint(tmp_path, CONFIGS[name], fmt="bf16", seed=int(rng.integers(0, 2**31)))
     ck = HFCheckpoint.open(tmp_path)
     cfg = ck.config
+    assert cfg.q_lora_rank == CONFIGS[name].q_lora_rank and cfg.rope_scaling == CONFIGS[name].rope_scaling
     weights = reference_weights(ck)
 
     torch.manual_seed(0)
@@ -106,7 +132,7 @@ def test_reference_matches_transformers(tmp_path, rng):
     inv_freq = model.model.rotary_emb.inv_freq.double().numpy()
     np.testing.assert_allclose(inv_freq, yarn_inv_freq(cfg), rtol=1e-6,
                                err_msg="transformers built different YaRN frequencies: rope config keys ignored?")
-    assert float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) == pytest.approx(1.0)
+    assert float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) == pytest.approx(_amplitude(cfg), rel=1e-6)
     scaling = getattr(model.model.layers[0].self_attn, "scaling", None)
     if scaling is not None:
         assert scaling == pytest.approx(softmax_scale(cfg), rel=1e-6), "attention softmax scale differs"

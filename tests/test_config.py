@@ -1,0 +1,260 @@
+"""`ModelConfig` from HF config.json: flat and K2.5/K2.6-wrapped layouts, every error path, the real K2.6 values."""
+import copy
+import dataclasses
+import json
+import re
+
+import pytest
+
+from kdtree_jax.config import ConfigError, ModelConfig, QuantConfig, RopeScaling, kimi_k2_6, tiny
+
+SOURCE = "ckpt/config.json"
+LAYOUTS = [False, True]  # flat K2, K2.5/K2.6 wrapper
+
+
+def _text(raw: dict) -> dict:
+    """The dict that holds the architecture fields (text_config in the wrapper)."""
+    return raw["text_config"] if "text_config" in raw else raw
+
+
+def _expect(raw: dict, field: str, wrapped: bool, why: str = "") -> None:
+    """Parsing `raw` fails with a ConfigError naming the file and the (text_config.-prefixed) field."""
+    prefix = "text_config." if wrapped else ""
+    with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: {prefix}{field}") + why) as e:
+        ModelConfig.from_hf_dict(raw, source=SOURCE)
+    if not wrapped:
+        assert "text_config" not in str(e.value)
+
+
+# Every field without a default. The MoE routing fields are required too: transformers' DeepseekV3Config would
+# fill them with DeepSeek-V3's values (n_group 8, topk_group 4, first_k_dense_replace 3, norm_topk_prob true,
+# q_lora_rank 1536, ...), so a guessed default would silently change the routing.
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "max_position_embeddings",
+            "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "q_lora_rank", "n_shared_experts",
+            "first_k_dense_replace", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+@pytest.mark.parametrize("field", REQUIRED)
+def test_missing_field_is_named(field, wrapped):
+    raw = tiny().to_hf_dict(wrapped=wrapped)
+    del _text(raw)[field]
+    _expect(raw, field, wrapped, " is missing")
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+def test_null_means_missing_except_where_null_has_a_meaning(wrapped):
+    raw = tiny().to_hf_dict(wrapped=wrapped)
+    _text(raw)["n_group"] = None
+    _expect(raw, "n_group", wrapped, " is missing")
+    raw = tiny().to_hf_dict(wrapped=wrapped)
+    _text(raw)["q_lora_rank"] = None  # DeepSeek-V2-Lite style: a direct q_proj
+    assert ModelConfig.from_hf_dict(raw).q_lora_rank is None
+    raw = tiny().to_hf_dict(wrapped=wrapped)
+    text = _text(raw)
+    text["n_routed_experts"] = None  # dense model: the MoE fields are not needed
+    for name in ("moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group", "norm_topk_prob",
+                 "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace"):
+        del text[name]
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.n_routed_experts == 0 and not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+
+def test_rope_factor_missing_is_named():
+    raw = tiny().to_hf_dict(wrapped=True)
+    del raw["text_config"]["rope_scaling"]["factor"]
+    _expect(raw, "rope_scaling.factor", True, " is missing")
+
+
+# (edit of the architecture dict, the field the error must name, what it must say)
+INCONSISTENT = [
+    ({"topk_group": 5}, "topk_group", r" \(5\) must be in 1\.\.n_group \(4\)"),
+    ({"topk_group": 0}, "topk_group", r" \(0\) must be in 1\.\.n_group"),
+    ({"n_group": 3}, "n_group", r" \(3\) must divide n_routed_experts \(8\)"),
+    ({"n_group": 8, "topk_group": 1}, "n_group", " leaves fewer than 2 experts per group"),
+    ({"num_experts_per_tok": 3, "topk_group": 1}, "topk_group", r" \(1\) keeps 2 experts, fewer than"),
+    ({"first_k_dense_replace": 4}, "first_k_dense_replace", r" \(4\) exceeds num_hidden_layers \(3\)"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok", r" \(9\) must be in 1\.\.n_routed_experts \(8\)"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok", r" \(0\) must be in 1\.\."),
+    ({"moe_layer_freq": 0}, "moe_layer_freq", " must be >= 1"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size", " must be > 0"),
+    ({"intermediate_size": 0}, "intermediate_size", r" must be > 0 \(layer 0 is a dense MLP layer\)"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim", " must be even"),
+    ({"hidden_size": 0}, "hidden_size", " must be > 0"),
+    ({"v_head_dim": 0}, "v_head_dim", " must be > 0"),
+    ({"q_lora_rank": 0}, "q_lora_rank", " must be > 0 or null"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers", " must be a non-negative integer"),
+    ({"vocab_size": True}, "vocab_size", " must be a non-negative integer"),
+    ({"kv_lora_rank": 32.0}, "kv_lora_rank", " must be a non-negative integer"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob", " must be true/false"),
+    ({"routed_scaling_factor": "2.5"}, "routed_scaling_factor", " must be a number"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps", " must be a number"),
+    ({"topk_method": "aux_free"}, "topk_method", " 'aux_free' is not supported"),
+    ({"scoring_func": "relu"}, "scoring_func", " 'relu' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act", " 'gelu' is not supported"),
+    ({"attention_bias": True}, "attention_bias", " True is not supported"),
+    ({"eos_token_id": 256}, "eos_token_id", r" 256 is outside the vocabulary \(0\.\.255\)"),
+    ({"eos_token_id": [2, -1]}, "eos_token_id", " -1 is outside the vocabulary"),
+    ({"eos_token_id": "2"}, "eos_token_id", " must be an integer, a list of integers, or null"),
+    ({"bos_token_id": [1]}, "bos_token_id", " must be an integer or null"),
+    ({"bos_token_id": 300}, "bos_token_id", " 300 is outside the vocabulary"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type", " 'linear' is not supported"),
+    ({"rope_scaling": {"type": "yarn", "factor": 0.5}}, "rope_scaling.factor", " must be >= 1"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": None}}, "rope_scaling.beta_fast",
+     " must be a number"),
+    ({"rope_scaling": [4.0]}, "rope_scaling", " must be an object or null"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method", " 'awq' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "quantization_config.fmt",
+     " 'e5m2' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+     "quantization_config.weight_block_size", " must be"),
+    ({"quantization_config": dict(kimi_k2_6().to_hf_dict()["quantization_config"], format="naive-quantized")},
+     "quantization_config.format", " 'naive-quantized' is not supported"),
+]
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+@pytest.mark.parametrize("edit,field,why", INCONSISTENT, ids=[f"{c[1]}-{i}" for i, c in enumerate(INCONSISTENT)])
+def test_inconsistent_field_is_named(edit, field, why, wrapped):
+    raw = tiny().to_hf_dict(wrapped=wrapped)
+    _text(raw).update(copy.deepcopy(edit))
+    _expect(raw, field, wrapped, why)
+
+
+def test_int4_group_size_checked():
+    raw = kimi_k2_6().to_hf_dict(wrapped=True)
+    raw["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 12
+    _expect(raw, "quantization_config weights.group_size", True, " must be a multiple of 8, got 12")
+
+
+def test_top_level_fields_of_the_wrapper_are_named_without_prefix():
+    raw = tiny().to_hf_dict(wrapped=True)  # the wrapper keeps tie_word_embeddings at its top level
+    raw["tie_word_embeddings"] = True
+    with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: tie_word_embeddings is true")):
+        ModelConfig.from_hf_dict(raw, source=SOURCE)
+    raw = tiny().to_hf_dict(wrapped=True)
+    raw["quantization_config"] = {"quant_method": "gptq"}  # only at the top level: named there
+    with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: quantization_config.quant_method 'gptq'")):
+        ModelConfig.from_hf_dict(raw, source=SOURCE)
+    raw = tiny().to_hf_dict(wrapped=True)
+    del raw["text_config"]["eos_token_id"]
+    raw["eos_token_id"] = 9999  # taken from the top level when text_config has none
+    with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: eos_token_id 9999 is outside")):
+        ModelConfig.from_hf_dict(raw, source=SOURCE)
+    for bad, what in (([], "top level must be a JSON object"), ({"text_config": 3}, "'text_config' must be")):
+        with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: ") + ".*" + re.escape(what)):
+            ModelConfig.from_hf_dict(bad, source=SOURCE)
+
+
+def test_errors_from_a_file_name_its_path(tmp_path):
+    path = tmp_path / "config.json"
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: config.json not found")):
+        ModelConfig.from_json(tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: not valid JSON")):
+        ModelConfig.from_json(tmp_path)
+    raw = tiny().to_hf_dict(wrapped=True)
+    del raw["text_config"]["kv_lora_rank"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: text_config.kv_lora_rank is missing")):
+        ModelConfig.from_json(tmp_path)
+
+
+def _random_config(rng) -> ModelConfig:
+    n_group = int(rng.choice([1, 2, 4]))
+    n_exp = n_group * int(rng.integers(2, 5))
+    topk_group = int(rng.integers(1, n_group + 1))
+    layers = int(rng.integers(1, 5))
+    eos = tuple(int(t) for t in rng.choice(200, size=int(rng.integers(1, 3)), replace=False))
+    return tiny(
+        vocab_size=int(rng.integers(200, 400)), num_hidden_layers=layers,
+        q_lora_rank=None if rng.random() < 0.5 else int(rng.integers(8, 64)),
+        qk_rope_head_dim=2 * int(rng.integers(1, 8)), n_routed_experts=n_exp, n_group=n_group,
+        topk_group=topk_group, num_experts_per_tok=int(rng.integers(1, topk_group * n_exp // n_group + 1)),
+        first_k_dense_replace=int(rng.integers(0, layers + 1)), norm_topk_prob=bool(rng.random() < 0.5),
+        routed_scaling_factor=float(rng.uniform(0.5, 3.0)), rms_norm_eps=float(rng.choice([1e-5, 1e-6])),
+        rope_scaling=RopeScaling(factor=float(rng.uniform(1.0, 64.0)), original_max_position_embeddings=64,
+                                 beta_fast=float(rng.uniform(1, 32)), beta_slow=1.0,
+                                 mscale=float(rng.uniform(0.5, 1.5)), mscale_all_dim=float(rng.uniform(0, 1.5))),
+        bos_token_id=int(rng.integers(0, 200)), eos_token_id=eos,
+        quantization=[QuantConfig(), QuantConfig(method="fp8", weight_block_size=(16, 32))][int(rng.integers(2))],
+    )
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+def test_to_hf_dict_round_trip(rng, wrapped):
+    for _ in range(20):
+        cfg = _random_config(rng)
+        if wrapped:
+            cfg = dataclasses.replace(cfg, tensor_prefix="language_model.model.",
+                                      lm_head_name="language_model.lm_head.weight")
+        raw = json.loads(json.dumps(cfg.to_hf_dict(wrapped=wrapped)))  # through JSON, as on disk
+        assert ModelConfig.from_hf_dict(raw) == cfg
+
+
+# moonshotai/Kimi-K2.6 config.json with its published values (shared/docs/kimi_k2_format.md §1.3, §2.3):
+# quantization_config inside text_config, eos 163586, yarn factor 64 / beta_fast 32, rms_norm_eps 1e-5.
+K26_QUANT = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "dynamic": False, "observer": "minmax", "actorder": None, "block_structure": None},
+        "input_activations": None, "output_activations": None}},
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:vision_tower.*", "re:mm_projector.*"],
+}
+K26_TEXT = {
+    "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_nextn_predict_layers": 0,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 384,
+    "routed_scaling_factor": 2.827, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 262144, "initializer_range": 0.02, "rms_norm_eps": 1e-05, "use_cache": True,
+    "pad_token_id": 163839, "bos_token_id": 163584, "eos_token_id": 163586, "tie_word_embeddings": False,
+    "rope_theta": 50000.0,
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": "bfloat16",
+    "quantization_config": K26_QUANT,
+}
+K26 = {
+    "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+    "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                 "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
+    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839, "media_placeholder_token_id": 163605,
+    "use_unified_vision_chunk": True, "video_placeholder": "<|kimi_k25_video_placeholder|>",
+    "tie_word_embeddings": False, "text_config": K26_TEXT,
+    "vision_config": {"num_hidden_layers": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                      "num_attention_heads": 16, "patch_size": 14, "merge_kernel_size": [2, 2],
+                      "mm_projector_type": "patchmerger", "text_hidden_size": 7168},
+}
+
+
+def test_published_k26_config_equals_preset(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(K26, indent=2))
+    cfg = ModelConfig.from_json(tmp_path)
+    assert cfg == kimi_k2_6()
+    assert cfg.softmax_scale == pytest.approx(0.1446796, abs=1e-7)  # format doc §1.4
+    assert cfg.rope_amplitude == 1.0 and cfg.latent_dim == 576
+    assert [i for i in range(61) if not cfg.is_moe_layer(i)] == [0]
+
+
+def test_quantization_config_inside_or_outside_text_config():
+    inner = copy.deepcopy(K26)
+    outer = copy.deepcopy(K26)
+    outer["quantization_config"] = outer["text_config"].pop("quantization_config")
+    a, b = ModelConfig.from_hf_dict(inner), ModelConfig.from_hf_dict(outer)
+    assert a == b == kimi_k2_6()
+    assert b.quantization.method == "compressed-tensors" and b.quantization.group_size == 32
+    assert "re:.*lm_head.*" in b.quantization.ignore
+    both = copy.deepcopy(inner)
+    both["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert ModelConfig.from_hf_dict(both).quantization == a.quantization  # text_config's wins
+    none = copy.deepcopy(outer)
+    del none["quantization_config"]
+    assert ModelConfig.from_hf_dict(none).quantization == QuantConfig()
