@@ -334,11 +334,12 @@ class Engine:
         return compiled, time.perf_counter() - t0
 
     # ---- generate -----------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64, *,
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64, *,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, mode: str = "ddtree",
                  budget: int | str = budget_mod.DEFAULT_BUDGET, seed: int | Sequence[int] = 0,
                  chat: bool = False) -> GenerationResult:
-        """Generate for a batch of prompts (text or token ids); one compiled computation for all rounds.
+        """Generate for a batch of prompts (text or token ids; a bare string is one prompt); one compiled computation
+        for all rounds.
 
         budget: DDTree node budget B, or "auto": the measured best B for this device and batch size, or AR where the
         profile measured AR faster (budget.py; `stats.mode` says what ran)."""
@@ -380,8 +381,13 @@ class Engine:
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts, chat: bool) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of strings or of token-id lists, e.g. ['hi'] or [[1, 2]]")
+        """Token ids per prompt. A bare string is one text prompt (as in `generate("hi")`); anything else must be a
+        list whose items are each a string or a list of integer token ids (not floats, bools or bytes)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+            raise ValueError(f"prompts must be a string or a list of strings or of token-id lists, e.g. 'hi', ['hi'] "
+                             f"or [[1, 2]]; got {type(prompts).__name__}")
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -392,16 +398,17 @@ class Engine:
                     out.append(self.tokenizer.encode(p, allow_special=True))
                 else:
                     out.append(self.tokenizer.encode(p))
-            elif isinstance(p, Sequence) and all(isinstance(t, (int, np.integer)) for t in p):
+            elif isinstance(p, Sequence) and not isinstance(p, (bytes, bytearray)) and all(
+                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
                 out.append([int(t) for t in p])
             else:
                 raise ValueError(f"prompt {i} must be a string or a list of integer token ids, got {p!r:.60}")
         return out
 
     def _prepare(self, prompts, max_new_tokens, temperature, top_k, top_p, mode, budget, seed, chat):
-        if not prompts:
-            raise ValueError("no prompts given")
         ids = self.encode_prompts(prompts, chat)
+        if not ids:
+            raise ValueError("no prompts given")
         cfg = self.target.cfg
         for i, p in enumerate(ids):
             if not p:
@@ -466,16 +473,28 @@ class Engine:
         )
 
     def _check_fits(self, spec: DecodeSpec) -> None:
+        """Refuse, before anything compiles, a generation whose estimate (`estimate_bytes`) exceeds the limit:
+        `memory_limit_bytes`, else the device's free memory. The message gives both in bytes (a human unit beside
+        them: tiny models need a few MiB, which GiB rounds to 0.00) and what to lower."""
         need = estimate_bytes(spec, self.target, self.drafter if spec.mode != "ar" else None)
         total = sum(need.values())
-        limit, where = (self.memory_limit_bytes, "the configured limit") if self.memory_limit_bytes is not None \
-            else free_device_bytes()
+        if self.memory_limit_bytes is not None:
+            limit = self.memory_limit_bytes
+            has = f"memory_limit_bytes is {limit} bytes ({_human_bytes(limit)})"
+        else:
+            limit, where = free_device_bytes()
+            has = f"{where} has {limit} bytes ({_human_bytes(limit)}) free"
         if total > limit:
-            parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in need.items())
+            parts = ", ".join(f"{k} {v} bytes" for k, v in need.items())
+            lower = [f"the budget ({spec.budget}; activations grow with the {spec.n_slots} tokens verified per round)"]
+            lower = (lower if spec.mode == "ddtree" else []) + [
+                f"the batch size ({spec.batch})",
+                f"the context (prompt padded to {spec.prompt_cap} + max_new_tokens {spec.max_new_tokens}: "
+                f"{spec.capacity} cache rows per request)"]
             raise ResourceLimitError(
-                f"batch {spec.batch} x {spec.capacity} cache rows (mode {spec.mode}, {spec.n_slots} tokens per round) "
-                f"needs about {total / 2**30:.2f} GiB ({parts}) but {where} has {limit / 2**30:.2f} GiB free; lower the "
-                f"batch size, max_new_tokens, prompt length or budget"
+                f"mode {spec.mode}, batch {spec.batch} x {spec.capacity} cache rows needs about {total} bytes "
+                f"({_human_bytes(total)}: {parts}) but {has}; "
+                f"lower {', '.join(lower[:-1])} or {lower[-1]}"
             )
 
     def _result(self, spec: DecodeSpec, state: DecodeState, wall: float, compile_s: float,
@@ -519,6 +538,13 @@ def _new_tokens(state: DecodeState, sent: np.ndarray) -> tuple[list[list[int]], 
     ngen = np.asarray(state.n_generated)
     new = [tokens[b, plen[b] + sent[b] : plen[b] + ngen[b]].tolist() for b in range(tokens.shape[0])]
     return new, ngen.astype(np.int64)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
 
 
 def _pow2_at_least(n: int) -> int:

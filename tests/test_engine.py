@@ -135,31 +135,38 @@ def test_context_too_long_rejected_before_compute(rng):
 def test_nonfinite_logits_reported_not_emitted(rng):
     """A NaN reaching one request's logits stops that request with finish 'nonfinite' and no token from it.
 
-    In ar mode the other request is untouched. In ddtree mode its drafter may propose the poisoned token as a tree
-    node, whose NaN latent then reaches the request's own verify rows (masked keys still enter p @ V with weight 0),
-    so it may stop early too: never with a wrong token, only a prefix of its clean output.
+    In ar mode the other request is untouched. In chain and ddtree modes its drafter may propose the poisoned token
+    as a node, whose NaN latent then reaches the request's own verify rows (masked keys still enter p @ V with
+    weight 0), so it may stop early too: never with a wrong token, only a prefix of its clean output.
     """
     target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
     vocab = target.cfg.vocab_size
-    prompts = [[vocab - 2, 5, 6], [7, 8, 9, 10]]
-    clean = {m: Engine(target, drafter, None).generate(prompts, 6, mode=m, budget=4) for m in ("ar", "ddtree")}
-    # the poisoned token appears only in request 0: never in request 1's prompt nor in what it generates (request 1's
-    # tokens do not depend on request 0's prompt, so changing that prompt leaves `clean` valid for request 1)
-    seen = set(prompts[1]).union(*(clean[m].outputs[1].token_ids for m in clean))
+    # test_greedy_modes_equal_ar's shapes (batch 4, prompt lengths (7, 3, 5, 8), 10 tokens, budget 4): the compiled
+    # programs come from the persistent cache when the file runs as a whole
+    prompts = _prompts(rng, vocab, 4)
+    modes = ("ar", "chain", "ddtree")
+    clean_engine = Engine(target, drafter, None)
+    clean = {m: clean_engine.generate(prompts, 10, mode=m, budget=4) for m in modes}
+    # the poisoned token appears only in request 0: never in another request's prompt nor in what it generates (their
+    # tokens do not depend on request 0's prompt, so changing that prompt leaves `clean` valid for them); not the pad
+    # token 0 nor the drafter's mask token, which every request uses
+    seen = {0, drafter.cfg.mask_token_id}.union(*prompts[1:], *(clean[m].outputs[b].token_ids for m in clean
+                                                                 for b in range(1, 4)))
     poison = max(t for t in range(vocab) if t not in seen)
     prompts[0][0] = poison
     table = np.array(target.embed[...])
     table[poison] = np.nan
     target.embed[...] = jnp.asarray(table)
     eng = Engine(target, drafter, None)
-    for mode in ("ar", "ddtree"):
-        bad = eng.generate(prompts, 6, mode=mode, budget=4)
-        assert bad.outputs[0].finish_reason == "nonfinite" and bad.outputs[0].token_ids == []
-        other, ref = bad.outputs[1], clean[mode].outputs[1].token_ids
-        if mode == "ar" or other.finish_reason != "nonfinite":
-            assert other.token_ids == ref
-        else:
-            assert ref[: len(other.token_ids)] == other.token_ids
+    for mode in modes:
+        bad = eng.generate(prompts, 10, mode=mode, budget=4)
+        assert bad.outputs[0].finish_reason == "nonfinite" and bad.outputs[0].token_ids == [], mode
+        for b in range(1, 4):
+            other, ref = bad.outputs[b], clean[mode].outputs[b].token_ids
+            if mode == "ar" or other.finish_reason != "nonfinite":
+                assert (other.token_ids, other.finish_reason) == (ref, "length"), (mode, b)
+            else:
+                assert ref[: len(other.token_ids)] == other.token_ids, (mode, b)
 
 
 def test_same_seed_same_samples(rng):
@@ -258,11 +265,101 @@ def test_generation_that_does_not_fit_is_refused_up_front(rng):
     cfg = target.cfg
     assert need["latent cache"] == cfg.num_hidden_layers * 4 * spec.capacity * cfg.latent_dim * 4
     eng.memory_limit_bytes = sum(need.values()) - 1
-    with pytest.raises(ResourceLimitError, match=r"batch 4 x \d+ cache rows .* GiB"):
+    with pytest.raises(ResourceLimitError, match=rf"batch 4 x {spec.capacity} cache rows needs about "
+                                                 rf"{sum(need.values())} bytes"):
         eng.generate(prompts, 8, mode="ddtree", budget=64)
     assert not eng._compiled
     eng.memory_limit_bytes = sum(need.values())
     assert len(eng.generate(prompts, 8, mode="ddtree", budget=64).token_ids) == 4
+
+
+def _refusal(eng, prompts, small, big, set_limit=None):
+    """Generate with `big` (kwargs) under a limit that `small` exactly fits (set by `set_limit(bytes)`, default
+    memory_limit_bytes); return big's spec and estimate, the limit and the ResourceLimitError message. Nothing may
+    compile."""
+    from kdtree_jax.engine import ResourceLimitError, estimate_bytes
+
+    specs = {}
+    for name, kw in (("small", small), ("big", big)):
+        specs[name] = eng._prepare(prompts, kw["max_new_tokens"], 0.0, 0, 1.0, kw["mode"], kw["budget"], 0, False)[0]
+    need = {k: estimate_bytes(s, eng.target, eng.drafter if s.mode != "ar" else None) for k, s in specs.items()}
+    fits = sum(need["small"].values())
+    assert sum(need["big"].values()) > fits
+    if set_limit is None:
+        eng.memory_limit_bytes = fits
+    else:
+        set_limit(fits)
+    eng._check_fits(specs["small"])  # exactly at the limit: allowed
+    with pytest.raises(ResourceLimitError) as info:
+        eng.generate(prompts, big["max_new_tokens"], mode=big["mode"], budget=big["budget"])
+    assert isinstance(info.value, ValueError)
+    assert not eng._compiled
+    return specs["big"], need["big"], fits, str(info.value)
+
+
+def _assert_names_the_bytes(msg, need, limit):
+    assert f"needs about {sum(need.values())} bytes" in msg, msg
+    for part, n in need.items():
+        assert f"{part} {n} bytes" in msg, (part, msg)
+    assert f"{limit} bytes" in msg.split(" but ")[1], msg
+    assert "0.00 GiB" not in msg and "MiB" in msg  # a tiny model's human unit is not rounded away
+
+
+def test_budget_alone_over_the_memory_limit_is_refused_naming_the_budget(rng):
+    """Same batch and context; only the budget grows past what fits: the message names the bytes and the budget."""
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    eng = Engine(target, drafter, None)
+    prompts = _prompts(rng, target.cfg.vocab_size, 4)
+    spec, need, limit, msg = _refusal(eng, prompts, dict(mode="ddtree", budget=4, max_new_tokens=8),
+                                      dict(mode="ddtree", budget=64, max_new_tokens=8))
+    _assert_names_the_bytes(msg, need, limit)
+    assert f"memory_limit_bytes is {limit} bytes" in msg
+    remedy = msg.split("; lower ")[1]
+    assert "the budget (64" in remedy and "batch size (4)" in remedy and "max_new_tokens 8" in remedy, remedy
+
+
+def test_context_alone_over_the_memory_limit_is_refused_naming_the_context(rng):
+    """ar (no budget): same batch, only max_new_tokens grows past what fits; the caches grow, and the message gives
+    their bytes and names the context, not a budget ar does not have."""
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    eng = Engine(target, drafter, None)
+    prompts = _prompts(rng, target.cfg.vocab_size, 2)
+    spec, need, limit, msg = _refusal(eng, prompts, dict(mode="ar", budget=0, max_new_tokens=8),
+                                      dict(mode="ar", budget=0, max_new_tokens=400))
+    _assert_names_the_bytes(msg, need, limit)
+    assert list(need) == ["latent cache", "activations"]  # ar: no drafter cache
+    remedy = msg.split("; lower ")[1]
+    assert "budget" not in msg and "batch size (2)" in remedy
+    assert f"max_new_tokens 400: {spec.capacity} cache rows" in remedy, remedy
+
+
+def test_free_device_memory_is_the_default_limit(rng, monkeypatch):
+    """No memory_limit_bytes: the limit is the device's free memory (allocator limit minus use on GPU)."""
+    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    prompts = _prompts(rng, target.cfg.vocab_size, 2)
+
+    class FakeGpu:
+        in_use = 1_000_000
+        free = 0  # set below
+
+        def memory_stats(self):
+            return {"bytes_limit": self.in_use + self.free, "bytes_in_use": self.in_use}
+
+        def __str__(self):
+            return "cuda:0"
+
+    free, where = engine_mod.free_device_bytes()  # the real device: CPU reads the host's available memory
+    assert free > 0 and where
+    monkeypatch.setattr(engine_mod.jax, "devices", lambda *a, **k: [FakeGpu()])
+    FakeGpu.free = 1 << 40  # room for _refusal's specs; it then lowers this to what the smaller one needs
+    assert engine_mod.free_device_bytes() == (1 << 40, "cuda:0")
+    eng = Engine(target, drafter, None)
+    spec, need, limit, msg = _refusal(eng, prompts, dict(mode="ddtree", budget=1, max_new_tokens=8),
+                                      dict(mode="ddtree", budget=64, max_new_tokens=8),
+                                      set_limit=lambda n: setattr(FakeGpu, "free", n))
+    assert eng.memory_limit_bytes is None
+    _assert_names_the_bytes(msg, need, limit)
+    assert f"cuda:0 has {limit} bytes (" in msg, msg
 
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")

@@ -1,6 +1,6 @@
 """Reliability of the public `Engine` API: generation up to the context limit, stop tokens, non-finite logits that
-appear mid-generation, determinism across engines and batch composition, and bad input refused before anything
-is compiled. docs/faults.md maps every case to its test.
+appear mid-generation, determinism across engines, processes and batch composition, top-k sampling, and bad input
+refused before anything is compiled. docs/faults.md maps every case to its test.
 
 Most tests share one small random pair and one batch of four ragged prompts, so the whole file compiles only a few
 programs (the persistent XLA cache set up in conftest.py makes identical programs of a second Engine free).
@@ -8,9 +8,13 @@ programs (the persistent XLA cache set up in conftest.py makes identical program
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+import subprocess
+import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,7 +32,10 @@ PROMPT_LENS = (6, 8, 7, 5)  # ragged; the longest is request 1, so errors must n
 MAX_NEW = CONTEXT - max(PROMPT_LENS)  # request 1 ends exactly at the context limit
 BLOCK, BUDGET = 4, 8
 NEAR_TIE = 1e-4  # float64 top-2 logit gap below which fp32 greedy may legitimately differ
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
+SAMPLED_NEW, TOPK = 12, 2
+SAMPLED = dict(temperature=4.0, top_k=TOPK)  # every T > 0 test here: one compiled program per mode
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(os.path.dirname(TESTS), "checkpoints", "kdtree-mini")
 
 
 @dataclasses.dataclass
@@ -39,11 +46,35 @@ class Small:
     prompts: list[list[int]]
     ar: object  # GenerationResult, greedy, MAX_NEW tokens
     tree: object  # GenerationResult, greedy ddtree
+    batches: dict = dataclasses.field(default_factory=dict)  # mode -> greedy GenerationResult of `prompts`
+
+    def batch(self, mode: str):
+        """The greedy result of the shared batch in `mode` (chain is generated on first use)."""
+        if mode not in self.batches:
+            self.batches[mode] = self.engine.generate(self.prompts, MAX_NEW, mode=mode, budget=BUDGET)
+        return self.batches[mode]
+
+    @functools.cached_property
+    def weights(self) -> dict[str, np.ndarray]:
+        """The HF-named float64 weights of the pair's target, for the numpy reference."""
+        return random_hf_weights(self.cfg, self.seed)
+
+    @functools.cached_property
+    def plain_engine(self) -> Engine:
+        """The same modules without the Pallas verify kernel (cheaper to compile in interpret mode)."""
+        return Engine(self.engine.target, self.engine.drafter, None, use_pallas=False)
 
     def pair(self, cfg=None):
         """A fresh target + drafter with the same weights (optionally under a changed config)."""
-        cfg = cfg or self.cfg
-        return init_random(cfg, seed=self.seed), random_drafter(drafter_config(cfg, block_size=BLOCK), self.seed)
+        return make_pair(cfg or self.cfg, self.seed)
+
+
+def small_config() -> config.ModelConfig:
+    return config.tiny(eos_token_id=(), max_position_embeddings=CONTEXT, num_hidden_layers=2)
+
+
+def make_pair(cfg, seed):
+    return init_random(cfg, seed=seed), random_drafter(drafter_config(cfg, block_size=BLOCK), seed)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +82,14 @@ def small() -> Small:
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"small pair seed={seed}")
     rng = np.random.default_rng(seed)
-    cfg = config.tiny(eos_token_id=(), max_position_embeddings=CONTEXT, num_hidden_layers=2)
-    target, drafter = init_random(cfg, seed=seed), random_drafter(drafter_config(cfg, block_size=BLOCK), seed)
+    cfg = small_config()
+    target, drafter = make_pair(cfg, seed)
     eng = Engine(target, drafter, None)
     # tokens 1 .. V-2: no pad token 0 and no drafter mask token in the prompts
     prompts = [rng.integers(1, cfg.vocab_size - 1, n).tolist() for n in PROMPT_LENS]
     ar = eng.generate(prompts, MAX_NEW, mode="ar")
     tree = eng.generate(prompts, MAX_NEW, mode="ddtree", budget=BUDGET)
-    return Small(cfg, seed, eng, prompts, ar, tree)
+    return Small(cfg, seed, eng, prompts, ar, tree, {"ar": ar, "ddtree": tree})
 
 
 def _assert_greedy_continuation(cfg, weights, prompt, out):
@@ -83,8 +114,7 @@ def test_generation_runs_to_the_context_limit(small):
     assert small.tree.token_ids == small.ar.token_ids
     assert all(o.accept_lengths == [1] * (MAX_NEW - 1) for o in small.ar.outputs)
     # the last positions (YaRN near the limit, cache rows up to the end) are right, not merely self-consistent
-    _assert_greedy_continuation(small.cfg, random_hf_weights(small.cfg, small.seed), small.prompts[1],
-                                small.tree.token_ids[1])
+    _assert_greedy_continuation(small.cfg, small.weights, small.prompts[1], small.tree.token_ids[1])
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
@@ -161,21 +191,22 @@ def test_inf_mid_generation_stops_only_that_request(small):
             assert (o.token_ids, o.finish_reason) == (clean, "length"), f"request {b}"
 
 
-def test_nan_mid_generation_in_a_tree_is_isolated_per_request(small):
-    """ddtree: the poisoned request stops 'nonfinite' having emitted only clean tokens; every request gets exactly
-    what it gets when run alone on the poisoned model (a request whose own draft tree holds the poisoned token also
-    stops: the engine checks every verified slot, see docs/faults.md)."""
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_nan_mid_generation_in_a_tree_is_isolated_per_request(small, mode):
+    """chain / ddtree: the poisoned request stops 'nonfinite' having emitted only clean tokens; every request gets
+    exactly what it gets when run alone on the poisoned model (a request whose own drafted chain or tree holds the
+    poisoned token also stops: the engine checks every verified slot, see docs/faults.md)."""
     r, j, token = _token_only_one_request_makes(small)
     target, drafter = _poison_target(small, token, np.nan)
     eng = Engine(target, drafter, None)
-    res = eng.generate(small.prompts, MAX_NEW, mode="ddtree", budget=BUDGET)
+    res = eng.generate(small.prompts, MAX_NEW, mode=mode, budget=BUDGET)
     got = res.outputs[r]
     assert got.finish_reason == "nonfinite" and 1 <= len(got.token_ids) <= j + 1
     assert got.token_ids == small.ar.token_ids[r][: len(got.token_ids)]
     for b, (o, clean) in enumerate(zip(res.outputs, small.ar.token_ids)):
         assert o.token_ids == clean[: len(o.token_ids)], f"request {b}: emitted a token the clean model would not"
         assert o.finish_reason == ("length" if len(o.token_ids) == MAX_NEW else "nonfinite"), f"request {b}"
-        alone = eng.generate([small.prompts[b]], MAX_NEW, mode="ddtree", budget=BUDGET).outputs[0]
+        alone = eng.generate([small.prompts[b]], MAX_NEW, mode=mode, budget=BUDGET).outputs[0]
         assert (alone.token_ids, alone.finish_reason) == (o.token_ids, o.finish_reason), f"request {b}"
 
 
@@ -191,21 +222,90 @@ def test_nonfinite_pad_token_does_not_leak_into_shorter_prompts(small):
 # ---- determinism -----------------------------------------------------------------------------------------------
 def test_sampling_reproducible_across_engine_instances(small):
     """T > 0 ddtree: the same seed gives the same tokens from a second Engine over freshly built modules."""
-    kw = dict(mode="ddtree", budget=BUDGET, temperature=0.9, top_p=0.95)
-    a = small.engine.generate(small.prompts, 12, seed=1234, **kw)
+    kw = dict(mode="ddtree", budget=BUDGET, **SAMPLED)
+    a = small.engine.generate(small.prompts, SAMPLED_NEW, seed=1234, **kw)
     other = Engine(*small.pair(), None)
-    b = other.generate(small.prompts, 12, seed=1234, **kw)
-    c = other.generate(small.prompts, 12, seed=4321, **kw)
+    b = other.generate(small.prompts, SAMPLED_NEW, seed=1234, **kw)
+    c = other.generate(small.prompts, SAMPLED_NEW, seed=4321, **kw)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
     assert a.token_ids != small.ar.token_ids  # it really sampled
-    assert all(len(t) == 12 for t in a.token_ids + c.token_ids)
+    assert all(len(t) == SAMPLED_NEW for t in a.token_ids + c.token_ids)
 
 
-def test_greedy_request_alone_equals_inside_ragged_batch(small):
+_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import conftest  # noqa: F401  (the XLA flags and compilation cache of the test process)
+from test_reliability import make_pair, small_config
+from kdtree_jax.engine import Engine
+a = json.loads(sys.argv[2])
+engine = Engine(*make_pair(small_config(), a["seed"]), None)
+print(json.dumps(engine.generate(a["prompts"], a["n"], **a["kw"]).token_ids))
+"""
+
+
+def test_sampling_reproducible_across_processes(small, rng):
+    """T > 0 ddtree with a fixed seed in two fresh interpreters (different hash seeds): the same tokens, and on CPU
+    the tokens of this process. Run here first, so the children load the program from the compilation cache."""
+    kw = dict(mode="ddtree", budget=BUDGET, seed=int(rng.integers(1 << 31)), **SAMPLED)
+    here = small.engine.generate(small.prompts, SAMPLED_NEW, **kw).token_ids
+    arg = json.dumps(dict(seed=small.seed, prompts=small.prompts, n=SAMPLED_NEW, kw=kw))
+    children = [subprocess.Popen([sys.executable, "-c", _CHILD, TESTS, arg], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONHASHSEED=str(h))) for h in (1, 2)]
+    got = []
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err[-3000:]
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    assert got[0] == got[1]
+    if jax.default_backend() == "cpu":
+        assert got[0] == here
+    assert here != small.ar.token_ids and all(len(t) == SAMPLED_NEW for t in here)  # it really sampled
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+def test_greedy_request_alone_equals_inside_ragged_batch(small, mode):
+    batch = small.batch(mode)
+    assert batch.token_ids == small.ar.token_ids  # greedy: every mode gives the ar tokens
     for b, prompt in enumerate(small.prompts):
-        alone = small.engine.generate([prompt], MAX_NEW, mode="ddtree", budget=BUDGET)
-        assert alone.token_ids[0] == small.tree.token_ids[b], f"request {b} (prompt length {len(prompt)})"
+        alone = small.engine.generate([prompt], MAX_NEW, mode=mode, budget=BUDGET)
+        assert alone.token_ids[0] == batch.token_ids[b], f"{mode} request {b} (prompt length {len(prompt)})"
+
+
+@pytest.mark.parametrize("budget", [1, 16, 64])
+def test_greedy_ddtree_alone_equals_ar_at_every_budget(small, rng, budget):
+    """Batch 1: a fresh prompt gives the ar tokens at budgets {1, 16, 64} (4: test_engine.py, 8: above), up to the
+    context limit. The trees run with the jnp verify attention (use_pallas=False: about half the interpret-mode
+    compile; the tree kernels still run, and test_engine.py sweeps the budgets through the verify kernel at
+    batch 4)."""
+    prompt = rng.integers(1, small.cfg.vocab_size - 1, int(rng.integers(5, 9))).tolist()  # one padded shape: 8
+    ar = small.engine.generate([prompt], MAX_NEW, mode="ar").outputs[0]
+    out = small.plain_engine.generate([prompt], MAX_NEW, mode="ddtree", budget=budget).outputs[0]
+    assert out.token_ids == ar.token_ids
+    assert out.finish_reason == "length" and all(1 <= a <= BLOCK for a in out.accept_lengths)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_top_k_draws_only_from_the_targets_top_k(small, rng, mode):
+    """T > 0, top_k=k: every emitted token is among the k largest float64 reference logits for its emitted prefix
+    (up to a near-tie at the k-th); at this temperature an unfiltered draw would leave the top-k almost surely."""
+    temperature = SAMPLED["temperature"]
+    res = small.engine.generate(small.prompts, SAMPLED_NEW, mode=mode, budget=BUDGET, seed=int(rng.integers(1 << 31)),
+                                **SAMPLED)
+    log_p_inside = 0.0  # log P(every unfiltered draw lands in its top-k set)
+    for b, (prompt, out) in enumerate(zip(small.prompts, res.token_ids)):
+        assert len(out) == SAMPLED_NEW and res.outputs[b].finish_reason == "length"
+        logits = reference_forward(small.cfg, small.weights, np.asarray(prompt + out[:-1]))  # [T, V]
+        for i, tok in enumerate(out):
+            row = logits[len(prompt) - 1 + i]
+            kth = np.sort(row)[-TOPK]
+            assert row[tok] >= kth - NEAR_TIE, f"request {b} token {i}: {tok} ranks {int((row > row[tok]).sum())}"
+            p = np.exp((row - row.max()) / temperature)
+            log_p_inside += np.log(np.sort(p)[-TOPK:].sum() / p.sum())
+    assert log_p_inside < np.log(1e-6)
+    assert res.token_ids != small.ar.token_ids  # it really sampled
 
 
 @pytest.mark.slow  # three compiles of the 6-layer pair: ~35 s on 2 CPU cores
@@ -241,6 +341,13 @@ BAD_CALLS = [  # (case, generate args (prompts, max_new_tokens), kwargs, excepti
     ("unknown mode", ([[3]], 4), dict(mode="beam"), ValueError, "mode must be one of .*'beam'"),
     ("seed count", ([[3], [4]], 4), dict(seed=[1, 2, 3]), ValueError, "3 seeds for 2 prompts"),
     ("prompt too long", ([[3] * CONTEXT], 1), {}, ContextTooLongError, f"prompt 0 has {CONTEXT} tokens"),
+    # a bare string is one text prompt (test_bare_string_is_one_text_prompt); without a tokenizer it is refused
+    ("bare string without tokenizer", ("hello", 4), {}, ValueError, "text prompts need a tokenizer"),
+    ("float token ids", ([[1.7, 2]], 4), {}, ValueError,
+     r"prompt 0 must be a string or a list of integer token ids, got \[1\.7, 2\]"),
+    ("bool token ids", ([[3], [True, 2]], 4), {}, ValueError, "prompt 1 must be .* integer token ids"),
+    ("bytes prompt", ([b"hi"], 4), {}, ValueError, "prompt 0 must be a string or a list of integer token ids"),
+    ("array of prompts", (np.array([[3, 4]]), 4), {}, ValueError, "prompts must be a string or a list .* ndarray"),
 ]
 
 
@@ -282,6 +389,30 @@ def test_nan_temperature_refused():
     """Checked on SamplingParams, which Engine.generate builds from its arguments before anything else runs."""
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=float("nan"))
+
+
+class _CharTokenizer:
+    """A stand-in tokenizer: one token per character."""
+
+    stop_token_ids = ()  # as the small target's eos_token_id: the same compiled program as token-id prompts
+
+    def encode(self, text, allow_special=False):
+        return [1 + ord(c) % 250 for c in text]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_bare_string_is_one_text_prompt(small, rng, monkeypatch):
+    """With a tokenizer, generate("text") is generate(["text"]): one request, not one per character."""
+    text = "".join(chr(c) for c in rng.integers(ord("a"), ord("z") + 1, int(rng.integers(5, 9))))
+    monkeypatch.setattr(small.engine, "tokenizer", _CharTokenizer())
+    ids = small.engine.tokenizer.encode(text)
+    assert small.engine.encode_prompts(text, chat=False) == [ids]
+    bare = small.engine.generate(text, MAX_NEW, mode="ar")
+    assert len(bare.outputs) == 1 and len(bare.token_ids[0]) == MAX_NEW
+    assert bare.token_ids == small.engine.generate([ids], MAX_NEW, mode="ar").token_ids
+    assert bare.texts == [" ".join(map(str, bare.token_ids[0]))]
 
 
 def test_flat_token_list_refused_naming_prompts(small):
