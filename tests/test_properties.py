@@ -1,6 +1,8 @@
-"""Property tests (hypothesis): the three kernels against their numpy references on random shape combinations the
-fixed-case tests do not use, and greedy ddtree generation against autoregressive greedy decoding of the float64
-golden model on random small target configs.
+"""Property tests (hypothesis): every kernel in pallas_kernels/ (tree_build, tree_accept, verify_attn on both
+backends, top-k, the INT4 MoE matmul and FFN) against its numpy reference on random shape combinations, dtypes and
+ties the fixed-case tests do not use, and greedy ddtree generation against autoregressive greedy decoding of the
+float64 golden model on random small target configs. References, input makers and tolerances come from each kernel's
+own test file.
 
 Compiles dominate on CPU (every drawn shape is a new program), so each property draws few examples.
 """
@@ -12,22 +14,37 @@ import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
 from engine_utils import drafter_config, random_drafter
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import HealthCheck, Phase, example, given, note, settings
+from test_int4_moe import TOL as INT4_TOL
+from test_int4_moe import as_input, present_only, random_routing, routing_with_absent
+from test_int4_moe import assert_close as assert_int4_close
+from test_topk import check as check_topk
+from test_topk import tied_logits
 
 from kdtree_jax import config
 from kdtree_jax.engine import Engine
+from kdtree_jax.quant import quant_int4
 from kdtree_jax.reference import reference_forward
 from kdtree_jax.weights import init_random, random_hf_weights
+from pallas_kernels import int4_moe
+from pallas_kernels.int4_moe import int4_expert_matmul, int4_moe_ffn
+from pallas_kernels.int4_moe_ref import int4_expert_matmul_ref, int4_moe_ffn_ref
+from pallas_kernels.topk import topk_logprobs_pallas
 from pallas_kernels.tree_accept import tree_accept
 from pallas_kernels.tree_accept_ref import tree_accept_ref
 from pallas_kernels.tree_build import tree_build
 from pallas_kernels.tree_build_ref import tree_build_ref
 from pallas_kernels.verify_attn import verify_attn
+from pallas_kernels.verify_attn_mgpu import SEQ_ALIGN
 from pallas_kernels.verify_attn_ref import verify_attn_ref
 
 SEEDS = st.integers(0, 2**31 - 1)
 KERNEL_SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-TOL = {"float32": 1e-5, "bfloat16": 2e-2}  # verify_attn relative error vs float64 (as tests/test_verify_attn.py)
+MOSAIC_SETTINGS = settings(KERNEL_SETTINGS, max_examples=3)  # the Mosaic GPU interpreter: seconds per example
+INT4_SETTINGS = settings(KERNEL_SETTINGS, max_examples=4)  # two kernels and their glue: ~3 s of compiles per example
+# verify_attn relative error vs float64 (as tests/test_verify_attn.py); float16 (measured ~3e-4) gets what bfloat16
+# gets, ~5 units of its rounding
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2.5e-3}
 GARBAGE = 1e4  # cache rows past each prefix hold large finite junk: any leak dominates the output
 NEAR_TIE = 1e-4  # float64 top-2 logit gap below which fp32 greedy may legitimately pick the other token
 
@@ -50,18 +67,21 @@ def _draft_logprobs(rng, bt, d, k, kind):
 
 @KERNEL_SETTINGS
 @given(bt=st.integers(1, 5), d=st.integers(1, 5), k=st.integers(1, 6), budget=st.integers(1, 40),
-       kind=st.sampled_from(["continuous", "grid", "equal"]), sort=st.booleans(), seed=SEEDS)
-def test_tree_build_matches_heap(interpret, bt, d, k, budget, kind, sort, seed):
-    """Any (batch, depth, K, budget), sorted or unsorted rows, exact ties and budgets past the prefix space."""
+       kind=st.sampled_from(["continuous", "grid", "equal"]), sort=st.booleans(),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), seed=SEEDS)
+def test_tree_build_matches_heap(interpret, bt, d, k, budget, kind, sort, dtype, seed):
+    """Any (batch, depth, K, budget, lp dtype), sorted or unsorted rows, exact ties and budgets past the prefix space.
+    Half-precision log-probs tie more often; the kernel widens them to float32, exactly what the reference sees."""
     rng = np.random.default_rng(seed)
     lp = _draft_logprobs(rng, bt, d, k, kind)
     if sort:
         lp = -np.sort(-lp, axis=-1)
+    lp = np.asarray(jnp.asarray(lp, dtype).astype(jnp.float32))  # the values the kernel sees
     ids = np.argsort(rng.random((bt, d, 3 * k)), axis=-1)[..., :k].astype(np.int32)  # distinct per depth
     root = rng.integers(0, 3 * k, bt).astype(np.int32)
-    tree = tree_build(jnp.asarray(lp), jnp.asarray(ids), jnp.asarray(root), budget=budget, interpret=interpret)
+    tree = tree_build(jnp.asarray(lp, dtype), jnp.asarray(ids), jnp.asarray(root), budget=budget, interpret=interpret)
     want = tree_build_ref(lp, ids, root, budget=budget)
-    _assert_fields_equal(tree, want, f"bt={bt} d={d} k={k} B={budget} {kind}")
+    _assert_fields_equal(tree, want, f"bt={bt} d={d} k={k} B={budget} {kind} {dtype}")
     space = sum(k**i for i in range(1, d + 1))
     np.testing.assert_array_equal(np.asarray(tree.n_nodes), min(budget, space))
     parents, slots = np.asarray(tree.parents), np.arange(budget + 1)
@@ -115,13 +135,8 @@ def _tree_mask(rng, bt, n, kind):
     return masks
 
 
-@KERNEL_SETTINGS
-@given(bt=st.integers(1, 3), n=st.integers(1, 9), h=st.sampled_from([1, 2, 4]), r=st.sampled_from([16, 24, 32]),
-       dr=st.sampled_from([4, 8]), s=st.integers(8, 150), splits=st.sampled_from([None, 1, 2, 3]),
-       dtype=st.sampled_from(["float32", "bfloat16"]), mask=st.sampled_from(["ancestor", "causal", "padded"]),
-       seed=SEEDS)
-def test_verify_attn_matches_float64(interpret, bt, n, h, r, dr, s, splits, dtype, mask, seed):
-    """Random (batch, nodes, heads, latent widths incl. non-powers of two, cache rows, prefixes, splits, dtype)."""
+def _check_verify_attn(interpret, backend, bt, n, h, r, dr, s, splits, dtype, mask, seed):
+    """One random verify_attn case on `backend` against float64: shape, dtype, finite, blind rows 0, TOL."""
     rng = np.random.default_rng(seed)
     a = r + dr
     prefix = rng.integers(0, s + 1, bt)
@@ -136,7 +151,8 @@ def test_verify_attn_matches_float64(interpret, bt, n, h, r, dr, s, splits, dtyp
     q, cache, tree_kv = cast(q), cast(cache), cast(tree_kv)
     scale = 1.5 / math.sqrt(a)
     out = verify_attn(jnp.asarray(q), jnp.asarray(cache), jnp.asarray(prefix, jnp.int32), jnp.asarray(tree_kv),
-                      jnp.asarray(tree_mask), scale=scale, kv_lora_rank=r, num_splits=splits, interpret=interpret)
+                      jnp.asarray(tree_mask), scale=scale, kv_lora_rank=r, num_splits=splits, interpret=interpret,
+                      backend=backend)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (bt, n, h, r)
     out = np.asarray(out.astype(jnp.float32), np.float64)
     ref = verify_attn_ref(q, cache, prefix, tree_kv, tree_mask, scale=scale, kv_lora_rank=r)
@@ -146,6 +162,146 @@ def test_verify_attn_matches_float64(interpret, bt, n, h, r, dr, s, splits, dtyp
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     worst = np.abs(out - ref).max() / np.abs(ref).max()
     assert rel <= TOL[dtype] and worst <= TOL[dtype], f"rel {rel:.2e}, max-abs {worst:.2e} (prefix {prefix})"
+
+
+@KERNEL_SETTINGS
+@given(bt=st.integers(1, 3), n=st.integers(1, 9), h=st.sampled_from([1, 2, 4]), r=st.sampled_from([16, 24, 32]),
+       dr=st.sampled_from([4, 8]), s=st.integers(8, 150), splits=st.sampled_from([None, 1, 2, 3]),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+       mask=st.sampled_from(["ancestor", "causal", "padded"]), seed=SEEDS)
+def test_verify_attn_matches_float64(interpret, bt, n, h, r, dr, s, splits, dtype, mask, seed):
+    """Triton kernel: random (batch, nodes, heads, latent widths incl. non-powers of two, cache rows, prefixes, splits,
+    dtype)."""
+    _check_verify_attn(interpret, "triton", bt, n, h, r, dr, s, splits, dtype, mask, seed)
+
+
+@MOSAIC_SETTINGS
+@given(bt=st.integers(1, 2), n=st.integers(1, 5), h=st.sampled_from([1, 8, 64]), r=st.sampled_from([128, 256]),
+       s=st.integers(1, 24).map(lambda rows: rows * SEQ_ALIGN), splits=st.sampled_from([None, 1, 2, 3]),
+       dtype=st.sampled_from(["bfloat16", "float16"]), mask=st.sampled_from(["ancestor", "causal", "padded"]),
+       seed=SEEDS)
+def test_verify_attn_mosaic_matches_float64(interpret, bt, n, h, r, s, splits, dtype, mask, seed):
+    """Mosaic GPU (wgmma) kernel, in Mosaic GPU's interpreter on CPU: the widths and cache rows it supports (R a
+    multiple of 128, rope 64, S a multiple of 8); query rows from 1 (one padded 64-row tile) to 5 whole tiles; prefixes
+    from empty to the whole cache, over more splits than blocks."""
+    _check_verify_attn(interpret, "mosaic", bt, n, h, r, 64, s, splits, dtype, mask, seed)
+
+
+# ---- top-k log-probs --------------------------------------------------------------------------------------------
+TOPK_MAX_K = 72  # past FASTER_MAX_K = 64 (the largest k topk_logprobs sends to the kernel at small vocab)
+
+
+@st.composite
+def topk_shapes(draw):
+    """(V, k, chunk): any vocab, or one at a chunk edge (whole chunks, one entry short or over); k from 1 to V and
+    above a small requested chunk (which then grows to hold k); chunk None = the default, one chunk for these V."""
+    chunk = draw(st.sampled_from([16, 64, 128, None]))
+    edge = draw(st.integers(1, 4)) * (chunk or 128) + draw(st.sampled_from([-1, 0, 1]))
+    v = draw(st.one_of(st.integers(1, 400), st.just(edge)))
+    k = draw(st.one_of(st.integers(1, min(v, TOPK_MAX_K)), st.just(min(v, TOPK_MAX_K))))
+    return v, k, chunk
+
+
+def _topk_logits(rng, shape, kind):
+    """[Bt, D, V] f32: "normal" continuous; "grid" test_topk's tied logits (0.1 grid, some -inf, one row mostly
+    -inf); "levels" three values (ties inside and across every chunk); "equal" one value (the answer is ids 0..k-1)."""
+    if kind == "grid":
+        return tied_logits(rng, shape)
+    if kind == "levels":
+        return rng.integers(-1, 2, shape).astype(np.float32) * np.float32(rng.exponential(2.0))
+    if kind == "equal":
+        return np.full(shape, 3 * rng.standard_normal(), np.float32)
+    return (3 * rng.standard_normal(shape)).astype(np.float32)
+
+
+@settings(KERNEL_SETTINGS, max_examples=5)
+@given(shape=topk_shapes(), bt=st.integers(1, 3), d=st.integers(1, 3),
+       kind=st.sampled_from(["normal", "grid", "levels", "equal"]),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), seed=SEEDS)
+@example(shape=(129, 72, 16), bt=2, d=1, kind="equal", dtype="bfloat16", seed=0)  # all tied; k > chunk: 2 chunks
+def test_topk_matches_reference(interpret, shape, bt, d, kind, dtype, seed):
+    """Ids exactly (equal values: lower vocab index first, the reference's and lax.top_k's rule) and lp to
+    test_topk.TOL, against the float64 reference and XLA (test_topk.check), on logits of any float dtype."""
+    v, k, chunk = shape
+    rng = np.random.default_rng(seed)
+    x = _topk_logits(rng, (bt, d, v), kind)
+    # the values the kernel sees; + 0.0 drops -0.0, which XLA orders below +0.0 and the reference does not
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) + np.float32(0.0)
+    kw = {} if chunk is None else dict(chunk=chunk)
+    lp, ids = topk_logprobs_pallas(jnp.asarray(x, dtype), k, interpret=interpret, **kw)
+    assert lp.shape == ids.shape == (bt, d, k)
+    check_topk(x, k, lp, ids)
+
+
+# ---- INT4 MoE ---------------------------------------------------------------------------------------------------
+INT4_DTYPES = [(np.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, "f32")]  # (x dtype, unpack); None: bf16x2
+# for bf16, which the interpreter runs as its jnp stand-in
+
+
+def _int4(rng, e, n_out, n_in, group):
+    """test_int4_moe.random_int4 with the group size drawn as well."""
+    return quant_int4(rng.standard_normal((e, n_out, n_in)) / np.sqrt(n_in), group)
+
+
+@INT4_SETTINGS
+@given(p=st.integers(1, 70), e=st.sampled_from([1, 3, 8, 16]), group=st.sampled_from([16, 32, 64, 128]),
+       groups=st.integers(1, 3), n_out=st.integers(1, 96), dtype_unpack=st.sampled_from(INT4_DTYPES),
+       block_m=st.sampled_from([None, 16, 64]), block_n=st.sampled_from([None, 16]), one_expert=st.booleans(),
+       seed=SEEDS)
+def test_int4_expert_matmul_matches_float64(interpret, p, e, group, groups, n_out, dtype_unpack, block_m, block_n,
+                                           one_expert, seed):
+    """Any rows, experts (one included), group size, K (whole groups) and N (any, padded to the tile); rows spread over
+    the experts or all on one (spanning row blocks)."""
+    dtype, unpack = dtype_unpack
+    rng = np.random.default_rng(seed)
+    k_in = group * groups
+    packed, scale = _int4(rng, e, n_out, k_in, group)
+    ids = np.full(p, rng.integers(0, e)) if one_expert else rng.integers(0, e, p)
+    ids = ids.astype(np.int32)
+    x = as_input(rng.standard_normal((p, k_in)), dtype)
+    out = int4_expert_matmul(jnp.asarray(x, dtype), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids),
+                             block_m=block_m, block_n=block_n, unpack=unpack, interpret=interpret)
+    assert out.shape == (p, n_out) and out.dtype == dtype
+    assert_int4_close(out, int4_expert_matmul_ref(x, packed, scale, ids), INT4_TOL[dtype], f"P={p} E={e} K={k_in}")
+
+
+@st.composite
+def int4_ffn_shapes(draw):
+    """(E, top-k, group, D, I, block_w, split_k): D and I whole groups; split_k divides the gate/up K tiles."""
+    e = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    top_k = draw(st.integers(1, min(e, 4)))
+    group = draw(st.sampled_from([16, 32, 64, 128]))
+    d = group * draw(st.integers(1, max(1, 384 // group)))
+    inter = group * draw(st.integers(1, max(1, 192 // group)))
+    block_w = draw(st.sampled_from([None, 16]))
+    bw, words = int4_moe._k_tiling(d, group, block_w)
+    split_k = draw(st.sampled_from([s for s in (1, 2, 4) if (words // bw) % s == 0]))
+    return e, top_k, group, d, inter, block_w, split_k
+
+
+@INT4_SETTINGS
+@given(shape=int4_ffn_shapes(), m=st.integers(1, 40), dtype_unpack=st.sampled_from(INT4_DTYPES),
+       block_m=st.sampled_from([None, 16, 64]), routing=st.sampled_from(["spread", "hot", "absent"]), seed=SEEDS)
+@example(shape=(1, 1, 16, 16, 16, None, 1), m=1, dtype_unpack=INT4_DTYPES[0], block_m=None, routing="spread", seed=0)
+def test_int4_moe_ffn_matches_float64(interpret, shape, m, dtype_unpack, block_m, routing, seed):
+    """Fused gate/up + down kernels with the routing glue: any tokens (one included), experts (one included), top-k,
+    widths, K tiling and split-K; routing spread, every token on the same experts, or with absent (other-device)
+    pairs."""
+    e, top_k, group, d, inter, block_w, split_k = shape
+    dtype, unpack = dtype_unpack
+    rng = np.random.default_rng(seed)
+    w = [*_int4(rng, e, inter, d, group), *_int4(rng, e, inter, d, group), *_int4(rng, e, d, inter, group)]
+    if routing == "absent":
+        idx, weights = routing_with_absent(rng, m, e, top_k)
+    else:
+        hot = rng.choice(e, top_k, replace=False) if routing == "hot" else None  # every token on the same experts
+        idx, weights = random_routing(rng, m, e, top_k, experts=hot)
+    x = as_input(rng.standard_normal((m, d)), dtype)
+    out = int4_moe_ffn(jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w),
+                       block_m=block_m, block_w=block_w, split_k=split_k, unpack=unpack, interpret=interpret)
+    assert out.shape == (m, d) and out.dtype == dtype
+    want = int4_moe_ffn_ref(x, *present_only(idx, weights, e), *w)
+    assert_int4_close(out, want, INT4_TOL[dtype], f"M={m} E={e} k={top_k} D={d} I={inter} split_k={split_k}")
 
 
 # ---- engine: greedy ddtree == autoregressive greedy --------------------------------------------------------------
