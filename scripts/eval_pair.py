@@ -19,6 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout, uninstalled
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine's timing, shared
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -57,7 +58,7 @@ class EvalConfig:
     batch_sizes: str = "1,8"
     engine_prompts: int = 8
     max_new_tokens: int = 128
-    repeats: int = dataclasses.field(default=2, metadata={"help": "timed runs per setting (best is kept)"})
+    repeats: int = dataclasses.field(default=2, metadata={"help": "timed passes per setting (the median is kept)"})
     use_pallas: str = dataclasses.field(default="auto", metadata={"choices": tuple(PALLAS)})
 
 
@@ -72,36 +73,28 @@ def held_prompts(tokens: np.ndarray, n: int, length: int, seed: int) -> np.ndarr
 
 
 def engine_eval(c: EvalConfig, target, drafter, tokenizer, prompts: np.ndarray) -> dict:
-    """AR / chain / ddtree(B) at each batch size: acceptance length, decode tok/s, greedy identity vs AR."""
+    """AR / chain / ddtree(B) over all the prompts at each batch size (batch 1: one prompt at a time), timed and
+    compared with AR the way bench_engine.py does it: acceptance length, decode tok/s, greedy identity vs AR."""
+    from bench_engine import agreement, run_mode
+
     from kdtree_jax.engine import Engine
 
     engine = Engine(target, drafter, tokenizer, use_pallas=PALLAS[c.use_pallas])
-    settings = [("ar", 0), ("chain", 0)] + [("ddtree", b) for b in _ints(c.budgets)]
+    prompts = [p.tolist() for p in prompts]
+    settings = [("chain", 0)] + [("ddtree", b) for b in _ints(c.budgets)]
     runs = []
     for bs in _ints(c.batch_sizes):
-        batch = [p.tolist() for p in prompts[:bs]]
-        reference = None
+        ar, ar_ids = run_mode(engine, prompts, bs, "ar", 0, c.max_new_tokens, c.repeats)
+        ar.update(identical_to_ar=True, speedup_vs_ar=1.0)
+        runs.append(ar)
         for mode, budget in settings:
-            best = None
-            for _ in range(max(1, c.repeats)):
-                res = engine.generate(batch, c.max_new_tokens, mode=mode, budget=budget)
-                if best is None or res.stats.tokens_per_s > best.stats.tokens_per_s:
-                    best = res
-            ids = [o.token_ids for o in best.outputs]
-            reference = ids if mode == "ar" else reference
-            mismatch = [i for i, (a, b) in enumerate(zip(ids, reference)) if a != b]
-            first = [next((k for k, (x, y) in enumerate(zip(ids[i], reference[i])) if x != y),
-                          min(len(ids[i]), len(reference[i]))) for i in mismatch]
-            run = {"batch": bs, "mode": mode, "budget": budget, "tokens_per_s": best.stats.tokens_per_s,
-                   "mean_acceptance_length": best.stats.mean_acceptance_length, "rounds": best.stats.rounds,
-                   "generated_tokens": best.stats.generated_tokens, "compile_s": best.stats.compile_s,
-                   "identical_to_ar": not mismatch, "mismatched_requests": mismatch, "first_mismatch_at": first}
+            run, ids = run_mode(engine, prompts, bs, mode, budget, c.max_new_tokens, c.repeats)
+            run.update(agreement(ids, ar_ids), identical_to_ar=ids == ar_ids,
+                       speedup_vs_ar=run["tokens_per_s"] / ar["tokens_per_s"])
             runs.append(run)
-            print(f"batch {bs} {mode:6s} B={budget:3d}: tau {run['mean_acceptance_length']:.2f}  "
+        for run in runs[-len(settings) - 1:]:
+            print(f"batch {bs} {run['mode']:6s} B={run['budget'] or 0:3d}: tau {run['mean_acceptance_length']:.2f}  "
                   f"{run['tokens_per_s']:,.0f} tok/s  identical to ar: {run['identical_to_ar']}", flush=True)
-    for r in runs:
-        ar = next(x for x in runs if x["batch"] == r["batch"] and x["mode"] == "ar")
-        r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
     return {"runs": runs, "all_identical": all(r["identical_to_ar"] for r in runs)}
 
 
