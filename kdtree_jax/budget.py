@@ -221,23 +221,26 @@ def load_profile(path: str | os.PathLike) -> BudgetProfile:
     return BudgetProfile.from_json(obj, source=path)
 
 
-def profile_for(source: str | os.PathLike | BudgetProfile | None, key: ProfileKey) -> BudgetProfile | None:
-    """The profile at `source` if it applies to `key`; else None after a one-line warning naming the file."""
+def profile_for(source: str | os.PathLike | BudgetProfile | None, key: ProfileKey, *,
+                warn: bool = True) -> BudgetProfile | None:
+    """The profile at `source` if it applies to `key`; else None after a one-line warning naming the file (with
+    `warn`: an explicit budget='auto' that finds no profile is worth a word, a default that falls back is not)."""
+    say = log.warning if warn else log.debug
     if source is None:
-        log.warning("budget='auto': no budget profile given; using the fixed budget %d", DEFAULT_BUDGET)
+        say("budget='auto': no budget profile given; using the fixed budget %d", DEFAULT_BUDGET)
         return None
     if isinstance(source, BudgetProfile):
         profile, name = source, "the given profile"
     else:
         name = os.fspath(source)
         if not os.path.isfile(name):
-            log.warning("budget='auto': no budget profile at %s (run scripts/profile_budget.py); using the fixed "
+            say("budget='auto': no budget profile at %s (run scripts/profile_budget.py); using the fixed "
                         "budget %d", name, DEFAULT_BUDGET)
             return None
         profile = load_profile(name)
     why = profile.mismatch(key)
     if why is not None:
-        log.warning("budget='auto': %s does not apply (%s); using the fixed budget %d", name, why, DEFAULT_BUDGET)
+        say("budget='auto': %s does not apply (%s); using the fixed budget %d", name, why, DEFAULT_BUDGET)
         return None
     return profile
 

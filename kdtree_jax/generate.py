@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
@@ -162,8 +161,7 @@ def run(argv: list[str] | None = None) -> int:
                          attn_backend=None if args.attention_backend == "auto" else args.attention_backend)
     if any(isinstance(p, str) for p in prompts) and engine.tokenizer is None:
         raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; pass --prompt-ids instead")
-    budget = args.budget if args.budget is not None else _default_budget(engine, args.mode,
-                                                                          min(len(prompts), args.batch_size))
+    budget = args.budget if args.budget is not None else _default_budget(engine, args.mode)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               mode=args.mode, budget=budget, chat=args.chat)
     totals = {"tokens": 0, "rounds": 0, "wall": 0.0, "compile": 0.0, "acc": [], "budgets": set()}
@@ -195,24 +193,19 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _default_budget(engine, mode: str, batch: int) -> int | str:
+def _default_budget(engine, mode: str) -> int | str:
     """No --budget: "auto" where a budget profile measured on this device applies (the B the README's speedups were
-    measured at), else the fixed budget. Unlike an explicit --budget auto, a missing or foreign profile is no
-    warning: a plain run on a device nobody profiled is not a mistake. The engine keeps the profile it read."""
+    measured at), else the fixed budget. Unlike an explicit --budget auto, a missing, foreign or unreadable profile
+    is no warning: a plain run on a device nobody profiled is not a mistake."""
     from kdtree_jax import budget as budget_mod
 
     if mode != "ddtree":  # ar and chain take no budget
         return budget_mod.DEFAULT_BUDGET
-    budget_log = logging.getLogger(budget_mod.__name__)
-    level = budget_log.level
-    budget_log.setLevel(logging.ERROR)
     try:
-        source = engine.resolve_budget("auto", mode, batch)[1]
-    except budget_mod.ProfileError:  # an unreadable profile file: only an explicit --budget auto makes it an error
+        profile = budget_mod.profile_for(engine.budget_profile, engine.profile_key(), warn=False)
+    except budget_mod.ProfileError:  # only an explicit --budget auto makes an unreadable profile an error
         return budget_mod.DEFAULT_BUDGET
-    finally:
-        budget_log.setLevel(level)
-    return budget_mod.DEFAULT_BUDGET if source == "auto-default" else "auto"
+    return budget_mod.DEFAULT_BUDGET if profile is None else "auto"
 
 
 def _budget_note(totals) -> str:
