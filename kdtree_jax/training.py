@@ -505,6 +505,19 @@ def chain_acceptance(draft_ids: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return 1 + np.cumprod(draft_ids == labels, axis=-1).sum(-1)
 
 
+def chain_walk(taus: np.ndarray, start: int) -> list[int]:
+    """The acceptance lengths a chain decode takes over one sequence, given every anchor's acceptance `taus[a]`:
+    each round's block starts where the last one's accepted tokens end (a -> a + taus[a]).
+
+    Why: the mean of `taus` weighs every position once, but a decode spends one round per block, so a stretch of
+    long acceptances is crossed in few rounds; the per-round mean is what the engine reports."""
+    out, a = [], start
+    while a < len(taus):
+        out.append(int(taus[a]))
+        a += int(taus[a])
+    return out
+
+
 # ---- logging -------------------------------------------------------------------------------------------------
 class CurveLog:
     """Collects per-step records; writes <name>_curve.json and (matplotlib permitting) <name>_curve.png."""
@@ -607,10 +620,15 @@ def drafter_block_argmax_fn(tgraph, dgraph, taps: Sequence[int], block_size: int
     return run
 
 
-def drafter_agreement(target: KimiModel, drafter, seqs: np.ndarray, lo: int, stride: int, batch: int
-                      ) -> dict[str, Any]:
+def drafter_agreement(target: KimiModel, drafter, seqs: np.ndarray, lo: int, stride: int, batch: int,
+                      walk_from: int | None = None) -> dict[str, Any]:
     """Drafter top-1 vs the sequence's own continuation (for greedy target continuations: the target's choice)
-    at every block position, anchors lo, lo + stride, ... <= T - L; plus the chain acceptance length it implies."""
+    at every block position, anchors lo, lo + stride, ... <= T - L; plus the chain acceptance length it implies,
+    per anchor and (stride 1, `walk_from` = the position of a decode's first round, i.e. the prompt length) per
+    round of a chain decode over these sequences."""
+    if walk_from is not None and (stride != 1 or walk_from < lo):
+        raise ValueError(f"a chain walk needs stride 1 and walk_from >= lo (stride={stride}, lo={lo}, "
+                         f"walk_from={walk_from})")
     L = drafter.cfg.block_size
     n_seq, t = seqs.shape
     anchors = np.arange(lo, t - L + 1, stride, dtype=np.int32)
@@ -629,7 +647,11 @@ def drafter_agreement(target: KimiModel, drafter, seqs: np.ndarray, lo: int, str
         ids = np.asarray(fn(tstate, dstate, jnp.asarray(chunk), jnp.asarray(anc)))[:n]
         labels = chunk[:n][:, anchors[:, None] + np.arange(1, L)]  # [n, n_anchors, L-1]
         hits.append((ids == labels).reshape(-1, L - 1))
-        taus.append(chain_acceptance(ids, labels).reshape(-1))
-    hits, taus = np.concatenate(hits), np.concatenate(taus)
-    return {"acc_per_pos": hits.mean(0).tolist(), "chain_tau_mean": float(taus.mean()), "n_blocks": int(len(taus)),
-            "anchor_stride": stride}
+        taus.append(chain_acceptance(ids, labels))
+    hits, taus = np.concatenate(hits), np.concatenate(taus)  # taus [n_seq, n_anchors]
+    res = {"acc_per_pos": hits.mean(0).tolist(), "chain_tau_mean": float(taus.mean()),
+           "n_blocks": int(taus.size), "anchor_stride": stride}
+    if walk_from is not None:
+        rounds = [r for row in taus for r in chain_walk(row, walk_from - lo)]
+        res.update(chain_tau_per_round=float(np.mean(rounds)), chain_rounds=len(rounds))
+    return res

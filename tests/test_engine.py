@@ -386,6 +386,30 @@ def test_trained_pair_is_lossless_with_long_acceptances():
     assert alone.token_ids[0] == ar.token_ids[0]
 
 
+def test_chain_rounds_equal_the_offline_drafter_walk():
+    """The engine's chain rounds are exactly what the training code's drafter evaluation predicts: the drafter's
+    block at every anchor of the target's greedy continuation (features strictly before the anchor, as trained),
+    walked one round per block. Ties the engine's drafter context, positions and target features to training's."""
+    import json
+
+    from kdtree_jax import training as T
+
+    eng = Engine.load(os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter"))
+    with open(os.path.join(SHIPPED, "heldout_prompts.jsonl")) as f:
+        texts = [json.loads(line)["text"] for line in f][:4]
+    p, new, L = 40, 48, eng.drafter.cfg.block_size
+    prompts = np.array([eng.tokenizer.encode(t)[:p] for t in texts], np.int32)
+    # the walk's last round starts before generated token `new`, whose block needs L - 1 labels after it
+    seqs = T.greedy_continue(eng.target, prompts, new + L - 2, 4)
+    chain = eng.generate([q.tolist() for q in prompts], new, mode="chain")
+    assert chain.token_ids == seqs[:, p: p + new].tolist()
+    rounds = [a for o in chain.outputs for a in o.accept_lengths]
+    agree = T.drafter_agreement(eng.target, eng.drafter, seqs, p - 1, 1, 4, walk_from=p)
+    assert agree["chain_rounds"] == len(rounds)
+    assert agree["chain_tau_per_round"] == pytest.approx(np.mean(rounds), rel=1e-12)
+    assert max(rounds) > 2 and agree["chain_tau_mean"] != pytest.approx(agree["chain_tau_per_round"])
+
+
 def test_prefill_through_the_verify_kernel_equals_plain_mla(rng):
     """Prompt chunks through the verify path (absorbed MLA, causal mask, Pallas kernel) fill the same cache rows,
     drafter context and first token as plain-MLA prefill, over several chunks and ragged prompts."""

@@ -35,3 +35,18 @@ def test_engine_table_covers_every_prompt_at_every_batch_size(rng):
         assert np.isclose(r["speedup_vs_ar"], r["tokens_per_s"] / ar["tokens_per_s"])
         assert 1.0 <= r["mean_acceptance_length"] <= 4.0  # block L = 4
     assert all(r["mean_acceptance_length"] == 1.0 for r in rows if r["mode"] == "ar")
+
+
+def test_markdown_reports_the_chain_walk_only_when_measured(rng):
+    mod = _module()
+    acc = rng.uniform(0.2, 0.9, size=15).tolist()
+    res = {"target": {"heldout_loss": 3.1, "heldout_ppl": 22.2, "unigram_loss": 6.7, "unigram_ppl": 812.4},
+           "drafter": {"acc_per_pos": acc, "chain_tau_mean": 5.752, "chain_tau_per_round": 2.417},
+           "device": {"device": "cpu", "backend": "cpu"},
+           "corpus": {"manifest_sha256": "ab" * 32, "python_version": "3.12.1"}}
+    walked = mod.markdown(res)
+    assert "| drafter chain acceptance, mean over every anchor | 5.752 |" in walked
+    assert "over the same continuations) | 2.417 |" in walked
+    assert "| acc | " + " | ".join(f"{x:.3f}" for x in acc) + " |" in walked
+    del res["drafter"]["chain_tau_per_round"]  # an anchor stride above 1: no walk
+    assert "per round" not in mod.markdown(res)

@@ -217,6 +217,17 @@ def test_dflash_block_helpers_match_numpy(rng):
     np.testing.assert_array_equal(T.chain_acceptance(ids, lab), want)
 
 
+def test_chain_walk_starts_each_block_where_the_last_accepted_tokens_end():
+    taus = np.array([3, 1, 1, 2, 5, 1, 4, 1])
+    assert T.chain_walk(taus, 0) == [3, 2, 1, 4]  # anchors 0, 3, 5, 6; the last round runs past the end
+    assert T.chain_walk(taus, 1) == [1, 1, 2, 1, 4]
+    assert T.chain_walk(taus, 8) == []
+    seqs = np.zeros((1, 40), np.int32)
+    for stride, walk_from in ((2, 10), (1, 8)):  # a walk needs every anchor, from a position at or after lo
+        with pytest.raises(ValueError, match=f"stride={stride}, lo=9, walk_from={walk_from}"):
+            T.drafter_agreement(None, None, seqs, 9, stride, 1, walk_from=walk_from)
+
+
 def test_drafter_training_lowers_loss_and_export_reloads(tmp_path, rng):
     td = _script("train_drafter")
     tcfg = tiny(num_hidden_layers=2)
