@@ -61,6 +61,7 @@ def run_mode(engine, prompts, batch, mode, budget, max_new, repeats):
         "mode": mode, "budget": budget if mode == "ddtree" else None, "batch": batch,
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
         "mean_acceptance_length": float(np.mean(accept)) if accept else 1.0,
+        "accept_histogram": np.bincount(accept, minlength=2)[1:].tolist(),  # rounds that accepted 1, 2, ... tokens
     }, ids
 
 

@@ -34,6 +34,10 @@ def test_engine_table_covers_every_prompt_at_every_batch_size(rng):
         ar = next(x for x in rows if x["batch"] == r["batch"] and x["mode"] == "ar")
         assert np.isclose(r["speedup_vs_ar"], r["tokens_per_s"] / ar["tokens_per_s"])
         assert 1.0 <= r["mean_acceptance_length"] <= 4.0  # block L = 4
+        hist = np.array(r["accept_histogram"])  # rounds accepting 1, 2, ... tokens
+        assert len(hist) <= 4 and (r["mode"] == "ar" or hist.sum() >= n_prompts * (new - 1) / 4)
+        if r["mode"] != "ar":
+            assert np.isclose((hist * np.arange(1, len(hist) + 1)).sum() / hist.sum(), r["mean_acceptance_length"])
     assert all(r["mean_acceptance_length"] == 1.0 for r in rows if r["mode"] == "ar")
 
 
