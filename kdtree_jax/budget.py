@@ -235,7 +235,7 @@ def profile_for(source: str | os.PathLike | BudgetProfile | None, key: ProfileKe
         name = os.fspath(source)
         if not os.path.isfile(name):
             say("budget='auto': no budget profile at %s (run scripts/profile_budget.py); using the fixed "
-                        "budget %d", name, DEFAULT_BUDGET)
+                "budget %d", name, DEFAULT_BUDGET)
             return None
         profile = load_profile(name)
     why = profile.mismatch(key)
