@@ -31,7 +31,9 @@ from kdtree_jax.speculative import (
     RUNNING,
     DecodeSpec,
     DecodeState,
+    RequestRows,
     drafter_pass,
+    is_stop_token,
     speculative_round,
 )
 from pallas_kernels import verify_attn_mgpu
@@ -42,10 +44,11 @@ from pallas_kernels.verify_attn import SM_COUNT
 # ---------------------------------------------------------------------------------------------------------------
 # Device side: prefill and the round loop (pure functions of modules + state)
 # ---------------------------------------------------------------------------------------------------------------
-def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: jax.Array, keys: jax.Array) -> DecodeState:
+def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: jax.Array, keys: jax.Array,
+            params: RequestRows) -> DecodeState:
     """Fill the target (and drafter) caches from right-padded prompts and pick the first token.
 
-    prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys. Chunks run through the verify
+    prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys, params: each request's rule. Chunks run through the verify
     path (absorbed MLA, causal mask, the verify_attn kernel) when the spec uses Pallas: a chunk at a traced start
     in plain MLA would expand every cache row through kv_b and materialise [Bt, H, chunk, S] scores (~17 GB per
     layer for K2.6 at batch 8 and 32k); the kernel streams the prefix instead. Without Pallas, plain MLA.
@@ -81,14 +84,14 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
     last0 = jnp.zeros((bt, target.cfg.vocab_size), jnp.float32)
     (cache, draft_cache, last), _ = jax.lax.scan(one_chunk, (cache, draft_cache, last0), jnp.arange(cap // chunk))
 
-    slot_keys = sampling.slot_keys(jax.random.wrap_key_data(keys), jnp.int32(0), 1)
-    first = sampling.choose(last[:, None, :], spec.sampling, slot_keys)[:, 0]
+    first_keys = sampling.position_keys(jax.random.wrap_key_data(keys), (prompt_len - 1)[:, None])
+    first = sampling.choose(last[:, None, :], params.sampling, first_keys, spec.top_k_cap)[:, 0]
     tokens = jnp.zeros((bt, spec.capacity), jnp.int32).at[:, :cap].set(prompts)
     tokens = jax.vmap(lambda t, i, v: t.at[i].set(v))(tokens, prompt_len, first)
-    is_stop = jnp.isin(first, jnp.asarray(spec.stop_ids or (-1,), jnp.int32))
+    is_stop = is_stop_token(first[:, None], params.stop_ids)[:, 0]
     nonfinite = ~jnp.all(jnp.isfinite(last), axis=-1)
     finish = jnp.where(nonfinite, FINISH_NONFINITE, jnp.where(
-        is_stop, FINISH_STOP, jnp.where(spec.max_new_tokens <= 1, FINISH_LENGTH, RUNNING)))
+        is_stop, FINISH_STOP, jnp.where(params.max_new_tokens <= 1, FINISH_LENGTH, RUNNING)))
 
     depth, k = max(spec.depth, 1), spec.top_k
     lp = jnp.zeros((bt, depth, k), jnp.float32)
@@ -107,6 +110,7 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
         draft_lp=lp,
         draft_ids=ids,
         keys=keys,
+        params=params,
         round=jnp.int32(0),
         accept_len=jnp.zeros((bt, spec.max_rounds), jnp.int32),
     )
@@ -121,9 +125,9 @@ def decode_loop(spec: DecodeSpec, target, drafter, state: DecodeState, round_lim
     return jax.lax.while_loop(cond, functools.partial(speculative_round, spec, target, drafter), state)
 
 
-def generate_device(spec, target, drafter, prompts, prompt_len, keys) -> DecodeState:
+def generate_device(spec, target, drafter, prompts, prompt_len, keys, params) -> DecodeState:
     """Prefill + every round: one compiled computation."""
-    state = prefill(spec, target, drafter, prompts, prompt_len, keys)
+    state = prefill(spec, target, drafter, prompts, prompt_len, keys, params)
     return decode_loop(spec, target, drafter, state, jnp.int32(spec.max_rounds))
 
 
@@ -166,6 +170,41 @@ class GenerationResult:
     @property
     def texts(self) -> list[str | None]:
         return [o.text for o in self.outputs]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How to decode: the keyword arguments `Engine.generate` and `Engine.generate_stream` share."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    mode: str = "ddtree"
+    budget: int | str = budget_mod.DEFAULT_BUDGET  # DDTree node budget B, or "auto"
+    seed: int | Sequence[int] = 0  # one seed (request i draws from fold_in(seed, i)) or one per request
+    chat: bool = False  # wrap each text prompt in the chat template as a user turn
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreparedRun:
+    spec: DecodeSpec
+    inputs: tuple  # (prompts, prompt_len, keys, RequestRows) on the device
+    budget_source: str
+
+
+class GenerationStream:
+    """Each request's newly committed token ids, one list per request per step; `result` once exhausted."""
+
+    def __init__(self):
+        self.result: GenerationResult | None = None
+        self._chunks: Iterator[list[list[int]]] = iter(())
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> list[list[int]]:
+        return next(self._chunks)
 
 
 class ContextTooLongError(ValueError):
@@ -280,50 +319,45 @@ class Engine:
 
     # ---- compile ------------------------------------------------------------------------------------------
     def spec_for(self, *, mode: str, batch: int, prompt_len: int, max_new_tokens: int, budget: int,
-                 params: sampling.SamplingParams) -> DecodeSpec:
+                 top_k_cap: int = sampling.TOP_K_CAP, draft_k: int = 0) -> DecodeSpec:
         cfg = self.target.cfg
         if mode != "ar" and self.drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter; load one or use mode='ar'")
-        chunk = min(self.prefill_chunk, _pow2_at_least(prompt_len))
-        prompt_cap = chunk * math.ceil(prompt_len / chunk)
-        stop = tuple(self.tokenizer.stop_token_ids) if self.tokenizer is not None else tuple(cfg.eos_token_id)
+        chunk, prompt_cap = self.prompt_bucket(prompt_len)
         dcfg = None if self.drafter is None or mode == "ar" else self.drafter.cfg
         return DecodeSpec(
             mode=mode, batch=batch, prompt_cap=prompt_cap, max_new_tokens=max_new_tokens, budget=budget,
-            block=1 if dcfg is None else dcfg.block_size, vocab=cfg.vocab_size, sampling=params,
-            prefill_chunk=chunk, use_pallas=self.use_pallas, attn_backend=self.attn_backend, stop_ids=stop,
+            block=1 if dcfg is None else dcfg.block_size, vocab=cfg.vocab_size, top_k_cap=top_k_cap,
+            prefill_chunk=chunk, use_pallas=self.use_pallas, attn_backend=self.attn_backend,
             taps=() if dcfg is None else tuple(dcfg.target_layer_ids),
-            mask_token_id=0 if dcfg is None else dcfg.mask_token_id,
+            mask_token_id=0 if dcfg is None else dcfg.mask_token_id, draft_k=draft_k,
         )
 
-    def _compile(self, spec: DecodeSpec, kind: str, *args) -> tuple[Callable, float]:
-        """AOT-compile one of the three device programs for `spec` (cached); returns it and the seconds it took."""
-        key = (spec, kind)
+    def prompt_bucket(self, prompt_len: int) -> tuple[int, int]:
+        """(prefill chunk, padded prompt length) for a prompt: powers of two up to the chunk, then whole chunks."""
+        chunk = min(self.prefill_chunk, _pow2_at_least(prompt_len))
+        return chunk, chunk * math.ceil(prompt_len / chunk)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The token ids that end a request unless it asks for others: the tokenizer's, else the config's eos."""
+        if self.tokenizer is not None:
+            return tuple(self.tokenizer.stop_token_ids)
+        return tuple(self.target.cfg.eos_token_id)
+
+    def compile(self, fn: Callable, args: tuple, key, *, desc: str, donate: tuple[int, ...] = ()) -> tuple[Callable, float]:
+        """AOT-compile `fn(*args)` once per `key` under the engine's matmul precision and mesh; returns it and the
+        seconds it took (0 when cached). The one place every program of the engine and the slot table compiles."""
         if key in self._compiled:
             return self._compiled[key], 0.0
-        tg, dg = self._target_graph, self._drafter_graph
-        uses_drafter = spec.mode != "ar"
-
-        def merge(t_state, d_state):
-            return nnx.merge(tg, t_state), (nnx.merge(dg, d_state) if uses_drafter else None)
-
-        if kind == "generate":
-            def fn(t_state, d_state, prompts, prompt_len, keys):
-                return generate_device(spec, *merge(t_state, d_state), prompts, prompt_len, keys)
-        elif kind == "prefill":
-            def fn(t_state, d_state, prompts, prompt_len, keys):
-                return prefill(spec, *merge(t_state, d_state), prompts, prompt_len, keys)
-        else:
-            def fn(t_state, d_state, state, round_limit):
-                return decode_loop(spec, *merge(t_state, d_state), state, round_limit)
         t0 = time.perf_counter()
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=2, desc=f"compiling {kind} ({spec.mode}, batch {spec.batch})", unit="stage", leave=False)
+            bar = tqdm(total=2, desc=f"compiling {desc}", unit="stage", leave=False)
         with jax.default_matmul_precision(self.matmul_precision), _mesh_context(self.mesh):
-            lowered = jax.jit(fn, donate_argnums=(2,) if kind == "rounds" else ()).lower(*args)
+            lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
             if bar is not None:
                 bar.update(1)
             compiled = lowered.compile()
@@ -333,51 +367,73 @@ class Engine:
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - t0
 
-    # ---- generate -----------------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64, *,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, mode: str = "ddtree",
-                 budget: int | str = budget_mod.DEFAULT_BUDGET, seed: int | Sequence[int] = 0,
-                 chat: bool = False) -> GenerationResult:
-        """Generate for a batch of prompts (text or token ids; a bare string is one prompt); one compiled computation
-        for all rounds.
+    def merged(self, t_state, d_state, uses_drafter: bool):
+        """The modules again from their states (inside a traced program)."""
+        target = nnx.merge(self._target_graph, t_state)
+        return target, (nnx.merge(self._drafter_graph, d_state) if uses_drafter else None)
 
-        budget: DDTree node budget B, or "auto": the measured best B for this device and batch size, or AR where the
-        profile measured AR faster (budget.py; `stats.mode` says what ran)."""
-        spec, prompts_arr, lens, keys = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, mode,
-                                                      budget, seed, chat)
-        source = self.resolve_budget(budget, mode, len(lens))[1]  # the profile is cached: no second read
-        args = (self._target_state, self._drafter_state, prompts_arr, lens, keys)
-        compiled, compile_s = self._compile(spec, "generate", *args)
+    @property
+    def weights(self) -> tuple:
+        return self._target_state, self._drafter_state
+
+    def _compile(self, spec: DecodeSpec, kind: str, *args) -> tuple[Callable, float]:
+        """One of the three device programs of a batch generation for `spec` (cached)."""
+        uses = spec.mode != "ar"
+        if kind == "generate":
+            def fn(t_state, d_state, prompts, prompt_len, keys, params):
+                return generate_device(spec, *self.merged(t_state, d_state, uses), prompts, prompt_len, keys, params)
+        elif kind == "prefill":
+            def fn(t_state, d_state, prompts, prompt_len, keys, params):
+                return prefill(spec, *self.merged(t_state, d_state, uses), prompts, prompt_len, keys, params)
+        else:
+            def fn(t_state, d_state, state, round_limit):
+                return decode_loop(spec, *self.merged(t_state, d_state, uses), state, round_limit)
+        return self.compile(fn, args, (spec, kind), desc=f"{kind} ({spec.mode}, batch {spec.batch})",
+                            donate=(2,) if kind == "rounds" else ())
+
+    # ---- generate -----------------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64,
+                 **options) -> GenerationResult:
+        """Generate for a batch of prompts (text or token ids; a bare string is one prompt); one compiled computation
+        for all rounds. `options` are the fields of `DecodeOptions` (temperature, top_k, top_p, mode, budget, seed,
+        chat); budget "auto" is the measured best B for this device and batch size, or AR where the profile measured
+        AR faster (budget.py; `stats.mode` says what ran)."""
+        run = self._prepare(prompts, DecodeOptions(max_new_tokens=max_new_tokens, **options))
+        args = (*self.weights, *run.inputs)
+        compiled, compile_s = self._compile(run.spec, "generate", *args)
         t0 = time.perf_counter()
         state = jax.block_until_ready(compiled(*args))
         wall = time.perf_counter() - t0
-        return self._result(spec, state, wall, compile_s, source)
+        return self._result(run.spec, state, wall, compile_s, run.budget_source)
 
-    def generate_stream(self, prompts, max_new_tokens: int = 64, *, stream_every: int = 1, temperature: float = 0.0,
-                        top_k: int = 0, top_p: float = 1.0, mode: str = "ddtree",
-                        budget: int | str = budget_mod.DEFAULT_BUDGET, seed: int | Sequence[int] = 0,
-                        chat: bool = False) -> Iterator[list[list[int]]]:
-        """Yield each request's newly committed token ids every `stream_every` rounds; returns the result."""
+    def generate_stream(self, prompts, max_new_tokens: int = 64, *, stream_every: int = 1,
+                        **options) -> "GenerationStream":
+        """`generate` that hands back each request's newly committed token ids every `stream_every` rounds: iterate
+        the returned stream; its `result` is the `GenerationResult` once the iteration ends. Bad input is refused
+        here, before anything runs."""
         if stream_every < 1:
             raise ValueError(f"stream_every must be >= 1, got {stream_every}")
-        spec, prompts_arr, lens, keys = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p, mode,
-                                                      budget, seed, chat)
-        source = self.resolve_budget(budget, mode, len(lens))[1]  # the profile is cached: no second read
-        weights = (self._target_state, self._drafter_state)
-        prefill_fn, compile_s = self._compile(spec, "prefill", *weights, prompts_arr, lens, keys)
+        run = self._prepare(prompts, DecodeOptions(max_new_tokens=max_new_tokens, **options))
+        stream = GenerationStream()
+        stream._chunks = self._stream_chunks(run, stream_every, stream)
+        return stream
+
+    def _stream_chunks(self, run: "_PreparedRun", stream_every: int, stream: "GenerationStream"):
+        spec = run.spec
+        prefill_fn, compile_s = self._compile(spec, "prefill", *self.weights, *run.inputs)
         t0 = time.perf_counter()
-        state = prefill_fn(*weights, prompts_arr, lens, keys)
-        rounds_fn, more = self._compile(spec, "rounds", *weights, state, jnp.int32(0))
+        state = prefill_fn(*self.weights, *run.inputs)
+        rounds_fn, more = self._compile(spec, "rounds", *self.weights, state, jnp.int32(0))
         compile_s += more
         t0 += more
-        sent = np.zeros(len(lens), np.int64)
+        sent = np.zeros(spec.batch, np.int64)
         while True:
             new, sent = _new_tokens(state, sent)
             yield new
             if bool(jnp.all(state.done)) or int(state.round) >= spec.max_rounds:
                 break
-            state = rounds_fn(*weights, state, state.round + stream_every)
-        return self._result(spec, state, time.perf_counter() - t0, compile_s, source)
+            state = rounds_fn(*self.weights, state, state.round + stream_every)
+        stream.result = self._result(spec, state, time.perf_counter() - t0, compile_s, run.budget_source)
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts, chat: bool) -> list[list[int]]:
@@ -405,11 +461,12 @@ class Engine:
                 raise ValueError(f"prompt {i} must be a string or a list of integer token ids, got {p!r:.60}")
         return out
 
-    def _prepare(self, prompts, max_new_tokens, temperature, top_k, top_p, mode, budget, seed, chat):
-        ids = self.encode_prompts(prompts, chat)
+    def _prepare(self, prompts, options: "DecodeOptions") -> "_PreparedRun":
+        ids = self.encode_prompts(prompts, options.chat)
         if not ids:
             raise ValueError("no prompts given")
         cfg = self.target.cfg
+        max_new_tokens = options.max_new_tokens
         for i, p in enumerate(ids):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
@@ -421,20 +478,22 @@ class Engine:
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the model's "
                     f"context of {cfg.max_position_embeddings} tokens"
                 )
-        budget, source = self.resolve_budget(budget, mode, len(ids))
+        mode = options.mode
+        budget, source = self.resolve_budget(options.budget, mode, len(ids))
         if source == budget_mod.AUTO_AR:
             mode = "ar"
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
-        params = sampling.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        params = sampling.SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
         spec = self.spec_for(mode=mode, batch=len(ids), prompt_len=max(map(len, ids)), max_new_tokens=max_new_tokens,
-                             budget=budget, params=params)
+                             budget=budget, top_k_cap=max(sampling.TOP_K_CAP, _pow2_at_least(params.top_k)))
         self._check_fits(spec)
         arr = np.zeros((len(ids), spec.prompt_cap), np.int32)
         for i, p in enumerate(ids):
             arr[i, : len(p)] = p
         lens = np.array([len(p) for p in ids], np.int32)
-        if isinstance(seed, int):  # one seed: request i draws from fold_in(seed, i)
+        seed = options.seed
+        if isinstance(seed, (int, np.integer)):  # one seed: request i draws from fold_in(seed, i)
             keys = [jax.random.fold_in(jax.random.key(seed), i) for i in range(len(ids))]
         else:  # a seed per request: its draws do not depend on its place in the batch
             seeds = list(seed)
@@ -442,7 +501,10 @@ class Engine:
                 raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts")
             keys = [jax.random.key(s) for s in seeds]
         keys = np.stack([np.asarray(jax.random.key_data(k)) for k in keys])
-        return spec, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(keys)
+        stop = self.stop_ids
+        rows = RequestRows.of([params] * len(ids), [max_new_tokens] * len(ids), [stop] * len(ids), len(stop))
+        inputs = (jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(keys), jax.tree.map(jnp.asarray, rows))
+        return _PreparedRun(spec, inputs, source)
 
     def resolve_budget(self, budget: int | str, mode: str, batch: int) -> tuple[int, str]:
         """(B, source): an integer budget as given ("fixed"); "auto" -> the profile's choice for this batch size

@@ -226,16 +226,11 @@ def _run_batch(engine, batch, seeds, args, kw):
                 print(f"--- prompt {i} ({out.finish_reason}) ---")
                 print(out.text if out.text is not None else out.token_ids, flush=True)
         return result
-    gen = engine.generate_stream(batch, seed=seeds, stream_every=args.stream_every, **kw)
+    stream = engine.generate_stream(batch, seed=seeds, stream_every=args.stream_every, **kw)
     decoder = engine.tokenizer.stream_decoder() if engine.tokenizer is not None else None
     if decoder is not None and isinstance(batch[0], str) and not args.chat:
         print(batch[0], end="", flush=True)
-    while True:
-        try:
-            new = next(gen)
-        except StopIteration as stop:
-            result = stop.value
-            break
+    for new in stream:
         if decoder is None:
             if new[0]:
                 print(" ".join(map(str, new[0])), end=" ", flush=True)
@@ -244,7 +239,7 @@ def _run_batch(engine, batch, seeds, args, kw):
     if decoder is not None:
         print(decoder.flush(), end="")
     print(flush=True)
-    return result
+    return stream.result
 
 
 def _close_progress_bars() -> None:

@@ -1,54 +1,102 @@
 """The target's decoding rule at every tree slot: argmax, or one draw from the filtered softmax.
 
-DDTree stays lossless at T > 0 because only the target samples (ddtree_algorithm.md §4): each slot gets its own
-draw, keyed by (request key, round, slot), so a run is reproducible and a request with its own seed draws the same
-tokens alone or in any batch.
+Every request carries its own rule as runtime data (`SamplingRows`), so changing temperature, top-k or top-p
+compiles nothing. DDTree stays lossless at T > 0 because only the target samples (docs/DESIGN.md, "Sampling"): the
+token that follows position p is drawn with the key fold_in(request key, p). Each emitted token is then the same
+function of its key and its true prefix whichever round, tree or budget reaches it, so a request's output is that of
+autoregressive sampling with those keys: the target's distribution, and reproducible from its seed in every mode
+and alongside any other requests.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+TOP_K_CAP = 64  # the largest per-request top_k a compiled program accepts unless it is built with another cap
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Static decoding rule; temperature 0 means greedy."""
+    """One request's decoding rule as the user gives it; temperature 0 means greedy."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (_real(self.temperature) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):  # also refuses NaN
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def check_cap(self, top_k_cap: int) -> None:
+        if self.top_k > top_k_cap:
+            raise ValueError(f"top_k must be <= {top_k_cap} (the compiled cap), got {self.top_k}")
 
-def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature, then top-k, then top-p (nucleus) filtering; removed entries become -inf.  # [..., V]"""
-    x = logits.astype(jnp.float32) / params.temperature
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@flax.struct.dataclass
+class SamplingRows:
+    """Per-request decoding rules as device data, one entry per batch row."""
+
+    temperature: jax.Array  # [Bt] float32; 0 = greedy
+    top_k: jax.Array  # [Bt] int32; 0 = off, else <= the program's top_k_cap
+    top_p: jax.Array  # [Bt] float32 in (0, 1]; 1 = off
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> "SamplingRows":
+        return cls(temperature=np.array([p.temperature for p in params], np.float32),
+                   top_k=np.array([p.top_k for p in params], np.int32),
+                   top_p=np.array([p.top_p for p in params], np.float32))
+
+
+def _per_row(values: jax.Array, like: jax.Array) -> jax.Array:
+    """[Bt] -> broadcastable against `like` [Bt, ..., V]."""
+    return values.reshape(values.shape + (1,) * (like.ndim - 1))
+
+
+def filtered_logits(logits: jax.Array, rows: SamplingRows, top_k_cap: int) -> jax.Array:
+    """Temperature, then top-k, then top-p (nucleus) filtering, per row; removed entries become -inf.
+
+    logits [Bt, ..., V]. Greedy rows are scaled by 1 (their draw is replaced by the argmax). Top-k keeps every entry
+    tied with the k-th value. The full-vocabulary sort of top-p runs only when some row asks for it."""
+    temp = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
+    x = logits.astype(jnp.float32) / _per_row(temp, logits)
     vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
-    if params.top_p < 1.0:
+    cap = min(top_k_cap, vocab)
+    if cap > 0:
+        top = jax.lax.top_k(x, cap)[0]  # [Bt, ..., cap] descending
+        k = _per_row(jnp.clip(rows.top_k, 1, cap) - 1, logits)
+        kth = jnp.take_along_axis(top, jnp.broadcast_to(k, top.shape[:-1] + (1,)), axis=-1)
+        on = _per_row((rows.top_k > 0) & (rows.top_k < vocab), logits)
+        x = jnp.where(on & (x < kth), -jnp.inf, x)
+
+    def nucleus(x):
         order = jnp.argsort(-x, axis=-1)
         sorted_x = jnp.take_along_axis(x, order, axis=-1)
         probs = jax.nn.softmax(sorted_x, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep_sorted = mass_before < params.top_p  # the top token is always kept
-        keep = _unsort(keep_sorted, order)
-        x = jnp.where(keep, x, -jnp.inf)
-    return x
+        top_p = _per_row(rows.top_p, logits)
+        keep_sorted = (mass_before < top_p) | (top_p >= 1.0)  # the top token is always kept
+        return jnp.where(_unsort(keep_sorted, order), x, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(rows.top_p < 1.0), nucleus, lambda x: x, x)
 
 
 def _unsort(values: jax.Array, order: jax.Array) -> jax.Array:
@@ -56,20 +104,21 @@ def _unsort(values: jax.Array, order: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values, inverse, axis=-1)
 
 
-def slot_keys(request_keys: jax.Array, round_index: jax.Array, n_slots: int) -> jax.Array:
-    """One PRNG key per (request, slot) for this round.  request_keys: [Bt] keys -> [Bt, n_slots] keys."""
-
-    def per_request(key):
-        key = jax.random.fold_in(key, round_index)
-        return jax.vmap(lambda s: jax.random.fold_in(key, s))(jnp.arange(n_slots))
-
-    return jax.vmap(per_request)(request_keys)
+def position_keys(request_keys: jax.Array, positions: jax.Array) -> jax.Array:
+    """The key of the token that follows each position.  request_keys: [Bt] keys, positions [Bt, N] -> [Bt, N]."""
+    return jax.vmap(lambda key, pos: jax.vmap(lambda p: jax.random.fold_in(key, p))(pos))(request_keys, positions)
 
 
-def choose(logits: jax.Array, params: SamplingParams, keys: jax.Array | None = None) -> jax.Array:
-    """The target's token at each slot.  logits: [Bt, N, V], keys: [Bt, N] -> [Bt, N] int32."""
-    if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    x = filtered_logits(logits, params)
-    draw = jax.vmap(jax.vmap(lambda k, row: jax.random.categorical(k, row)))(keys, x)
-    return draw.astype(jnp.int32)
+def choose(logits: jax.Array, rows: SamplingRows, keys: jax.Array, top_k_cap: int) -> jax.Array:
+    """The target's token at each slot.  logits: [Bt, N, V], keys: [Bt, N] -> [Bt, N] int32.
+
+    A batch of greedy requests takes the argmax alone; otherwise each sampling row draws and each greedy row keeps
+    its argmax."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample(_):
+        x = filtered_logits(logits, rows, top_k_cap)
+        draw = jax.vmap(jax.vmap(lambda k, row: jax.random.categorical(k, row)))(keys, x).astype(jnp.int32)
+        return jnp.where(_per_row(rows.temperature > 0, draw), draw, greedy)
+
+    return jax.lax.cond(jnp.all(rows.temperature == 0), lambda _: greedy, sample, None)

@@ -12,6 +12,7 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kdtree_jax import cache_update, sampling
 from kdtree_jax.drafter import DrafterCache, draft
@@ -34,22 +35,23 @@ FINISH_REASONS = {RUNNING: None, FINISH_STOP: "stop", FINISH_LENGTH: "length", F
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
-    """Everything that fixes the compiled shapes of a generation."""
+    """Everything that fixes the compiled shapes of a program; per-request values live in `RequestRows`."""
 
     mode: str  # "ar" | "chain" | "ddtree"
     batch: int
     prompt_cap: int  # padded prompt length (a multiple of prefill_chunk)
-    max_new_tokens: int
+    max_new_tokens: int  # the most tokens any request may generate: cache rows and the rounds recorded
     budget: int = 0  # ddtree: non-root tree nodes B
     block: int = 1  # drafter block size L (1 for ar)
     vocab: int = 0
-    sampling: sampling.SamplingParams = sampling.SamplingParams()
+    top_k_cap: int = sampling.TOP_K_CAP  # the largest per-request top_k (the width of one lax.top_k)
     prefill_chunk: int = 256
     use_pallas: bool = True  # verify_attn kernel (else the jnp form); tree kernels always run
     attn_backend: str | None = None  # verify_attn backend: None = by device and shape, "triton" or "mosaic"
-    stop_ids: tuple[int, ...] = ()
     taps: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
     mask_token_id: int = 0
+    draft_k: int = 0  # top-K kept per drafted depth; 0: what this mode needs (`top_k`). A slot table that switches
+    # budgets keeps its largest budget's K, so every budget's tree is built from the same state
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -60,6 +62,9 @@ class DecodeSpec:
             raise ValueError(f"mode {self.mode!r} needs a drafter block of >= 2 tokens, got {self.block}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.draft_k and self.draft_k < self.tree_k:
+            raise ValueError(f"draft_k={self.draft_k} is below the {self.tree_k} candidates per depth mode "
+                             f"{self.mode!r} with budget {self.budget} reads")
 
     @property
     def depth(self) -> int:
@@ -72,9 +77,14 @@ class DecodeSpec:
         return {"ar": 1, "chain": self.block, "ddtree": 1 + self.budget}[self.mode]
 
     @property
-    def top_k(self) -> int:
-        """K: drafted candidates kept per depth (Lemma 1: min(B, V) suffices)."""
+    def tree_k(self) -> int:
+        """Drafted candidates per depth the tree reads (Lemma 1: min(B, V) suffices for ddtree)."""
         return {"ar": 1, "chain": 1, "ddtree": max(1, min(self.budget, self.vocab))}[self.mode]
+
+    @property
+    def top_k(self) -> int:
+        """K: drafted candidates kept per depth in the state."""
+        return self.draft_k or self.tree_k
 
     @property
     def slack(self) -> int:
@@ -92,6 +102,26 @@ class DecodeSpec:
 
 
 @flax.struct.dataclass
+class RequestRows:
+    """What each request asks for, as device data: changing any of it compiles nothing."""
+
+    sampling: sampling.SamplingRows
+    max_new_tokens: jax.Array  # [Bt] int32, <= the spec's max_new_tokens
+    stop_ids: jax.Array  # [Bt, n_stop] int32 token ids that end the request; -1 pads
+
+    @classmethod
+    def of(cls, params: list[sampling.SamplingParams], max_new_tokens: list[int],
+           stop_ids: list[tuple[int, ...]], n_stop: int) -> "RequestRows":
+        table = np.full((len(params), max(n_stop, 1)), -1, np.int32)
+        for i, ids in enumerate(stop_ids):
+            if len(ids) > n_stop:
+                raise ValueError(f"request {i} has {len(ids)} stop ids; the table holds {n_stop}")
+            table[i, : len(ids)] = ids
+        return cls(sampling=sampling.SamplingRows.of(params), max_new_tokens=np.asarray(max_new_tokens, np.int32),
+                   stop_ids=table)
+
+
+@flax.struct.dataclass
 class DecodeState:
     tokens: jax.Array  # [Bt, capacity] prompt + committed tokens; tokens[b, length[b]] is the bonus
     length: jax.Array  # [Bt] tokens whose latents are in the target cache (the bonus's position)
@@ -103,6 +133,7 @@ class DecodeState:
     draft_lp: jax.Array  # [Bt, D, K] top-K draft log-probs for the next tree
     draft_ids: jax.Array  # [Bt, D, K] their token ids
     keys: jax.Array  # [Bt, 2] per-request PRNG keys (raw uint32)
+    params: RequestRows  # per-request decoding rule, token limit and stop ids
     round: jax.Array  # [] rounds run so far
     accept_len: jax.Array  # [Bt, max_rounds] acceptance length of each round (0 once finished)
 
@@ -147,7 +178,8 @@ def make_tree(spec: DecodeSpec, state: DecodeState) -> Tree:
         return root_only_tree(state.bonus)
     if spec.mode == "chain":
         return chain_tree(state.draft_ids, state.bonus)
-    return tree_build(state.draft_lp, state.draft_ids, state.bonus, budget=spec.budget)
+    k = spec.tree_k  # the state may keep more candidates than this budget reads: the top-K lists are sorted
+    return tree_build(state.draft_lp[..., :k], state.draft_ids[..., :k], state.bonus, budget=spec.budget)
 
 
 def drafter_pass(spec, drafter, target, draft_cache, ctx_hidden, n_ctx, bonus):
@@ -165,6 +197,19 @@ def speculative_round(spec: DecodeSpec, target, drafter, state: DecodeState) -> 
     """One round for every request in the batch; finished requests are carried unchanged."""
     with jax.named_scope("round/tree"):
         tree = make_tree(spec, state)
+    new, out, acc = verify_and_commit(spec, target, state, tree)
+    if spec.mode == "ar":
+        return new
+    with jax.named_scope("round/draft"):
+        ctx = cache_update.gather_slots(out.hidden, acc.path)
+        n_ctx = jnp.where(state.done, 0, acc.n_accepted)
+        lp, ids, draft_cache = drafter_pass(spec, drafter, target, state.draft_cache, ctx, n_ctx, new.bonus)
+    return new.replace(draft_cache=draft_cache, draft_lp=lp, draft_ids=ids)
+
+
+def verify_and_commit(spec: DecodeSpec, target, state: DecodeState, tree: Tree):
+    """Verify `tree`, pick the target's tokens, walk, compact the cache and commit: the round up to the drafter.
+    Returns (state, the target's forward output, the walk)."""
     with jax.named_scope("round/verify"):
         positions = state.length[:, None] + tree.depths
         out = forward_verify(
@@ -172,21 +217,15 @@ def speculative_round(spec: DecodeSpec, target, drafter, state: DecodeState) -> 
             use_pallas=spec.use_pallas, attn_backend=spec.attn_backend,
         )
     with jax.named_scope("round/sample"):
-        keys = sampling.slot_keys(jax.random.wrap_key_data(state.keys), state.round + 1, spec.n_slots)
-        choice = sampling.choose(out.logits, spec.sampling, keys)
+        keys = sampling.position_keys(jax.random.wrap_key_data(state.keys), positions)
+        choice = sampling.choose(out.logits, state.params.sampling, keys, spec.top_k_cap)
     with jax.named_scope("round/accept"):
         acc = tree_accept(choice, tree.tokens, tree.parents, tree.n_nodes, max_depth=spec.depth)
     with jax.named_scope("round/cache_update"):
         cache = LatentCache(latent=cache_update.compact_latents(out.cache.latent, state.length, acc.src_slot))
         emitted = cache_update.emitted_tokens(tree.tokens, acc.path, acc.n_accepted, acc.bonus)
-        new = commit(spec, state, emitted, acc.n_accepted, nonfinite_slots(out.logits, tree))
-    if spec.mode == "ar":
-        return new.replace(cache=cache)
-    with jax.named_scope("round/draft"):
-        ctx = cache_update.gather_slots(out.hidden, acc.path)
-        n_ctx = jnp.where(state.done, 0, acc.n_accepted)
-        lp, ids, draft_cache = drafter_pass(spec, drafter, target, state.draft_cache, ctx, n_ctx, new.bonus)
-    return new.replace(cache=cache, draft_cache=draft_cache, draft_lp=lp, draft_ids=ids)
+        new = commit(state, emitted, acc.n_accepted, nonfinite_slots(out.logits, tree))
+    return new.replace(cache=cache), out, acc
 
 
 def nonfinite_slots(logits: jax.Array, tree: Tree) -> jax.Array:
@@ -196,14 +235,14 @@ def nonfinite_slots(logits: jax.Array, tree: Tree) -> jax.Array:
     return jnp.any(bad & real, axis=1)
 
 
-def commit(spec: DecodeSpec, state: DecodeState, emitted, n_accepted, nonfinite) -> DecodeState:
-    """Write the round's tokens, count them, and stop requests at a stop token or at max_new_tokens."""
+def commit(state: DecodeState, emitted, n_accepted, nonfinite) -> DecodeState:
+    """Write the round's tokens, count them, and stop requests at a stop token or at their max_new_tokens."""
     done = state.done
     j = jnp.arange(emitted.shape[1])[None, :]
     fresh = (j >= 1) & (j <= n_accepted[:, None])  # accepted drafts + the new bonus; the root was counted before
-    is_stop = fresh & _is_stop(emitted, spec.stop_ids)
+    is_stop = fresh & is_stop_token(emitted, state.params.stop_ids)
     first_stop = jnp.min(jnp.where(is_stop, j, emitted.shape[1]), axis=1)  # [Bt]
-    room = spec.max_new_tokens - state.n_generated
+    room = state.params.max_new_tokens - state.n_generated
     n_new = jnp.minimum(jnp.minimum(n_accepted, first_stop), room)
     finish = jnp.where(
         nonfinite, FINISH_NONFINITE,
@@ -221,7 +260,7 @@ def commit(spec: DecodeSpec, state: DecodeState, emitted, n_accepted, nonfinite)
     )
 
 
-def _is_stop(tokens: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
-    if not stop_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, tokens.dtype), axis=-1)
+def is_stop_token(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """tokens [Bt, T], stop_ids [Bt, n_stop] (-1 pads) -> [Bt, T] true where a token is one of its row's stop ids."""
+    hit = tokens[..., None] == stop_ids[:, None, :]
+    return jnp.any(hit & (stop_ids[:, None, :] >= 0), axis=-1)

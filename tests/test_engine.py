@@ -81,19 +81,15 @@ def test_streaming_equals_one_shot(rng):
     eng = Engine(target, drafter, None)
     prompts = _prompts(rng, target.cfg.vocab_size, 2)
     full = eng.generate(prompts, 9, mode="ddtree", budget=8)
-    gen = eng.generate_stream(prompts, 9, mode="ddtree", budget=8, stream_every=2)
-    pieces, result = [[], []], None
+    stream = eng.generate_stream(prompts, 9, mode="ddtree", budget=8, stream_every=2)
+    pieces = [[], []]
     n_yields = 0
-    while True:
-        try:
-            new = next(gen)
-        except StopIteration as stop:
-            result = stop.value
-            break
+    for new in stream:
+        assert stream.result is None  # set once the stream ends
         n_yields += 1
         for b in range(2):
             pieces[b].extend(new[b])
-    assert pieces == full.token_ids == result.token_ids
+    assert pieces == full.token_ids == stream.result.token_ids
     assert n_yields >= 2  # tokens came back before the end
 
 
@@ -101,19 +97,18 @@ def test_one_compiled_computation_without_host_callbacks(rng):
     target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
     eng = Engine(target, drafter, None)
     prompts = _prompts(rng, target.cfg.vocab_size, 2)
-    spec, arr, lens, keys = eng._prepare(prompts, 6, 0.0, 0, 1.0, "ddtree", 8, 0, False)
+    run = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=6, budget=8))
+    spec = run.spec
 
-    def fn(t_state, d_state, prompts, prompt_len, keys):
-        from flax import nnx
-        return engine_mod.generate_device(spec, nnx.merge(eng._target_graph, t_state),
-                                          nnx.merge(eng._drafter_graph, d_state), prompts, prompt_len, keys)
+    def fn(t_state, d_state, *inputs):
+        return engine_mod.generate_device(spec, *eng.merged(t_state, d_state, True), *inputs)
 
-    jaxpr = jax.make_jaxpr(fn)(eng._target_state, eng._drafter_state, arr, lens, keys)
+    jaxpr = jax.make_jaxpr(fn)(*eng.weights, *run.inputs)
     text = str(jaxpr)
     assert "while" in text
     for bad in ("callback", "io_callback", "pure_callback", "debug_print"):
         assert bad not in text
-    hlo = jax.jit(fn).lower(eng._target_state, eng._drafter_state, arr, lens, keys).as_text()
+    hlo = jax.jit(fn).lower(*eng.weights, *run.inputs).as_text()
     assert "custom_call_target=\"xla_python" not in hlo
     eng.generate(prompts, 6, mode="ddtree", budget=8)
     assert len(eng._compiled) == 1  # the whole generation is one executable
@@ -260,7 +255,7 @@ def test_generation_that_does_not_fit_is_refused_up_front(rng):
     target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
     eng = Engine(target, drafter, None)
     prompts = _prompts(rng, target.cfg.vocab_size, 4)
-    spec = eng._prepare(prompts, 8, 0.0, 0, 1.0, "ddtree", 64, 0, False)[0]
+    spec = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=8, budget=64)).spec
     need = estimate_bytes(spec, target, drafter)
     cfg = target.cfg
     assert need["latent cache"] == cfg.num_hidden_layers * 4 * spec.capacity * cfg.latent_dim * 4
@@ -281,7 +276,7 @@ def _refusal(eng, prompts, small, big, set_limit=None):
 
     specs = {}
     for name, kw in (("small", small), ("big", big)):
-        specs[name] = eng._prepare(prompts, kw["max_new_tokens"], 0.0, 0, 1.0, kw["mode"], kw["budget"], 0, False)[0]
+        specs[name] = eng._prepare(prompts, engine_mod.DecodeOptions(**kw)).spec
     need = {k: estimate_bytes(s, eng.target, eng.drafter if s.mode != "ar" else None) for k, s in specs.items()}
     fits = sum(need["small"].values())
     assert sum(need["big"].values()) > fits
@@ -418,10 +413,10 @@ def test_prefill_through_the_verify_kernel_equals_plain_mla(rng):
     states = {}
     for use_pallas in (True, False):
         eng = Engine(target, drafter, None, use_pallas=use_pallas, prefill_chunk=8)
-        spec, arr, lens, keys = eng._prepare(prompts, 6, 0.0, 0, 1.0, "ddtree", 4, 0, False)
+        run = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=6, budget=4))
+        spec, lens = run.spec, run.inputs[1]
         assert spec.prompt_cap // spec.prefill_chunk == 3
-        states[use_pallas] = jax.jit(lambda a, l, k, spec=spec: engine_mod.prefill(spec, target, drafter, a, l, k))(
-            arr, lens, keys)
+        states[use_pallas] = jax.jit(lambda *x, spec=spec: engine_mod.prefill(spec, target, drafter, *x))(*run.inputs)
     kernel, plain = states[True], states[False]
     np.testing.assert_array_equal(np.asarray(kernel.tokens), np.asarray(plain.tokens))  # same first token
     lat_k, lat_p = np.asarray(kernel.cache.latent), np.asarray(plain.cache.latent)

@@ -13,6 +13,7 @@ import pallas_kernels._pallas as pallas_mod
 from engine_utils import drafter_config, random_drafter
 from kdtree_jax import config, sampling
 from kdtree_jax.engine import Engine, generate_device
+from kdtree_jax.speculative import RequestRows
 from kdtree_jax.weights import init_random
 from pallas_kernels._pallas import lower_for_h200
 
@@ -43,17 +44,18 @@ def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
     target, drafter = init_random(CFG, seed=seed), random_drafter(drafter_config(CFG), seed)
     target, drafter = with_dtype(target, dtype), with_dtype(drafter, dtype)
     engine = Engine(target, drafter)
-    spec = engine.spec_for(mode=mode, batch=3, prompt_len=12, max_new_tokens=20, budget=16,
-                           params=sampling.SamplingParams())
+    spec = engine.spec_for(mode=mode, batch=3, prompt_len=12, max_new_tokens=20, budget=16)
     (tg, ts), (dg, ds) = nnx.split(target), nnx.split(drafter)
+    rows = RequestRows.of([sampling.SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * 3, [20] * 3,
+                          [engine.stop_ids] * 3, 2)
 
-    def fn(ts, ds, prompts, lens, keys):
+    def fn(ts, ds, prompts, lens, keys, rows):
         return generate_device(spec, nnx.merge(tg, ts), nnx.merge(dg, ds) if mode != "ar" else None, prompts, lens,
-                               keys)
+                               keys, rows)
 
     monkeypatch.setattr(pallas_mod, "default_interpret", lambda: False)  # compile the kernels, as on a GPU
     specs = (abstract(ts), abstract(ds), jax.ShapeDtypeStruct((3, spec.prompt_cap), jnp.int32),
-             jax.ShapeDtypeStruct((3,), jnp.int32), jax.ShapeDtypeStruct((3, 2), jnp.uint32))
+             jax.ShapeDtypeStruct((3,), jnp.int32), jax.ShapeDtypeStruct((3, 2), jnp.uint32), abstract(rows))
     text = lower_for_h200(fn, *specs).as_text()
     assert text.count(TRITON_CALL) >= len(KERNELS[mode])
     for name in KERNELS[mode]:
@@ -69,7 +71,8 @@ def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
 def test_decode_loop_never_copies_the_cache(use_pallas):
     """No `copy` of the whole latent cache in the compiled decode loop: each would read and write the entire cache
     every round (the vmapped writes and a write unordered with the attention's reads once made 7 to 9)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "hlo_cache_copies.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "hlo_cache_copies.py")
     spec = importlib.util.spec_from_file_location("_hlo_cache_copies", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
