@@ -2,7 +2,9 @@
 
 One frozen dataclass, `ModelConfig`, carries every architecture field the forward needs; `from_hf_dict` is the
 only place that knows the HF field names and layouts, and every missing or inconsistent field is a
-`ConfigError` that names it.
+`ConfigError` that names it. RoPE is read from either spelling transformers has used (`rope_parameters`, or
+`rope_theta` + `rope_scaling`); every key transformers' `DeepseekV3Config` writes is either read or listed in
+`IGNORED_KEYS` with the reason it cannot change the output.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 
@@ -19,7 +22,8 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """DeepSeek YaRN parameters (`rope_scaling` with type/rope_type "yarn"); factor 1 = plain RoPE."""
+    """DeepSeek YaRN parameters (`rope_parameters` or legacy `rope_scaling` of rope_type "yarn"); factor 1 = plain
+    RoPE. The defaults here serve configs built in code; the reader sets every field from the file (`_rope`)."""
 
     factor: float = 1.0
     original_max_position_embeddings: int = 4096
@@ -163,6 +167,7 @@ class ModelConfig:
                 "mscale": rs.mscale,
                 "mscale_all_dim": rs.mscale_all_dim,
             },
+            "rope_interleave": True,
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -170,7 +175,7 @@ class ModelConfig:
             "attention_bias": False,
             "num_nextn_predict_layers": 0,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id),
+            "eos_token_id": _eos_to_hf(self.eos_token_id),
             "torch_dtype": "bfloat16",
         }
         quant = _quant_to_hf(self.quantization)
@@ -194,6 +199,13 @@ class ModelConfig:
         }
 
 
+def _eos_to_hf(ids: tuple[int, ...]) -> int | list[int] | None:
+    """One id, a list of ids, or null for none (the reader takes an empty list for a mistake)."""
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else list(ids)
+
+
 def read_config_json(path: str | os.PathLike) -> tuple[Any, str]:
     """The parsed config.json of a checkpoint directory (or the file itself) and the path it came from."""
     path = os.fspath(path)
@@ -213,6 +225,32 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
 
+
+# ---- which config.json keys matter ------------------------------------------------------------------------------
+# Keys of the architecture dict (the flat config, or `text_config` of the wrapper) that cannot change the tokens the
+# engine computes, each with the reason. Every other key that transformers' DeepseekV3Config writes
+# (src/transformers/models/deepseek_v3/configuration_deepseek_v3.py, plus PreTrainedConfig's own in
+# configuration_utils.py) is read by `_from_hf_dict`, listed in `READ_KEYS`; a key in neither draws a warning.
+IGNORED_KEYS: dict[str, str] = {
+    "architectures": "names the class that loads the checkpoint; the layout is read from the fields themselves",
+    "model_type": "names the config class (deepseek_v3 / kimi_k2); the fields themselves are read",
+    "transformers_version": "which transformers wrote the file",
+    "auto_map": "remote-code class names for transformers' trust_remote_code",
+    "dtype": "storage dtype (transformers >= 5); each tensor's dtype comes from its safetensors header and the "
+             "compute dtype is chosen at load",
+    "torch_dtype": "storage dtype (transformers < 5 name of `dtype`)",
+    "initializer_range": "std of the random init; only for training from scratch",
+    "use_cache": "a transformers runtime switch; the engine always keeps its latent cache",
+    "pad_token_id": "the engine pads prompts itself and masks the padding out of attention",
+    "pretraining_tp": "never read by transformers' DeepseekV3 modeling (a Llama-era split of the same matmuls)",
+    "attention_dropout": "dropout, off at inference",
+    "aux_loss_alpha": "weight of the expert-balance training loss (DeepSeek's modeling_deepseek.py)",
+    "seq_aux": "switch of the sequence-level expert-balance training loss (DeepSeek's modeling_deepseek.py)",
+    "ep_size": "expert-parallel world size of DeepSeek's training code; sharding is the engine's own choice",
+    "num_nextn_predict_layers": "multi-token-prediction layers after the last decoder layer: not run when decoding, "
+                                "their tensors are never read",
+    "num_mtp_layers": "transformers' alias of num_nextn_predict_layers",
+}
 
 _REQUIRED_INT = (
     "vocab_size",
@@ -234,6 +272,13 @@ _MOE_DECISIVE = (  # (name, kind, value for a dense model)
     ("norm_topk_prob", bool, True),
     ("routed_scaling_factor", float, 1.0),
 )
+_OTHER_READ = (
+    "q_lora_rank", "moe_layer_freq", "topk_method", "scoring_func", "max_position_embeddings", "rms_norm_eps",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "quantization_config", "attention_bias", "hidden_act",
+    "rope_parameters", "rope_theta", "rope_scaling", "rope_interleave",
+    "num_key_value_heads", "head_dim", "qk_head_dim",  # derived by transformers; checked against the MLA dims
+)
+READ_KEYS = frozenset(_REQUIRED_INT + _MOE_INT + tuple(n for n, _, _ in _MOE_DECISIVE) + _OTHER_READ)
 
 
 def _from_hf_dict(raw: dict[str, Any], source: str) -> ModelConfig:
@@ -243,7 +288,8 @@ def _from_hf_dict(raw: dict[str, Any], source: str) -> ModelConfig:
     text = raw["text_config"] if wrapped else raw
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: field 'text_config' must be an object")
-    where = f"{source}: {'text_config.' if wrapped else ''}"
+    prefix = "text_config." if wrapped else ""
+    where = f"{source}: {prefix}"
 
     def get(name: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
         if name not in text or text[name] is None:
@@ -287,7 +333,6 @@ def _from_hf_dict(raw: dict[str, Any], source: str) -> ModelConfig:
     fields["moe_layer_freq"] = get("moe_layer_freq", int, 1)
     fields["topk_method"] = get("topk_method", str, "noaux_tc")
     fields["scoring_func"] = get("scoring_func", str, "sigmoid")
-    fields["rope_theta"] = get("rope_theta", float, 10000.0)
     fields["max_position_embeddings"] = get("max_position_embeddings", int)
     fields["rms_norm_eps"] = get("rms_norm_eps", float, 1e-6)
     tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))  # the wrapper's top level first
@@ -300,7 +345,8 @@ def _from_hf_dict(raw: dict[str, Any], source: str) -> ModelConfig:
     vocab = fields["vocab_size"]
     fields["bos_token_id"] = _token_ids(text, raw, "bos_token_id", where, source, vocab, single=True)
     fields["eos_token_id"] = _token_ids(text, raw, "eos_token_id", where, source, vocab, single=False)
-    fields["rope_scaling"] = _rope_scaling(text.get("rope_scaling"), where)
+    fields["rope_theta"], fields["rope_scaling"] = _rope(text, f"{source}: ", prefix)
+    _check_interleave(text, where)
     if "quantization_config" in text:
         fields["quantization"] = _quant_from_hf(text["quantization_config"], where)
     else:  # K2.5/K2.6 wrappers carry it at the top level or inside text_config (both occur)
@@ -315,7 +361,48 @@ def _from_hf_dict(raw: dict[str, Any], source: str) -> ModelConfig:
         raise ConfigError(f"{where}hidden_act {act!r} is not supported (only 'silu')")
     cfg = ModelConfig(**fields)
     _check_consistent(cfg, where)
+    _check_derived_dims(cfg, text, where)
+    _warn_unread(text, where)
     return cfg
+
+
+def _check_interleave(text: dict, where: str) -> None:
+    """Only DeepSeek's interleaved rope layout is implemented.
+
+    A missing key is transformers' DeepseekV3Config default (true) and what DeepSeek's / Kimi's modeling_deepseek.py
+    (whose configs omit the key) always does. An explicit null is refused: transformers' modeling_deepseek_v3.py
+    tests it for truth and so rotates halves, where DeepSeek's code would still rotate pairs."""
+    if "rope_interleave" not in text:
+        return
+    value = text["rope_interleave"]
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}rope_interleave must be true/false, got {value!r}")
+    if not value:
+        raise ConfigError(f"{where}rope_interleave false (rotate the two halves of the rope dims, NeoX style) is not "
+                          "supported: the engine rotates DeepSeek's interleaved pairs (x[2i], x[2i+1]) in place")
+
+
+def _check_derived_dims(cfg: ModelConfig, text: dict, where: str) -> None:
+    """Head counts and widths transformers derives and saves (configuration_deepseek_v3.py) must match the MLA dims."""
+    derived = (
+        # DeepseekV3Attention repeats k/v num_attention_heads / num_key_value_heads times; MLA has a key per head
+        ("num_key_value_heads", cfg.num_attention_heads, "num_attention_heads"),
+        # the rotary table is sized by head_dim, which DeepseekV3Config sets to qk_rope_head_dim
+        ("head_dim", cfg.qk_rope_head_dim, "qk_rope_head_dim"),
+        ("qk_head_dim", cfg.qk_head_dim, "qk_nope_head_dim + qk_rope_head_dim"),
+    )
+    for name, want, source in derived:
+        value = text.get(name)
+        if value is not None and value != want:
+            raise ConfigError(f"{where}{name} ({value!r}) must equal {source} ({want})")
+
+
+def _warn_unread(text: dict, where: str) -> None:
+    """A key neither read nor known to be irrelevant might change the numerics: say so rather than drop it."""
+    unread = sorted(set(text) - READ_KEYS - set(IGNORED_KEYS))
+    if unread:
+        warnings.warn(f"{where}fields {unread} are not read (neither used nor known to be irrelevant to "
+                      "inference); check that they do not change the model", stacklevel=3)
 
 
 def _token_ids(text: dict, raw: dict, name: str, where: str, source: str, vocab: int, *, single: bool):
@@ -334,25 +421,159 @@ def _token_ids(text: dict, raw: dict, name: str, where: str, source: str, vocab:
     return ids[0] if single else tuple(ids)
 
 
-def _rope_scaling(rs: Any, where: str) -> RopeScaling:
-    if rs is None:
+# ---- RoPE -------------------------------------------------------------------------------------------------------
+# One setting, two spellings. transformers >= 5 (src/transformers/modeling_rope_utils.py, RotaryEmbeddingConfigMixin)
+# writes `rope_parameters` = {rope_type, rope_theta, factor, ...}; DeepSeek / Kimi configs and transformers < 5 write
+# `rope_theta` at the top level and the YaRN fields under `rope_scaling` (with "type" or "rope_type").
+ROPE_PLAIN = "default"
+ROPE_YARN = ("yarn", "deepseek_yarn")
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "attention_factor", "truncate")
+_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor") + _YARN_KEYS
+# Defaults applied alike by transformers' `_compute_yarn_parameters` (`beta_fast or 32`, `beta_slow or 1`, a falsy
+# mscale_all_dim: no softmax rescale; DeepseekV3Attention reads `mscale_all_dim` with default 0) and DeepSeek's
+# modeling_deepseek.py (DeepseekV3YarnRotaryEmbedding: beta_fast=32, beta_slow=1, mscale_all_dim=0).
+YARN_BETA_FAST_DEFAULT = 32.0
+YARN_BETA_SLOW_DEFAULT = 1.0
+YARN_MSCALE_ALL_DIM_DEFAULT = 0.0
+_AMPLITUDE_RTOL = 1e-9  # two formulas for one cos/sin amplitude agree when they are the same number
+
+
+def _rope(text: dict, source: str, prefix: str) -> tuple[float, RopeScaling]:
+    """(rope_theta, YaRN) from `rope_parameters` and/or the legacy keys; where both spell a value they must agree.
+
+    `source` names the file ("path: "), `prefix` the dict's place in it ("text_config." or "")."""
+    where = source + prefix
+    params = _rope_dict(text, "rope_parameters", where)
+    legacy = _rope_dict(text, "rope_scaling", where)
+    thetas = []  # (field path, value) of every rope_theta spelled
+    for path, d in (("rope_parameters.", params), ("rope_scaling.", legacy), ("", text)):
+        if d is not None and d.get("rope_theta") is not None:
+            thetas.append((f"{prefix}{path}rope_theta", _number(d, "rope_theta", f"{where}{path}")))
+    if not thetas:
+        # transformers would fall back to 10000, but every config it writes carries rope_theta (inside
+        # rope_parameters since 5.0): a config without one was not written by it, so the base is unknown
+        raise ConfigError(f"{where}rope_parameters is missing (and so are the legacy rope_theta / rope_scaling): "
+                          "the rotary base rope_theta is unknown")
+    (path, theta), *others = thetas
+    for other, value in others:
+        if value != theta:
+            raise ConfigError(f"{source}{path} ({theta}) and {other} ({value}) disagree; remove one of them")
+    if theta <= 1.0:
+        raise ConfigError(f"{source}{path} must be > 1, got {theta}")
+    scalings = [(f"{prefix}{name}", _rope_scaling(d, f"{where}{name}"))
+                for name, d in (("rope_parameters", params), ("rope_scaling", legacy)) if d is not None]
+    if len(scalings) == 2 and scalings[0][1] != scalings[1][1]:
+        (a, ra), (b, rb) = scalings
+        raise ConfigError(f"{source}{a} ({_describe(ra)}) and {b} ({_describe(rb)}) disagree; remove one of them")
+    return theta, scalings[0][1] if scalings else RopeScaling()
+
+
+def _rope_dict(text: dict, name: str, where: str) -> dict | None:
+    """The rope object stored under `name` (null or absent: None), checked for keys nothing here would read."""
+    value = text.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}{name} must be an object or null")
+    unknown = sorted(set(value) - set(_ROPE_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}{name} has fields {unknown} that are not supported (known: {list(_ROPE_KEYS)}); "
+                          "per-layer-type rope parameters are not supported either")
+    return value
+
+
+def _number(d: dict, name: str, prefix: str) -> float:
+    """d[name] as a float; `prefix` is the path the field's name is appended to in the error."""
+    value = d[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{prefix}{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _rope_type(rs: dict, label: str) -> str:
+    """rope_type (or its older spelling "type"); absent only where the object holds no scaling field at all."""
+    kinds = {rs[k] for k in ("rope_type", "type") if rs.get(k) is not None}
+    if len(kinds) > 1:
+        raise ConfigError(f"{label}.rope_type {rs['rope_type']!r} disagrees with its type {rs['type']!r}")
+    if not kinds:
+        scaling = sorted(k for k in _YARN_KEYS if rs.get(k) is not None)
+        if scaling:  # transformers would take this as plain RoPE, DeepSeek's modeling_deepseek.py fails: no guess
+            raise ConfigError(f"{label}.rope_type is missing but the object holds {scaling}")
+        return ROPE_PLAIN  # {"rope_theta": ...} alone: transformers' standardize_rope_params says "default"
+    kind = kinds.pop()
+    if kind != ROPE_PLAIN and kind not in ROPE_YARN:
+        key = "rope_type" if rs.get("rope_type") is not None else "type"
+        raise ConfigError(f"{label}.{key} {kind!r} is not supported (only 'yarn' or 'default')")
+    return kind
+
+
+def _rope_scaling(rs: dict, label: str) -> RopeScaling:
+    """The YaRN parameters of one rope object; plain RoPE is factor 1."""
+    kind = _rope_type(rs, label)
+    if rs.get("partial_rotary_factor") is not None and _number(rs, "partial_rotary_factor", f"{label}.") != 1.0:
+        raise ConfigError(f"{label}.partial_rotary_factor {rs['partial_rotary_factor']!r} is not supported (MLA "
+                          "rotates all qk_rope_head_dim dims)")
+    if kind == ROPE_PLAIN:
+        extra = sorted(k for k in _YARN_KEYS if rs.get(k) is not None)
+        if extra:
+            raise ConfigError(f"{label}.rope_type is 'default' (plain RoPE) but the object sets {extra}")
         return RopeScaling()
-    if not isinstance(rs, dict):
-        raise ConfigError(f"{where}rope_scaling must be an object or null")
-    kind = rs.get("type", rs.get("rope_type"))
-    if kind not in ("yarn", "deepseek_yarn"):
-        raise ConfigError(f"{where}rope_scaling.type {kind!r} is not supported (only 'yarn')")
-    out = {}
-    for name, default in dataclasses.asdict(RopeScaling()).items():
-        value = rs.get(name, default)
-        if name == "factor" and "factor" not in rs:
-            raise ConfigError(f"{where}rope_scaling.factor is missing")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}rope_scaling.{name} must be a number, got {value!r}")
-        out[name] = int(value) if name == "original_max_position_embeddings" else float(value)
-    if out["factor"] < 1.0:
-        raise ConfigError(f"{where}rope_scaling.factor must be >= 1, got {out['factor']}")
-    return RopeScaling(**out)
+    for name in ("factor", "original_max_position_embeddings"):
+        # both required: transformers' yarn reads rope_parameters[name]; DeepSeek's code defaults the original
+        # length to 4096 where transformers >= 5 fills in max_position_embeddings, so it is never guessed
+        if rs.get(name) is None:
+            raise ConfigError(f"{label}.{name} is missing")
+    factor = _number(rs, "factor", f"{label}.")
+    if factor < 1.0:
+        raise ConfigError(f"{label}.factor must be >= 1, got {factor}")
+    original = rs["original_max_position_embeddings"]
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ConfigError(f"{label}.original_max_position_embeddings must be a positive integer, got {original!r}")
+
+    def optional(name: str, default: float | None) -> float | None:
+        return default if rs.get(name) is None else _number(rs, name, f"{label}.")
+
+    beta_fast = optional("beta_fast", YARN_BETA_FAST_DEFAULT)
+    beta_slow = optional("beta_slow", YARN_BETA_SLOW_DEFAULT)
+    for name, beta in (("beta_fast", beta_fast), ("beta_slow", beta_slow)):
+        if beta <= 0:  # transformers reads `beta or default`, DeepSeek divides by it: they part at 0
+            raise ConfigError(f"{label}.{name} must be > 0, got {beta}")
+    truncate = rs.get("truncate", True)  # transformers' default; DeepSeek always floors / ceils the ramp ends
+    if truncate is not True:
+        raise ConfigError(f"{label}.truncate {truncate!r} is not supported (only true: whole-dim YaRN ramp ends)")
+    mscale, mscale_all_dim = optional("mscale", None), optional("mscale_all_dim", YARN_MSCALE_ALL_DIM_DEFAULT)
+    _check_amplitude(label, factor, mscale, mscale_all_dim, optional("attention_factor", None))
+    if factor == 1.0:  # no interpolation and every mscale term is 1: the same numbers as plain RoPE
+        return RopeScaling()
+    return RopeScaling(factor=factor, original_max_position_embeddings=original, beta_fast=beta_fast,
+                       beta_slow=beta_slow, mscale=1.0 if mscale is None else mscale, mscale_all_dim=mscale_all_dim)
+
+
+def _check_amplitude(label: str, factor: float, mscale: float | None, mscale_all_dim: float,
+                     attention_factor: float | None) -> None:
+    """The cos/sin multiplier must be the same under transformers' rule and DeepSeek's, or the config is refused.
+
+    transformers (`_compute_yarn_parameters`): attention_factor if set, else mscale(f, mscale) / mscale(f, all_dim)
+    when both are non-zero, else mscale(f, 1). DeepSeek (modeling_deepseek.py): always the ratio, mscale default 1.
+    """
+    ours = yarn_get_mscale(factor, 1.0 if mscale is None else mscale) / yarn_get_mscale(factor, mscale_all_dim)
+    if attention_factor is not None:
+        theirs = attention_factor
+    elif mscale and mscale_all_dim:
+        theirs = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+    else:
+        theirs = yarn_get_mscale(factor)
+    if not math.isclose(ours, theirs, rel_tol=_AMPLITUDE_RTOL):
+        raise ConfigError(f"{label}: mscale {mscale}, mscale_all_dim {mscale_all_dim}, attention_factor "
+                          f"{attention_factor} give a cos/sin amplitude of {theirs:.6g} in transformers' yarn and "
+                          f"{ours:.6g} in DeepSeek's modeling_deepseek.py; set mscale and mscale_all_dim so they agree")
+
+
+def _describe(rs: RopeScaling) -> str:
+    if rs.factor == 1.0:
+        return "plain RoPE"
+    return ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(rs).items())
 
 
 def _quant_from_hf(q: Any, where: str) -> QuantConfig:

@@ -23,7 +23,7 @@ DEFAULT_BLOCK_SIZE = 16  # z-lab DFlashDraftModel default when the config carrie
 
 @dataclasses.dataclass(frozen=True)
 class DrafterYarn:
-    """HF `rope_scaling` of type yarn, as Qwen3RotaryEmbedding reads it."""
+    """HF `rope_parameters` (or legacy `rope_scaling`) of type yarn, as Qwen3RotaryEmbedding reads it."""
 
     factor: float
     original_max_position_embeddings: int
@@ -267,12 +267,7 @@ def _from_hf_dict(raw: Any, source: str, yarn_amplitude: str, sliding_causal: bo
     if window is None:  # HF Qwen3Config drops sliding_window when it is off; those layers then attend fully
         layer_types = [FULL_ATTENTION if t == SLIDING_ATTENTION else t for t in layer_types]
     is_causal = get("is_causal", bool, None)
-    rope_params = raw.get("rope_parameters")  # transformers v5 folds rope_theta + scaling into one object
-    if rope_params is not None and not isinstance(rope_params, dict):
-        raise ConfigError(f"{source}: rope_parameters must be an object")
-    rope_raw = raw.get("rope_scaling") if rope_params is None else rope_params
-    theta = get("rope_theta", float, 1_000_000.0, where=rope_params if rope_params and "rope_theta" in rope_params
-                else raw)
+    theta, yarn = _rope_from_hf(raw, source)
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -292,7 +287,7 @@ def _from_hf_dict(raw: Any, source: str, yarn_amplitude: str, sliding_causal: bo
         num_target_layers=n_target,
         rms_norm_eps=get("rms_norm_eps", float, 1e-6),
         rope_theta=theta,
-        rope_scaling=_yarn_from_hf(rope_raw, source),
+        rope_scaling=yarn,
         max_position_embeddings=get("max_position_embeddings", int, 40960),
         layer_types=tuple(layer_types),
         sliding_window=window,
@@ -305,34 +300,96 @@ def _from_hf_dict(raw: Any, source: str, yarn_amplitude: str, sliding_causal: bo
     )
 
 
-def _yarn_from_hf(rs: Any, source: str) -> DrafterYarn | None:
-    if rs is None:
-        return None
-    if not isinstance(rs, dict):
-        raise ConfigError(f"{source}: rope_scaling must be an object or null")
-    kind = rs.get("rope_type", rs.get("type"))
+# transformers >= 5 (src/transformers/modeling_rope_utils.py) writes `rope_parameters` = {rope_type, rope_theta, ...};
+# z-lab drafter configs and transformers < 5 write top-level `rope_theta` + `rope_scaling`.
+ROPE_OBJECTS = ("rope_parameters", "rope_scaling")
+_ROPE_TYPE_KEYS = ("rope_type", "type")
+_ROPE_OTHER_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
+def _rope_from_hf(raw: dict, source: str) -> tuple[float, DrafterYarn | None]:
+    """rope_theta and YaRN from either spelling; where both spell a value they must agree (transformers 5 lets a
+    legacy rope_scaling win over rope_parameters, transformers 4 never reads rope_parameters)."""
+    objects = {}
+    for name in ROPE_OBJECTS:
+        value = raw.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{source}: {name} must be an object or null")
+        if value is not None:
+            objects[name] = value
+    thetas = [(f"{name}.rope_theta", d["rope_theta"]) for name, d in objects.items() if d.get("rope_theta") is not None]
+    if raw.get("rope_theta") is not None:
+        thetas.append(("rope_theta", raw["rope_theta"]))
+    if not thetas:  # transformers' Qwen3Config takes 10000, Qwen3 checkpoints 1e6 (Qwen/Qwen3-8B config.json): no guess
+        raise ConfigError(f"{source}: rope_parameters is missing (and so is the legacy rope_theta): the rotary base "
+                          "rope_theta is unknown")
+    for field, value in thetas:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{source}: {field} must be a number, got {value!r}")
+    (field, theta), *others = thetas
+    for other, value in others:
+        if value != theta:
+            raise ConfigError(f"{source}: {field} ({theta}) and {other} ({value}) disagree; remove one of them")
+    yarns = [(name, _yarn_from_hf(d, f"{source}: {name}")) for name, d in objects.items()]
+    if len(yarns) == 2 and yarns[0][1] != yarns[1][1]:
+        (a, ya), (b, yb) = yarns
+        raise ConfigError(f"{source}: {a} ({_describe(ya)}) and {b} ({_describe(yb)}) disagree; remove one of them")
+    return float(theta), yarns[0][1] if yarns else None
+
+
+def _describe(yarn: DrafterYarn | None) -> str:
+    if yarn is None:
+        return "plain RoPE"
+    return ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(yarn).items() if v is not None)
+
+
+def _yarn_from_hf(rs: dict, label: str) -> DrafterYarn | None:
+    """One rope object (`label` names it): YaRN, or None for plain RoPE."""
+    fields = {f.name for f in dataclasses.fields(DrafterYarn)}
+    unknown = sorted(set(rs) - fields - set(_ROPE_TYPE_KEYS) - set(_ROPE_OTHER_KEYS))
+    if unknown:
+        raise ConfigError(f"{label} has fields {unknown} that are not supported")
+    if rs.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ConfigError(f"{label}.partial_rotary_factor {rs['partial_rotary_factor']!r} is not supported")
+    kinds = {rs[k] for k in _ROPE_TYPE_KEYS if rs.get(k) is not None}
+    if len(kinds) > 1:
+        raise ConfigError(f"{label}.rope_type {rs['rope_type']!r} disagrees with its type {rs['type']!r}")
+    scaling = sorted(k for k in fields if rs.get(k) is not None)
+    kind = kinds.pop() if kinds else None
+    if kind is None:
+        if scaling:  # transformers would read it as plain RoPE, a YaRN-trained drafter needs YaRN: no guess
+            raise ConfigError(f"{label}.rope_type is missing but the object holds {scaling}")
+        return None  # {"rope_theta": ...} alone: transformers' standardize_rope_params reads it as "default"
     if kind == "default":
+        if scaling:
+            raise ConfigError(f"{label}.rope_type is 'default' (plain RoPE) but the object sets {scaling}")
         return None
     if kind != "yarn":
-        raise ConfigError(f"{source}: rope_scaling.rope_type {kind!r} is not supported (yarn or default)")
+        key = "rope_type" if rs.get("rope_type") is not None else "type"
+        raise ConfigError(f"{label}.{key} {kind!r} is not supported (yarn or default)")
     out: dict[str, Any] = {}
     for name in ("factor", "original_max_position_embeddings"):
         if rs.get(name) is None:
-            raise ConfigError(f"{source}: rope_scaling.{name} is missing")
+            raise ConfigError(f"{label}.{name} is missing")
     for f in dataclasses.fields(DrafterYarn):
         value = rs.get(f.name)
         if value is None:
             continue
         if f.name == "truncate":
             if not isinstance(value, bool):
-                raise ConfigError(f"{source}: rope_scaling.truncate must be true/false, got {value!r}")
+                raise ConfigError(f"{label}.truncate must be true/false, got {value!r}")
+            out[f.name] = value
+            continue
+        if f.name == "original_max_position_embeddings":
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{label}.{f.name} must be a positive integer, got {value!r}")
             out[f.name] = value
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{source}: rope_scaling.{f.name} must be a number, got {value!r}")
-        out[f.name] = int(value) if f.name == "original_max_position_embeddings" else float(value)
+            raise ConfigError(f"{label}.{f.name} must be a number, got {value!r}")
+        out[f.name] = float(value)
     if out["factor"] < 1.0:
-        raise ConfigError(f"{source}: rope_scaling.factor must be >= 1, got {out['factor']}")
+        raise ConfigError(f"{label}.factor must be >= 1, got {out['factor']}")
     return DrafterYarn(**out)
 
 

@@ -1,12 +1,18 @@
-"""`ModelConfig` from HF config.json: flat and K2.5/K2.6-wrapped layouts, every error path, the real K2.6 values."""
+"""`ModelConfig` from HF config.json: flat and K2.5/K2.6-wrapped layouts, every error path, the real K2.6 values,
+and the config.json transformers 5.17 writes (`rope_parameters`) against the legacy rope keys."""
 import copy
 import dataclasses
 import json
+import os
 import re
+import warnings
 
+import numpy as np
 import pytest
 
-from kdtree_jax.config import ConfigError, ModelConfig, QuantConfig, RopeScaling, kimi_k2_6, tiny
+from kdtree_jax.config import (IGNORED_KEYS, READ_KEYS, ConfigError, ModelConfig, QuantConfig, RopeScaling, kimi_k2_6,
+                               tiny)
+from kdtree_jax.layers import yarn_inv_freq
 
 SOURCE = "ckpt/config.json"
 LAYOUTS = [False, True]  # flat K2, K2.5/K2.6 wrapper
@@ -100,9 +106,10 @@ INCONSISTENT = [
     ({"bos_token_id": [1]}, "bos_token_id", " must be an integer or null"),
     ({"bos_token_id": 300}, "bos_token_id", " 300 is outside the vocabulary"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type", " 'linear' is not supported"),
-    ({"rope_scaling": {"type": "yarn", "factor": 0.5}}, "rope_scaling.factor", " must be >= 1"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": None}}, "rope_scaling.beta_fast",
-     " must be a number"),
+    ({"rope_scaling": {"type": "yarn", "factor": 0.5, "original_max_position_embeddings": 64}},
+     "rope_scaling.factor", " must be >= 1"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": "32"}},
+     "rope_scaling.beta_fast", " must be a number"),
     ({"rope_scaling": [4.0]}, "rope_scaling", " must be an object or null"),
     ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method", " 'awq' is not supported"),
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "quantization_config.fmt",
@@ -258,3 +265,259 @@ def test_quantization_config_inside_or_outside_text_config():
     none = copy.deepcopy(outer)
     del none["quantization_config"]
     assert ModelConfig.from_hf_dict(none).quantization == QuantConfig()
+
+
+# ---- RoPE as transformers >= 5 writes it (`rope_parameters`, `rope_interleave`) vs the legacy keys --------------
+HF5_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "transformers_5.17")
+with open(os.path.join(HF5_DIR, "expected.json")) as _f:
+    HF5_EXPECTED = json.load(_f)  # what transformers 5.17 itself computed from these files (make_configs.py)
+
+
+def _hf5(name: str = "deepseek_v3_yarn") -> dict:
+    """A config.json exactly as transformers 5.17's save_pretrained wrote it (tests/data/transformers_5.17)."""
+    with open(os.path.join(HF5_DIR, name, "config.json")) as f:
+        return json.load(f)
+
+
+def _to_legacy(raw: dict) -> dict:
+    """The same values in the legacy keys: top-level rope_theta, the rest under rope_scaling (null when plain)."""
+    out = copy.deepcopy(raw)
+    text = _text(out)
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type")
+    rope.pop("type", None)
+    text["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
+    return out
+
+
+def _wrap_k26(text: dict) -> dict:
+    """The Kimi K2.6 wrapper around an architecture dict, with K2.6's INT4 quantization_config inside."""
+    out = copy.deepcopy(K26)
+    out["text_config"] = dict(copy.deepcopy(text), quantization_config=K26_QUANT)
+    return out
+
+
+def _parse(raw: dict) -> ModelConfig:
+    """Parse, failing on any warning: every key of these files is either read or known to be irrelevant."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return ModelConfig.from_hf_dict(raw, source=SOURCE)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_yarn", "deepseek_v3_plain"])
+def test_transformers_5_config_gives_transformers_numbers(name):
+    cfg = ModelConfig.from_json(os.path.join(HF5_DIR, name))
+    want = HF5_EXPECTED[name]
+    np.testing.assert_allclose(yarn_inv_freq(cfg), want["inv_freq"], rtol=1e-6)
+    assert cfg.rope_amplitude == pytest.approx(want["attention_scaling"], rel=1e-12)
+    assert cfg.softmax_scale == pytest.approx(want["softmax_scale"], rel=1e-12)
+
+
+def test_transformers_5_yarn_config_fields():
+    raw = _hf5()
+    assert "rope_scaling" not in raw and "rope_theta" not in raw and raw["rope_interleave"] is True
+    assert "dtype" in raw and "torch_dtype" not in raw
+    cfg = _parse(raw)
+    assert cfg.rope_theta == 50000.0  # not the 10000 a reader of only the legacy keys falls back to
+    assert cfg.rope_scaling == RopeScaling(factor=8.0, original_max_position_embeddings=64, beta_fast=32.0,
+                                           beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    m = 0.1 * 1.0 * np.log(8.0) + 1.0
+    assert cfg.yarn_mscale == pytest.approx(m) and cfg.softmax_scale == pytest.approx((16 + 8) ** -0.5 * m * m)
+    assert cfg.max_position_embeddings == 512 and cfg.tensor_prefix == "model."
+    assert (cfg.n_group, cfg.topk_group, cfg.q_lora_rank, cfg.eos_token_id) == (4, 2, 32, (2,))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_yarn", "deepseek_v3_plain", "deepseek_v3_kimi_keys"])
+def test_transformers_5_config_equals_its_legacy_form(name):
+    raw = _hf5(name)
+    new, old = _parse(raw), _parse(_to_legacy(raw))
+    assert new == old
+    np.testing.assert_array_equal(yarn_inv_freq(new), yarn_inv_freq(old))
+    assert (new.softmax_scale, new.rope_amplitude) == (old.softmax_scale, old.rope_amplitude)
+    wrapped = _parse(_wrap_k26(raw))  # the K2.6 text_config layout, with rope_parameters inside
+    assert dataclasses.replace(wrapped, quantization=new.quantization, tensor_prefix=new.tensor_prefix,
+                               lm_head_name=new.lm_head_name) == new
+    assert wrapped.tensor_prefix == "language_model.model." and wrapped.quantization.method == "compressed-tensors"
+
+
+def test_transformers_5_plain_rope():
+    cfg = _parse(_hf5("deepseek_v3_plain"))
+    assert cfg.rope_theta == 20000.0 and cfg.rope_scaling.factor == 1.0
+    assert cfg.softmax_scale == pytest.approx((16 + 8) ** -0.5) and cfg.rope_amplitude == 1.0
+
+
+def test_every_key_transformers_writes_is_classified():
+    """The one list in config.py (IGNORED_KEYS, with reasons) plus what the reader reads covers every key."""
+    for name in ("deepseek_v3_yarn", "deepseek_v3_plain", "deepseek_v3_kimi_keys"):
+        assert set(_hf5(name)) <= READ_KEYS | set(IGNORED_KEYS), name
+    assert set(K26_TEXT) <= READ_KEYS | set(IGNORED_KEYS)
+    assert not READ_KEYS & set(IGNORED_KEYS)
+    assert all(isinstance(why, str) and len(why) > 10 for why in IGNORED_KEYS.values())
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+def test_unclassified_key_warns_naming_it(wrapped):
+    raw = _wrap_k26(_hf5()) if wrapped else _hf5()
+    _text(raw)["rope_scaling_mode"] = "ntk"
+    with pytest.warns(UserWarning, match=re.escape(f"{SOURCE}: {'text_config.' if wrapped else ''}fields "
+                                                   "['rope_scaling_mode'] are not read")):
+        ModelConfig.from_hf_dict(raw, source=SOURCE)
+
+
+def test_k26_wrapper_with_rope_parameters_equals_preset():
+    raw = copy.deepcopy(K26)
+    text = raw["text_config"]
+    text["rope_parameters"] = dict(text.pop("rope_scaling"), rope_type="yarn", rope_theta=text.pop("rope_theta"))
+    text["rope_interleave"] = True
+    assert _parse(raw) == kimi_k2_6()
+
+
+def _yarn_edit(**rope) -> dict:
+    """The 5.17 yarn config with its rope_parameters fields replaced (None: removed)."""
+    raw = _hf5()
+    params = raw["rope_parameters"]
+    for key, value in rope.items():
+        if value is None:
+            params.pop(key, None)
+        else:
+            params[key] = value
+    return raw
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+def test_config_with_neither_rope_form_is_refused(wrapped):
+    raw = _hf5()
+    del raw["rope_parameters"]
+    _expect(_wrap_k26(raw) if wrapped else raw, "rope_parameters", wrapped,
+            re.escape(" is missing (and so are the legacy rope_theta / rope_scaling)"))
+    raw = _hf5()  # an object without the base in it, and none at the top level: the same
+    raw["rope_parameters"].pop("rope_theta")
+    _expect(_wrap_k26(raw) if wrapped else raw, "rope_parameters", wrapped, " is missing")
+
+
+# (rope_parameters edit, the field the error must name, what it must say)
+ROPE_ERRORS = [
+    ({"rope_type": "llama3", "type": None}, "rope_parameters.rope_type", " 'llama3' is not supported"),
+    ({"rope_type": "dynamic", "type": "dynamic"}, "rope_parameters.rope_type", " 'dynamic' is not supported"),
+    ({"rope_type": None, "type": "linear"}, "rope_parameters.type", " 'linear' is not supported"),
+    ({"type": "default"}, "rope_parameters.rope_type", " 'yarn' disagrees with its type 'default'"),
+    ({"rope_type": None, "type": None}, "rope_parameters.rope_type", " is missing but the object holds"),
+    ({"rope_type": "default", "type": None}, "rope_parameters.rope_type", " is 'default' .* but the object sets"),
+    ({"factor": None}, "rope_parameters.factor", " is missing"),
+    ({"original_max_position_embeddings": None}, "rope_parameters.original_max_position_embeddings", " is missing"),
+    ({"original_max_position_embeddings": 64.5}, "rope_parameters.original_max_position_embeddings",
+     " must be a positive integer"),
+    ({"factor": 0.5}, "rope_parameters.factor", " must be >= 1"),
+    ({"beta_fast": 0}, "rope_parameters.beta_fast", " must be > 0"),
+    ({"beta_slow": "1"}, "rope_parameters.beta_slow", " must be a number"),
+    ({"truncate": False}, "rope_parameters.truncate", " False is not supported"),
+    ({"partial_rotary_factor": 0.5}, "rope_parameters.partial_rotary_factor", " 0.5 is not supported"),
+    ({"low_freq_factor": 1.0}, "rope_parameters", r" has fields \['low_freq_factor'\] that are not supported"),
+    ({"rope_theta": "50000"}, "rope_parameters.rope_theta", " must be a number"),
+    ({"rope_theta": 1.0}, "rope_parameters.rope_theta", " must be > 1"),
+    # cos/sin amplitude where transformers' rule and DeepSeek's differ: never guessed
+    ({"mscale": None}, "rope_parameters", ": mscale None, mscale_all_dim 1.0, attention_factor None give"),
+    ({"mscale": 0.8, "mscale_all_dim": 0.0}, "rope_parameters", ": mscale 0.8, mscale_all_dim 0.0"),
+    ({"mscale": 0.8, "mscale_all_dim": None}, "rope_parameters", ": mscale 0.8, mscale_all_dim 0.0"),
+    ({"attention_factor": 1.5}, "rope_parameters", r": .*attention_factor 1.5 give a cos/sin amplitude of 1.5 in "
+                                                   r"transformers' yarn and 1 in DeepSeek's"),
+]
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+@pytest.mark.parametrize("edit,field,why", ROPE_ERRORS, ids=[f"{c[1]}-{i}" for i, c in enumerate(ROPE_ERRORS)])
+def test_rope_parameters_errors_name_the_field(edit, field, why, wrapped):
+    raw = _yarn_edit(**edit)
+    _expect(_wrap_k26(raw) if wrapped else raw, field, wrapped, why)
+
+
+def test_rope_parameters_not_an_object():
+    raw = _hf5()
+    raw["rope_parameters"] = [50000.0]
+    _expect(raw, "rope_parameters", False, " must be an object or null")
+    raw["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}  # per layer type
+    _expect(raw, "rope_parameters", False, r" has fields \['full_attention'\].*per-layer-type")
+
+
+def test_legacy_unknown_rope_type_is_named():
+    raw = _to_legacy(_hf5())
+    raw["rope_scaling"]["type"] = "longrope"
+    _expect(raw, "rope_scaling.type", False, " 'longrope' is not supported")
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+def test_both_rope_forms_must_agree(wrapped):
+    def check(raw, why):
+        _expect(_wrap_k26(raw) if wrapped else raw, "rope_parameters", wrapped, why)
+
+    raw = _hf5()
+    raw["rope_theta"] = 10000.0  # legacy top-level base next to the new object's
+    prefix = re.escape("text_config." if wrapped else "")
+    check(raw, r".rope_theta \(50000.0\) and " + prefix + r"rope_theta \(10000.0\) disagree")
+    raw = _hf5()
+    raw["rope_scaling"] = dict(_to_legacy(raw)["rope_scaling"], factor=4.0)
+    check(raw, r" \(factor 8.0, .*\) and " + prefix + r"rope_scaling \(factor 4.0, .*\) disagree")
+    raw = _hf5()
+    raw["rope_scaling"] = None  # null: absent, as transformers reads it
+    raw["rope_theta"] = 50000.0  # the same base spelled twice
+    assert _parse(raw) == _parse(_hf5())
+    legacy = _to_legacy(_hf5())
+    raw = dict(_hf5(), rope_theta=legacy["rope_theta"], rope_scaling=legacy["rope_scaling"])
+    assert _parse(_wrap_k26(raw) if wrapped else raw).rope_scaling == _parse(_hf5()).rope_scaling
+    raw = _to_legacy(_hf5("deepseek_v3_plain"))
+    raw["rope_parameters"] = _hf5()["rope_parameters"]  # plain in the legacy keys, YaRN in the new: refused
+    raw["rope_scaling"] = {"type": "default"}
+    raw["rope_theta"] = 50000.0
+    check(raw, r" \(factor 8.0, .*\) and " + prefix + r"rope_scaling \(plain RoPE\) disagree")
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+def test_rope_interleave(wrapped):
+    raw = _hf5()
+    raw["rope_interleave"] = False
+    _expect(_wrap_k26(raw) if wrapped else raw, "rope_interleave", wrapped,
+            re.escape(" false (rotate the two halves of the rope dims, NeoX style) is not supported"))
+    for bad in ("yes", None):  # null: transformers would rotate halves, DeepSeek's code pairs
+        raw["rope_interleave"] = bad
+        _expect(_wrap_k26(raw) if wrapped else raw, "rope_interleave", wrapped, " must be true/false")
+    del raw["rope_interleave"]  # transformers' default (true), and what DeepSeek's own code always does
+    assert _parse(raw) == _parse(_hf5())
+
+
+def test_yarn_defaults_are_the_ones_transformers_applies():
+    """beta_fast 32, beta_slow 1, mscale_all_dim 0 (no softmax rescale), mscale 1 when mscale_all_dim is 0:
+    transformers' `_compute_yarn_parameters` / `yarn_apply_mscale` and DeepSeek's code both use these."""
+    full = _parse(_hf5())
+    cfg = _parse(_yarn_edit(beta_fast=None, beta_slow=None))
+    assert (cfg.rope_scaling.beta_fast, cfg.rope_scaling.beta_slow) == (32.0, 1.0)
+    np.testing.assert_array_equal(yarn_inv_freq(cfg), yarn_inv_freq(full))
+    bare = _parse(_yarn_edit(mscale=None, mscale_all_dim=None))
+    factor = full.rope_scaling.factor
+    assert bare.softmax_scale == pytest.approx((16 + 8) ** -0.5)  # transformers: mscale_all_dim 0 -> no rescale
+    assert bare.rope_amplitude == pytest.approx(0.1 * np.log(factor) + 1.0)  # transformers: get_mscale(factor)
+    assert _parse(_yarn_edit(mscale=1.0, mscale_all_dim=0.0)) == bare
+    agreed = _parse(_yarn_edit(attention_factor=1.0))  # the amplitude both rules give: accepted
+    assert agreed == full and agreed.rope_amplitude == 1.0
+    plain = _hf5("deepseek_v3_plain")
+    del plain["rope_parameters"]["rope_type"]  # {"rope_theta": ...} alone: transformers' "default"
+    assert _parse(plain) == _parse(_hf5("deepseek_v3_plain"))
+    unit = _parse(_yarn_edit(factor=1.0))  # YaRN of factor 1 computes plain RoPE, and reads as it
+    assert unit.rope_scaling == RopeScaling()
+    assert _parse(dict(_yarn_edit(factor=1.0), rope_scaling={"type": "default"})) == unit  # so both forms agree
+
+
+@pytest.mark.parametrize("wrapped", LAYOUTS, ids=["flat", "wrapped"])
+def test_derived_dims_must_match(wrapped):
+    for field, value, why in (("num_key_value_heads", 2, r" \(2\) must equal num_attention_heads \(4\)"),
+                              ("head_dim", 16, r" \(16\) must equal qk_rope_head_dim \(8\)"),
+                              ("qk_head_dim", 16, r" \(16\) must equal qk_nope_head_dim \+ qk_rope_head_dim")):
+        raw = _hf5()
+        raw[field] = value
+        _expect(_wrap_k26(raw) if wrapped else raw, field, wrapped, why)
+
+
+def test_no_stop_token_round_trips():
+    raw = tiny(eos_token_id=()).to_hf_dict()
+    assert raw["eos_token_id"] is None
+    assert ModelConfig.from_hf_dict(json.loads(json.dumps(raw))).eos_token_id == ()

@@ -1,9 +1,11 @@
 """DFlash drafter: draft/train forwards against a float64 numpy reference, cache rules, HF layout I/O, config."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -335,3 +337,66 @@ def test_config_errors_name_the_field():
                                                                          "original_max_position_embeddings": 4096}))
     with pytest.raises(ConfigError, match="yarn_amplitude"):
         DrafterConfig.from_hf_dict(KIMI_K25_DRAFTER, yarn_amplitude="vllm")
+
+
+def _v5_drafter() -> dict:
+    """KIMI_K25_DRAFTER with its rope keys as transformers >= 5 writes them (rope_theta inside rope_parameters)."""
+    raw = {k: v for k, v in copy.deepcopy(KIMI_K25_DRAFTER).items() if k not in ("rope_theta", "rope_scaling")}
+    raw["rope_parameters"] = dict(KIMI_K25_DRAFTER["rope_scaling"], rope_theta=KIMI_K25_DRAFTER["rope_theta"])
+    return raw
+
+
+def test_drafter_rope_forms_read_alike_and_must_agree():
+    legacy = DrafterConfig.from_hf_dict(KIMI_K25_DRAFTER)
+    new = DrafterConfig.from_hf_dict(_v5_drafter())
+    assert new == legacy and new.rope_theta == 50000.0 and new.rope_scaling.factor == 64.0
+    np.testing.assert_array_equal(new.inv_freq, legacy.inv_freq)
+    both = dict(_v5_drafter(), rope_theta=50000, rope_scaling=KIMI_K25_DRAFTER["rope_scaling"])  # agreeing: fine
+    assert DrafterConfig.from_hf_dict(both) == legacy
+    src = "drafter/config.json"
+    with pytest.raises(ConfigError, match=re.escape(f"{src}: rope_parameters.rope_theta (50000) and rope_theta "
+                                                    "(1000000.0) disagree")):
+        DrafterConfig.from_hf_dict(dict(_v5_drafter(), rope_theta=1000000.0), source=src)
+    other = dict(KIMI_K25_DRAFTER["rope_scaling"], factor=32)
+    with pytest.raises(ConfigError, match=re.escape(f"{src}: rope_parameters (factor 64.0, ") + ".*"
+                       + re.escape(") and rope_scaling (factor 32.0, ") + ".*disagree"):
+        DrafterConfig.from_hf_dict(dict(_v5_drafter(), rope_scaling=other), source=src)
+    plain = dict(_v5_drafter(), rope_parameters={"rope_type": "default", "rope_theta": 50000})
+    assert DrafterConfig.from_hf_dict(plain).rope_scaling is None
+    with pytest.raises(ConfigError, match=re.escape(f"{src}: rope_parameters (plain RoPE) and rope_scaling (")):
+        DrafterConfig.from_hf_dict(dict(plain, rope_scaling=KIMI_K25_DRAFTER["rope_scaling"]), source=src)
+
+
+@pytest.mark.parametrize("edit,pattern", [
+    ({"rope_type": "llama3"}, "rope_parameters.rope_type 'llama3' is not supported"),
+    ({"rope_type": None, "type": "dynamic"}, "rope_parameters.type 'dynamic' is not supported"),
+    ({"rope_type": None}, r"rope_parameters.rope_type is missing but the object holds \['beta_fast'"),
+    ({"type": "default"}, "rope_parameters.rope_type 'yarn' disagrees with its type 'default'"),
+    ({"rope_type": "default"}, r"rope_parameters.rope_type is 'default' \(plain RoPE\) but the object sets"),
+    ({"factor": None}, "rope_parameters.factor is missing"),
+    ({"original_max_position_embeddings": 4096.5}, "rope_parameters.original_max_position_embeddings must be a "
+                                                   "positive integer"),
+    ({"low_freq_factor": 1.0}, r"rope_parameters has fields \['low_freq_factor'\] that are not supported"),
+    ({"partial_rotary_factor": 0.5}, "rope_parameters.partial_rotary_factor 0.5 is not supported"),
+    ({"rope_theta": "1e6"}, "rope_parameters.rope_theta must be a number"),
+])
+def test_drafter_rope_parameters_errors_name_the_field(edit, pattern):
+    raw = _v5_drafter()
+    for key, value in edit.items():
+        if value is None:
+            raw["rope_parameters"].pop(key, None)
+        else:
+            raw["rope_parameters"][key] = value
+    with pytest.raises(ConfigError, match=re.escape("drafter/config.json: ") + pattern):
+        DrafterConfig.from_hf_dict(raw, source="drafter/config.json")
+
+
+def test_drafter_without_rope_theta_is_refused():
+    """transformers' Qwen3Config defaults the base to 10000 and Qwen3 checkpoints use 1e6: never guessed."""
+    raw = {k: v for k, v in KIMI_K25_DRAFTER.items() if k not in ("rope_theta", "rope_scaling")}
+    with pytest.raises(ConfigError, match=re.escape("drafter/config.json: rope_parameters is missing (and so is the "
+                                                    "legacy rope_theta)")):
+        DrafterConfig.from_hf_dict(raw, source="drafter/config.json")
+    raw["rope_parameters"] = {"rope_type": "default"}
+    with pytest.raises(ConfigError, match="rope_theta is unknown"):
+        DrafterConfig.from_hf_dict(raw, source="drafter/config.json")
