@@ -1,0 +1,498 @@
+"""The serving engine's host side: a table of request slots stepped by a fixed set of compiled programs.
+
+Requests wait in a queue, are prefilled into free slots between steps, and leave when they finish or are
+cancelled. Each `step()` admits what fits, picks the step program for the number of active slots (the budget
+follows the load, `kdtree_jax/budget.py`), runs k rounds for every slot and hands back token deltas and final
+records. Everything a request asks for is runtime data, so after `warm_up()` nothing compiles.
+
+The interface follows JetStream's engine API (prefill / insert / generate over slots), with a DDTree round as the
+generate step. `kdtree_jax/serving/frontend.py` puts an async front on it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax import budget as budget_mod
+from kdtree_jax import sampling
+from kdtree_jax.engine import ContextTooLongError, Engine
+from kdtree_jax.serving import programs
+from kdtree_jax.serving.programs import StepKind
+from kdtree_jax.speculative import FINISH_NONFINITE, FINISH_REASONS, MODES, RUNNING, RequestRows, aligned_rows
+
+log = logging.getLogger(__name__)
+
+SEED_LIMIT = 1 << 32  # seeds are 32-bit: the request key is jax.random.key(seed)
+CACHE_ENV = "KDTREE_COMPILATION_CACHE"  # directory of JAX's persistent compilation cache; "off" disables it
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Use JAX's persistent compilation cache so a restart loads the warm-up's programs instead of compiling them.
+
+    Directory: `path`, else $KDTREE_COMPILATION_CACHE, else ~/.cache/kdtree-jax/xla; "off" disables. Every program
+    is cached, however quickly it compiled. Call before the first compile."""
+    path = path or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "kdtree-jax", "xla")
+    if path == "off":
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+# ---- configuration and requests --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """What the slot table is compiled for; fixed for the life of a serving engine."""
+
+    max_slots: int = 4
+    max_context: int = 1024  # prompt + generated tokens of one request
+    mode: str = "ddtree"  # "ar" | "chain" | "ddtree"
+    # ddtree: B, "auto" (per step, from the budget profile and the number of active slots), or a table
+    # {active slots: B or "ar"} (missing counts take the nearest smaller entry)
+    budget: int | str | Mapping[int, int | str] = "auto"
+    rounds_per_step: int = 4  # k: rounds per step; tokens come back to the host once per step
+    top_k_cap: int = sampling.TOP_K_CAP  # the largest per-request top_k
+    max_stop_ids: int = 8  # stop-id table width per slot (the model's own stop ids included)
+    min_prompt_bucket: int = 16  # prompt lengths pad to powers of two from here (then whole prefill chunks)
+    max_queue: int = 1024  # waiting requests beyond this are refused
+
+    def __post_init__(self):
+        for name in ("max_slots", "max_context", "rounds_per_step", "max_stop_ids", "min_prompt_bucket"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.top_k_cap < 0 or self.max_queue < 0:
+            raise ValueError(f"top_k_cap and max_queue must be >= 0, got {self.top_k_cap}, {self.max_queue}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """One request's parameters; all of them are runtime data."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None  # None: drawn from the engine's own generator
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's stop ids
+    ignore_eos: bool = False  # do not stop at the model's own stop ids
+
+
+class RequestError(ValueError):
+    """A request refused before it reaches a slot; `field` names what was wrong."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class PromptTooLongError(RequestError, ContextTooLongError):
+    """Prompt plus max_new_tokens over the table's max_context."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_queue requests."""
+
+
+class EngineClosedError(RuntimeError):
+    """The serving engine was shut down."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDelta:
+    request_id: int
+    token_ids: list[int]
+    time: float  # perf_counter when the host received them
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """A finished request: its tokens, why it ended and its speculative statistics."""
+
+    request_id: int
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error" | "nonfinite"
+    prompt_tokens: int
+    accept_lengths: list[int]  # tokens committed by each round (accepted drafts + 1)
+    num_draft_tokens: int  # tokens drafted and verified (B per DDTree round, L - 1 per chain round)
+    error: str | None = None
+    submit_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Drafted tokens the target accepted (each round's bonus token is not a draft)."""
+        return int(sum(a - 1 for a in self.accept_lengths))
+
+
+@dataclasses.dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    params: RequestParams
+    stop_ids: tuple[int, ...]
+    seed: int
+    submit_time: float
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    accept_lengths: list[int] = dataclasses.field(default_factory=list)
+    num_draft_tokens: int = 0
+    first_token_time: float | None = None
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What one `step()` did: the host-side view a benchmark or a metrics endpoint reads."""
+
+    events: list  # TokenDelta and RequestRecord, in order
+    kind: StepKind | None  # the step program that ran (None: nothing was running)
+    active: int  # slots that were running when the step started
+    admitted: int  # requests prefilled into slots before it
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+class ServingEngine:
+    """A fixed table of request slots over an `Engine`'s target and drafter; single-threaded (see frontend.py)."""
+
+    def __init__(self, engine: Engine, config: ServeConfig = ServeConfig()):
+        self.engine = engine
+        self.config = config
+        cfg = engine.target.cfg
+        if config.mode != "ar" and engine.drafter is None:
+            raise ValueError(f"mode {config.mode!r} needs a drafter; load one or serve mode 'ar'")
+        if config.max_context > cfg.max_position_embeddings:
+            raise ValueError(f"max_context {config.max_context} exceeds the model's context of "
+                             f"{cfg.max_position_embeddings} tokens")
+        self.plan = self._budget_plan()
+        self.kinds = sorted(set(self.plan.values()))
+        self.uses_drafter = engine.drafter is not None and config.mode != "ar"
+        budgets = [k.budget for k in self.kinds if k.mode == "ddtree"]
+        self._prefill_kind = (StepKind("ddtree", max(budgets)) if budgets
+                              else StepKind(config.mode if config.mode != "ddtree" else "chain"))
+        self.specs = {k: self._spec(k) for k in self.kinds}
+        prefill_spec = self._spec(self._prefill_kind)
+        self.draft_k = prefill_spec.top_k
+        self.buckets = self._buckets()
+        self.prefill_specs = {b: dataclasses.replace(self._spec(self._prefill_kind, prompt_len=b), batch=1)
+                              for b in self.buckets}
+        slack = max(s.slack for s in [*self.specs.values(), prefill_spec])
+        self.capacity = max(aligned_rows(config.max_context + slack),
+                            *(s.capacity for s in self.prefill_specs.values()))
+        self.stop_ids = tuple(engine.stop_ids)
+        if len(self.stop_ids) > config.max_stop_ids:
+            raise ValueError(f"max_stop_ids {config.max_stop_ids} is below the model's {len(self.stop_ids)} stop ids")
+        self._programs: dict = {}
+        self._rng = np.random.default_rng()
+        self._next_id = 0
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._slots: list[_Request | None] = [None] * config.max_slots
+        self._closed = False
+        self.table = self._new_table()
+        self.warmup_s: dict[str, float] = {}
+
+    # ---- programs -------------------------------------------------------------------------------------------
+    def _budget_plan(self) -> dict[int, StepKind]:
+        """The step program for each count of active slots."""
+        cfg, n = self.config, self.config.max_slots
+        if cfg.mode != "ddtree":
+            return {a: StepKind(cfg.mode) for a in range(1, n + 1)}
+        budget = cfg.budget
+        if isinstance(budget, str):
+            if budget != "auto":
+                raise ValueError(f"budget must be an integer, 'auto' or a table, got {budget!r}")
+            profile = budget_mod.profile_for(self.engine.budget_profile, self.engine.profile_key())
+            if profile is None:
+                return {a: StepKind("ddtree", budget_mod.DEFAULT_BUDGET) for a in range(1, n + 1)}
+            return {a: (StepKind("ddtree", budget_mod.choose_budget(profile, a))
+                        if budget_mod.speculation_pays(profile, a) else StepKind("ar")) for a in range(1, n + 1)}
+        if isinstance(budget, Mapping):
+            table = {int(a): b for a, b in budget.items()}
+            if not table or min(table) > 1:
+                raise ValueError(f"a budget table needs an entry for 1 active slot, got {sorted(table)}")
+            plan = {}
+            for a in range(1, n + 1):
+                b = table[max(k for k in table if k <= a)]
+                plan[a] = StepKind("ar") if b == "ar" else StepKind("ddtree", _budget_int(b))
+            return plan
+        return {a: StepKind("ddtree", _budget_int(budget)) for a in range(1, n + 1)}
+
+    def _spec(self, kind: StepKind, prompt_len: int = 1):
+        eng, cfg = self.engine, self.config
+        budgets = [k.budget for k in self.plan.values() if k.mode == "ddtree"]
+        draft_k = max((min(b, eng.target.cfg.vocab_size) for b in budgets), default=0) or 0
+        spec = eng.spec_for(mode=kind.mode, batch=cfg.max_slots, prompt_len=prompt_len, max_new_tokens=1,
+                            budget=kind.budget, top_k_cap=cfg.top_k_cap, draft_k=max(draft_k, 1))
+        if kind.mode == "ar" and self.uses_drafter:  # keeps the drafter's state: needs the target's features
+            d = eng.drafter.cfg
+            spec = dataclasses.replace(spec, taps=tuple(d.target_layer_ids), mask_token_id=d.mask_token_id)
+        return spec
+
+    def _buckets(self) -> list[int]:
+        """Padded prompt lengths, one prefill program each: powers of two from min_prompt_bucket, then whole
+        prefill chunks (as `Engine.prompt_bucket` pads), up to what max_context - 1 prompt tokens need."""
+        longest = self.config.max_context - 1
+        lengths = {self.engine.prompt_bucket(max(self.config.min_prompt_bucket, 1))[1]}
+        b = 1
+        while b < longest:
+            b *= 2
+            lengths.add(self.engine.prompt_bucket(min(b, longest))[1] if b > self.engine.prefill_chunk
+                        else max(b, self.engine.prompt_bucket(self.config.min_prompt_bucket)[1]))
+        return sorted(x for x in lengths if x >= self.engine.prompt_bucket(self.config.min_prompt_bucket)[1])
+
+    def bucket_for(self, prompt_len: int) -> int:
+        return next(b for b in self.buckets if b >= prompt_len)
+
+    def _new_table(self):
+        cfg = self.config
+        depth = max(s.depth for s in [*self.specs.values(), *self.prefill_specs.values()])
+        return programs.empty_table(self.engine.target, self.engine.drafter if self.uses_drafter else None,
+                                    slots=cfg.max_slots, capacity=self.capacity, n_stop=cfg.max_stop_ids,
+                                    depth=depth, draft_k=self.draft_k, rounds=cfg.rounds_per_step)
+
+    def _weights(self):
+        t, d = self.engine.weights
+        return t, (d if self.uses_drafter else None)
+
+    def _program(self, name: str, key):
+        """The compiled program `name` for `key` (a bucket or a StepKind), compiled on first use."""
+        if (name, key) in self._programs:
+            return self._programs[(name, key)]
+        eng, uses, weights = self.engine, self.uses_drafter, self._weights()
+        rows1 = _rows([RequestParams()], [self.stop_ids], self.config.max_stop_ids)
+        if name == "prefill":
+            spec = self.prefill_specs[key]
+
+            def fn(t, d, table, prompt, prompt_len, seed, rows, slot):
+                return programs.prefill_into_slot(spec, *eng.merged(t, d, uses), table, prompt, prompt_len, seed,
+                                                  rows, slot)
+
+            args = (*weights, self.table, np.zeros((1, key), np.int32), np.ones((1,), np.int32),
+                    np.zeros((1,), np.uint32), rows1, np.int32(0))
+        elif name == "step":
+            spec, rounds = self.specs[key], self.config.rounds_per_step
+
+            def fn(t, d, table):
+                return programs.step(spec, *eng.merged(t, d, uses), table, rounds)
+
+            args = (*weights, self.table)
+        else:
+            def fn(t, d, table, slot):
+                return programs.release(table, slot)
+
+            args = (*weights, self.table, np.int32(0))
+        desc = f"{name} {key.name if isinstance(key, StepKind) else key}"
+        compiled, seconds = eng.compile(fn, args, ("serve", id(self), name, key), desc=desc, donate=(2,))
+        self.warmup_s[desc] = seconds
+        self._programs[(name, key)] = compiled
+        return compiled
+
+    def warm_up(self) -> dict[str, float]:
+        """Compile every program the table can run: one prefill per prompt bucket, one step per budget, release.
+        Returns the seconds each took (near zero where JAX's persistent compilation cache had it)."""
+        for b in self.buckets:
+            self._program("prefill", b)
+        for k in self.kinds:
+            self._program("step", k)
+        self._program("release", None)
+        return dict(self.warmup_s)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def check(self, prompt: Sequence[int], params: RequestParams) -> tuple[list[int], tuple[int, ...], int]:
+        """Validate a request without touching the table: (prompt ids, stop ids, seed). Raises RequestError."""
+        cfg, vocab = self.config, self.engine.target.cfg.vocab_size
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise RequestError("prompt", f"must be a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise RequestError("prompt", "is empty")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("prompt", "must hold integer token ids")
+        bad = [int(t) for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("prompt", f"has token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
+        n = params.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise RequestError("max_new_tokens", f"must be an integer >= 1, got {n!r}")
+        if len(prompt) + n > cfg.max_context:
+            raise PromptTooLongError(
+                "prompt" if len(prompt) >= cfg.max_context else "max_new_tokens",
+                f"the prompt's {len(prompt)} tokens plus max_new_tokens {n} exceed max_context {cfg.max_context}")
+        try:
+            sampling.SamplingParams(params.temperature, params.top_k, params.top_p).check_cap(cfg.top_k_cap)
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            raise RequestError(field, str(e).split(" ", 1)[1]) from None
+        extra = tuple(params.stop_token_ids)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in extra):
+            raise RequestError("stop_token_ids", f"must be integer token ids, got {extra!r}")
+        out = [t for t in extra if not 0 <= t < vocab]
+        if out:
+            raise RequestError("stop_token_ids", f"ids outside the vocabulary (0..{vocab - 1}): {out[:5]}")
+        stop = tuple(dict.fromkeys((() if params.ignore_eos else self.stop_ids) + tuple(int(t) for t in extra)))
+        if len(stop) > cfg.max_stop_ids:
+            raise RequestError("stop_token_ids", f"{len(stop)} stop ids (the model's included) exceed the table's "
+                                                 f"{cfg.max_stop_ids}")
+        seed = params.seed
+        if seed is None:
+            seed = int(self._rng.integers(SEED_LIMIT))
+        elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
+            raise RequestError("seed", f"must be an integer in [0, 2**32), got {seed!r}")
+        return [int(t) for t in prompt], stop, int(seed)
+
+    def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams(), *,
+               request_id: int | None = None) -> int:
+        """Queue a request; returns its id. Bad input raises RequestError and changes nothing."""
+        if self._closed:
+            raise EngineClosedError("the serving engine is shut down; no new requests")
+        if len(self._waiting) >= self.config.max_queue:
+            raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue {self.config.max_queue})")
+        ids, stop, seed = self.check(prompt, params)
+        rid = self._next_id if request_id is None else request_id
+        self._next_id = max(self._next_id, rid + 1)
+        self._waiting.append(_Request(rid, ids, params, stop, seed, time.perf_counter()))
+        return rid
+
+    def cancel(self, request_id: int) -> RequestRecord | None:
+        """Drop a waiting or running request; its slot is free for the next step. None if it is not here."""
+        for r in self._waiting:
+            if r.rid == request_id:
+                self._waiting.remove(r)
+                return self._record(r, "cancelled")
+        for slot, r in enumerate(self._slots):
+            if r is not None and r.rid == request_id:
+                self._free(slot)
+                return self._record(r, "cancelled")
+        return None
+
+    def shutdown(self) -> list[RequestRecord]:
+        """Refuse new requests and cancel every waiting and running one."""
+        self._closed = True
+        ids = [r.rid for r in self._waiting] + [r.rid for r in self._slots if r is not None]
+        return [rec for rec in map(self.cancel, ids) if rec is not None]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def n_running(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self.n_running > 0
+
+    def running_ids(self) -> list[int]:
+        return [r.rid for r in self._slots if r is not None]
+
+    # ---- stepping -------------------------------------------------------------------------------------------
+    def step(self) -> StepReport:
+        """Admit waiting requests into free slots, then run one step (k rounds) for every slot."""
+        events: list = []
+        admitted = 0
+        while self._waiting and None in self._slots:
+            events += self._admit(self._waiting.popleft(), self._slots.index(None))
+            admitted += 1
+        active = self.n_running
+        if not active:
+            return StepReport(events, None, 0, admitted)
+        kind = self.plan[active]
+        try:
+            self.table, packed = self._program("step", kind)(*self._weights(), self.table)
+            packed = np.asarray(jax.device_get(packed))
+        except Exception as e:  # the table was donated to the failed program: every running request fails
+            return StepReport(events + self._fail_all(e), kind, active, admitted)
+        now = time.perf_counter()
+        rounds, n_draft = self.config.rounds_per_step, self.specs[kind].n_slots - 1
+        for slot, r in enumerate(self._slots):
+            if r is None:
+                continue
+            n_new, finish = int(packed[slot, 0]), int(packed[slot, 1])
+            acc = [int(a) for a in packed[slot, 2 : 2 + rounds] if a > 0]
+            r.accept_lengths += acc
+            r.num_draft_tokens += n_draft * len(acc)
+            if n_new:
+                new = packed[slot, 2 + rounds : 2 + rounds + n_new].tolist()
+                r.tokens += new
+                events.append(TokenDelta(r.rid, new, now))
+            if finish != RUNNING:
+                self._slots[slot] = None  # the row is finished on the device already
+                events.append(self._record(r, FINISH_REASONS[finish]))
+        return StepReport(events, kind, active, admitted)
+
+    def _admit(self, r: _Request, slot: int) -> list:
+        bucket = self.bucket_for(len(r.prompt))
+        prompt = np.zeros((1, bucket), np.int32)
+        prompt[0, : len(r.prompt)] = r.prompt
+        rows = _rows([r.params], [r.stop_ids], self.config.max_stop_ids)
+        try:
+            self.table, out = self._program("prefill", bucket)(
+                *self._weights(), self.table, prompt, np.array([len(r.prompt)], np.int32),
+                np.array([r.seed], np.uint32), rows, np.int32(slot))
+            first, finish = (int(x) for x in jax.device_get(out))
+        except Exception as e:
+            return [*self._fail_all(e), self._record(r, "error", error=f"{type(e).__name__}: {e}")]
+        r.first_token_time = time.perf_counter()
+        events = []
+        if finish != FINISH_NONFINITE:
+            r.tokens.append(first)
+            events.append(TokenDelta(r.rid, [first], r.first_token_time))
+        if finish == RUNNING:
+            self._slots[slot] = r
+        else:
+            events.append(self._record(r, FINISH_REASONS[finish]))
+        return events
+
+    def _free(self, slot: int) -> None:
+        self._slots[slot] = None
+        self.table = self._program("release", None)(*self._weights(), self.table, np.int32(slot))
+
+    def _fail_all(self, error: Exception) -> list[RequestRecord]:
+        """A program raised: its donated table is gone. Every running request ends with "error" and the slots
+        start empty again; waiting requests stay queued."""
+        log.error("serving step failed: %s: %s", type(error).__name__, error)
+        records = [self._record(r, "error", error=f"{type(error).__name__}: {error}")
+                   for r in self._slots if r is not None]
+        self._slots = [None] * self.config.max_slots
+        self.table = self._new_table()
+        return records
+
+    def _record(self, r: _Request, reason: str, error: str | None = None) -> RequestRecord:
+        return RequestRecord(request_id=r.rid, token_ids=list(r.tokens), finish_reason=reason,
+                             prompt_tokens=len(r.prompt), accept_lengths=list(r.accept_lengths),
+                             num_draft_tokens=r.num_draft_tokens, error=error, submit_time=r.submit_time,
+                             first_token_time=r.first_token_time, finish_time=time.perf_counter())
+
+
+def _budget_int(b) -> int:
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+        raise ValueError(f"a DDTree budget must be an integer >= 1 or 'ar', got {b!r}")
+    return int(b)
+
+
+def _rows(params: list[RequestParams], stop_ids: list[tuple[int, ...]], n_stop: int) -> RequestRows:
+    rules = [sampling.SamplingParams(p.temperature, p.top_k, p.top_p) for p in params]
+    return RequestRows.of(rules, [p.max_new_tokens for p in params], stop_ids, n_stop)
