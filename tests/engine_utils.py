@@ -1,6 +1,8 @@
 """Small random target + drafter pairs for engine tests (numpy-drawn weights: no per-op compiles on CPU)."""
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,3 +53,51 @@ def random_drafter(cfg: DrafterConfig, seed: int, *, scale: float = 1.0) -> DFla
 def random_pair(name: str, seed: int, *, block_size: int = 4):
     target_cfg = TARGET_CONFIGS[name]
     return init_random(target_cfg, seed=seed), random_drafter(drafter_config(target_cfg, block_size=block_size), seed)
+
+
+def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """float64 numpy temperature + top-p: the smallest top set whose mass before each kept token is < top_p."""
+    x = logits / temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    mass_before = np.cumsum(p[order]) - p[order]
+    kept = np.zeros_like(p)
+    kept[order[mass_before < top_p]] = p[order[mass_before < top_p]]
+    return kept / kept.sum()
+
+
+def exact_pair_distribution(cfg, weight_seed, prompt, temperature, top_p):
+    """P(t2, t3) for the 2nd and 3rd generated tokens, summed over t1, from the float64 numpy reference.
+
+    Not from the JAX model: a float32 forward can flip a near-tied MoE group choice (seen: group scores 3e-4
+    apart), which changes the next-token distribution outright and would fail the test for the wrong reason.
+    """
+    from kdtree_jax.reference import reference_forward
+    from kdtree_jax.weights import random_hf_weights
+
+    weights = random_hf_weights(cfg, weight_seed)
+    v = cfg.vocab_size
+
+    def probs(seq):
+        return nucleus_probs(reference_forward(cfg, weights, seq)[-1], temperature, top_p)
+
+    p1 = probs(prompt)
+    p2 = np.stack([probs(prompt + [a]) for a in range(v)])  # [t1, t2]
+    p3 = np.stack([probs(prompt + [a, b]) for a, b in itertools.product(range(v), range(v))]).reshape(v, v, v)
+    return np.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    """Pearson chi-square of observed (t2, t3) counts against expected probabilities; cells expected below 5 are
+    pooled into one."""
+    from scipy import stats
+
+    exp = expected.ravel() * counts.sum()
+    obs = counts.ravel()
+    big = exp >= 5
+    f_obs = np.append(obs[big], obs[~big].sum())
+    f_exp = np.append(exp[big], exp[~big].sum())
+    keep = f_exp > 0
+    chi2, p = stats.chisquare(f_obs[keep], f_exp[keep] * f_obs[keep].sum() / f_exp[keep].sum())
+    return float(chi2), float(p)

@@ -3,15 +3,13 @@ and a whole generation as one compiled computation."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_utils import TARGET_CONFIGS, random_pair
-from scipy import stats
+from engine_utils import TARGET_CONFIGS, chi_square_p, exact_pair_distribution, random_pair
 
 from kdtree_jax import engine as engine_mod
 from kdtree_jax.engine import ContextTooLongError, Engine
@@ -180,39 +178,6 @@ def test_same_seed_same_samples(rng):
     assert batch.token_ids[2] == alone.token_ids[0]
 
 
-def _nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """float64 numpy temperature + top-p: the smallest top set whose mass before each kept token is < top_p."""
-    x = logits / temperature
-    p = np.exp(x - x.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    mass_before = np.cumsum(p[order]) - p[order]
-    kept = np.zeros_like(p)
-    kept[order[mass_before < top_p]] = p[order[mass_before < top_p]]
-    return kept / kept.sum()
-
-
-def _exact_pair_distribution(cfg, weight_seed, prompt, temperature, top_p):
-    """P(t2, t3) for the 2nd and 3rd generated tokens, summed over t1, from the float64 numpy reference.
-
-    Not from the JAX model: a float32 forward can flip a near-tied MoE group choice (seen: group scores 3e-4
-    apart), which changes the next-token distribution outright and would fail the test for the wrong reason.
-    """
-    from kdtree_jax.reference import reference_forward
-    from kdtree_jax.weights import random_hf_weights
-
-    weights = random_hf_weights(cfg, weight_seed)
-    v = cfg.vocab_size
-
-    def probs(seq):
-        return _nucleus_probs(reference_forward(cfg, weights, seq)[-1], temperature, top_p)
-
-    p1 = probs(prompt)
-    p2 = np.stack([probs(prompt + [a]) for a in range(v)])  # [t1, t2]
-    p3 = np.stack([probs(prompt + [a, b]) for a, b in itertools.product(range(v), range(v))]).reshape(v, v, v)
-    return np.einsum("a,ab,abc->bc", p1, p2, p3)
-
-
 @pytest.mark.parametrize("mode", ["ddtree", "chain"])
 def test_sampling_matches_target_distribution(mode, rng):
     """Chi-square: (t2, t3) emitted by the speculative engine ~ the target's own sampling distribution."""
@@ -228,7 +193,7 @@ def test_sampling_matches_target_distribution(mode, rng):
     eng = Engine(target, drafter, None, use_pallas=False)
     prompt = rng.integers(0, 6, size=4).tolist()
     temperature, top_p = 1.5, 0.95
-    expected = _exact_pair_distribution(cfg, seed, prompt, temperature, top_p)
+    expected = exact_pair_distribution(cfg, seed, prompt, temperature, top_p)
     counts = np.zeros((6, 6))
     batch, calls, accepted_deep = 512, 4, 0
     for _ in range(calls):
@@ -238,14 +203,7 @@ def test_sampling_matches_target_distribution(mode, rng):
         for o in out.outputs:
             counts[o.token_ids[1], o.token_ids[2]] += 1
     assert accepted_deep > 0  # some draws went through an accepted draft node
-    n = counts.sum()
-    exp = expected.ravel() * n
-    obs = counts.ravel()
-    big = exp >= 5
-    f_obs = np.append(obs[big], obs[~big].sum())
-    f_exp = np.append(exp[big], exp[~big].sum())
-    keep = f_exp > 0
-    chi2, p = stats.chisquare(f_obs[keep], f_exp[keep] * f_obs[keep].sum() / f_exp[keep].sum())
+    chi2, p = chi_square_p(counts, expected)
     assert p > 1e-3, f"chi2={chi2:.1f} p={p:.2e}"
 
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
+import itertools
 import logging
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import budget as budget_mod
@@ -33,6 +31,7 @@ from kdtree_jax.speculative import FINISH_NONFINITE, FINISH_REASONS, MODES, RUNN
 log = logging.getLogger(__name__)
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit: the request key is jax.random.key(seed)
+_TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 CACHE_ENV = "KDTREE_COMPILATION_CACHE"  # directory of JAX's persistent compilation cache; "off" disables it
 
 
@@ -202,6 +201,7 @@ class ServingEngine:
         if len(self.stop_ids) > config.max_stop_ids:
             raise ValueError(f"max_stop_ids {config.max_stop_ids} is below the model's {len(self.stop_ids)} stop ids")
         self._programs: dict = {}
+        self._uid = next(_TABLE_IDS)
         self._rng = np.random.default_rng()
         self._next_id = 0
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -301,7 +301,7 @@ class ServingEngine:
 
             args = (*weights, self.table, np.int32(0))
         desc = f"{name} {key.name if isinstance(key, StepKind) else key}"
-        compiled, seconds = eng.compile(fn, args, ("serve", id(self), name, key), desc=desc, donate=(2,))
+        compiled, seconds = eng.compile(fn, args, ("serve", self._uid, name, key), desc=desc, donate=(2,))
         self.warmup_s[desc] = seconds
         self._programs[(name, key)] = compiled
         return compiled
@@ -407,6 +407,9 @@ class ServingEngine:
 
     def running_ids(self) -> list[int]:
         return [r.rid for r in self._slots if r is not None]
+
+    def waiting_ids(self) -> list[int]:
+        return [r.rid for r in self._waiting]
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> StepReport:

@@ -1,0 +1,401 @@
+"""The serving engine: a fixed slot table, requests joining and leaving between steps, nothing compiled after
+warm-up, every request's tokens exactly what `Engine.generate` gives it alone, slots never leaked."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import jax
+import numpy as np
+import pytest
+from engine_utils import chi_square_p, drafter_config, exact_pair_distribution, random_drafter, random_pair
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kdtree_jax import config
+from kdtree_jax.engine import Engine
+from kdtree_jax.serving import (
+    AsyncServingEngine,
+    EngineClosedError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestError,
+    RequestParams,
+    RequestRecord,
+    ServeConfig,
+    ServingEngine,
+)
+from kdtree_jax.serving.programs import StepKind
+from kdtree_jax.weights import init_random
+
+BLOCK = 4
+MAX_CONTEXT = 48
+SWITCHING = {1: 8, 2: "ar", 3: 4}  # a budget per count of active slots: trees of two sizes and plain AR
+COMPILE_EVENTS = (jax._src.dispatch.JAXPR_TRACE_EVENT, jax._src.dispatch.BACKEND_COMPILE_EVENT)
+
+
+class _CompileCounter:
+    """Counts jit traces and backend compiles while `counting`; JAX's monitoring listeners cannot be removed, so
+    one is registered for the module."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.counting = False
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, name, *_args, **_kw):
+        if self.counting and name in COMPILE_EVENTS:
+            self.events.append(name)
+
+    @contextlib.contextmanager
+    def count(self):
+        self.events.clear()
+        self.counting = True
+        try:
+            yield self.events
+        finally:
+            self.counting = False
+
+
+COMPILES = _CompileCounter()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"pair seed={seed}")
+    target, drafter = random_pair("grouped", seed, block_size=BLOCK)
+    return Engine(target, drafter, None)
+
+
+@pytest.fixture(scope="module")
+def served(pair):
+    core = ServingEngine(pair, ServeConfig(max_slots=3, max_context=MAX_CONTEXT, budget=SWITCHING, rounds_per_step=2,
+                                           max_stop_ids=4, top_k_cap=8, max_queue=64))
+    core.warm_up()
+    return core
+
+
+@pytest.fixture(scope="module")
+def expected(pair):
+    """Greedy continuations of a pool of prompts, each alone through Engine.generate (no stop ids)."""
+    rng = np.random.default_rng(7)
+    vocab = pair.target.cfg.vocab_size
+    prompts = [rng.integers(0, vocab - 1, size=n).tolist() for n in (3, 9, 17, 30)]
+    full = pair.generate(prompts, MAX_CONTEXT - 30, mode="ar").token_ids
+    return prompts, full
+
+
+def _want(full: list[int], max_new: int, stop: tuple[int, ...]) -> list[int]:
+    """What a greedy request gives: its continuation cut at max_new, or just after its first stop token."""
+    out = full[:max_new]
+    for i, t in enumerate(out):
+        if t in stop:
+            return out[: i + 1]
+    return out
+
+
+def _run(core: ServingEngine, schedule: dict[int, list[tuple[list[int], RequestParams]]]):
+    """Step until idle, submitting schedule[i] before step i; returns ({rid: record}, step kinds in order)."""
+    records, kinds, ids, i = {}, [], {}, 0
+    while core.has_work or any(k >= i for k in schedule):
+        for prompt, params in schedule.get(i, []):
+            ids[core.submit(prompt, params)] = (prompt, params)
+        report = core.step()
+        kinds.append(report.kind)
+        records.update({e.request_id: e for e in report.events if isinstance(e, RequestRecord)})
+        i += 1
+    assert core.n_running == 0 and core.n_waiting == 0
+    return {rid: (records[rid], *ids[rid]) for rid in ids}, kinds
+
+
+# ---- exactness ---------------------------------------------------------------------------------------------------
+def test_greedy_requests_equal_generate_alone_while_others_join_leave_and_the_budget_changes(served, expected, pair):
+    prompts, full = expected
+    schedule = {0: [(prompts[0], RequestParams(max_new_tokens=11))],
+                1: [(prompts[1], RequestParams(max_new_tokens=7)), (prompts[2], RequestParams(max_new_tokens=16))],
+                2: [(prompts[3], RequestParams(max_new_tokens=5))],
+                4: [(prompts[1], RequestParams(max_new_tokens=13)), (prompts[0], RequestParams(max_new_tokens=3))],
+                9: [(prompts[2], RequestParams(max_new_tokens=9))]}
+    results, kinds = _run(served, schedule)
+    for rec, prompt, params in results.values():
+        i = prompts.index(prompt)
+        assert rec.finish_reason == "length"
+        assert rec.token_ids == full[i][: params.max_new_tokens]
+        alone = pair.generate([prompt], params.max_new_tokens, mode="ddtree", budget=8).outputs[0]
+        assert rec.token_ids == alone.token_ids
+        assert sum(rec.accept_lengths) == len(rec.token_ids) - 1  # the prefill's token, then the rounds'
+    ran = {k for k in kinds if k is not None}
+    assert {StepKind("ar"), StepKind("ddtree", 4), StepKind("ddtree", 8)} <= ran  # the budget followed the load
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_ar_and_chain_tables_equal_generate_alone(pair, expected, mode):
+    prompts, full = expected
+    core = ServingEngine(pair if mode == "chain" else Engine(pair.target, None, None),
+                         ServeConfig(max_slots=2, max_context=MAX_CONTEXT, mode=mode, rounds_per_step=3))
+    schedule = {0: [(prompts[i], RequestParams(max_new_tokens=4 + 3 * i)) for i in range(4)],
+                3: [(prompts[2], RequestParams(max_new_tokens=10, stop_token_ids=(full[2][5],)))]}
+    results, kinds = _run(core, schedule)
+    assert {k for k in kinds if k is not None} == {StepKind(mode)}
+    for rec, prompt, params in results.values():
+        want = _want(full[prompts.index(prompt)], params.max_new_tokens, params.stop_token_ids)
+        assert rec.token_ids == want
+        assert rec.finish_reason == ("stop" if params.stop_token_ids and want[-1] in params.stop_token_ids
+                                     else "length")
+
+
+def test_stop_ids_end_a_request_at_the_first_one(served, expected):
+    prompts, full = expected
+    stop = (full[1][4], full[1][9])
+    schedule = {0: [(prompts[1], RequestParams(max_new_tokens=14, stop_token_ids=stop)),
+                    (prompts[0], RequestParams(max_new_tokens=1, stop_token_ids=(full[0][0],)))]}
+    results, _ = _run(served, schedule)
+    for rec, prompt, params in results.values():
+        want = _want(full[prompts.index(prompt)], params.max_new_tokens, params.stop_token_ids)
+        assert rec.token_ids == want and rec.finish_reason == "stop"
+
+
+def test_a_seed_reproduces_its_request_whoever_shares_the_steps(served, expected, pair):
+    prompts, _ = expected
+    mine = (prompts[2], RequestParams(max_new_tokens=12, temperature=1.3, top_p=0.9, top_k=6, seed=1234))
+    alone, _ = _run(served, {0: [mine]})
+    crowd = {0: [(prompts[0], RequestParams(max_new_tokens=9, temperature=0.7, seed=5)), mine],
+             2: [(prompts[3], RequestParams(max_new_tokens=6, temperature=2.0, seed=6))]}
+    together, kinds = _run(served, crowd)
+    (a,) = [r for r, p, _ in alone.values()]
+    (b,) = [r for r, p, params in together.values() if params is mine[1]]
+    assert a.token_ids == b.token_ids
+    assert len({k for k in kinds if k is not None}) >= 2  # the crowd changed the budget under it
+    # the draw for the token after position p uses key fold_in(seed, p): any mode gives the same tokens
+    gen = pair.generate([mine[0]], 12, mode="ar", temperature=1.3, top_p=0.9, top_k=6, seed=[1234])
+    assert gen.token_ids[0] == a.token_ids
+    other = dict(mine[1].__dict__, seed=1235)
+    c, _ = _run(served, {0: [(mine[0], RequestParams(**other))]})
+    assert [r for r, *_ in c.values()][0].token_ids != a.token_ids  # the seed matters
+
+
+def test_sampling_keeps_the_targets_distribution(rng):
+    """Chi-square: (t2, t3) of served requests, many seeds, against the float64 reference's distribution."""
+    cfg = config.tiny(vocab_size=6, eos_token_id=())
+    seed = int(rng.integers(1 << 30))
+    target = init_random(cfg, seed=seed)
+    drafter = random_drafter(drafter_config(cfg, block_size=BLOCK), seed, scale=3.0)
+    core = ServingEngine(Engine(target, drafter, None, use_pallas=False),
+                         ServeConfig(max_slots=64, max_context=16, budget=8, rounds_per_step=2, max_queue=4096))
+    prompt = rng.integers(0, 6, size=4).tolist()
+    temperature, top_p = 1.5, 0.95
+    params = [RequestParams(max_new_tokens=3, temperature=temperature, top_p=top_p, seed=int(s))
+              for s in rng.integers(0, 1 << 32, size=1536)]
+    results, _ = _run(core, {0: [(prompt, p) for p in params]})
+    counts = np.zeros((6, 6))
+    deep = 0
+    for rec, *_ in results.values():
+        counts[rec.token_ids[1], rec.token_ids[2]] += 1
+        deep += any(a >= 2 for a in rec.accept_lengths)
+    assert deep > 0  # some tokens came through accepted draft nodes
+    chi2, p = chi_square_p(counts, exact_pair_distribution(cfg, seed, prompt, temperature, top_p))
+    assert p > 1e-3, f"chi2={chi2:.1f} p={p:.2e}"
+
+
+# ---- compiled once -----------------------------------------------------------------------------------------------
+def test_nothing_compiles_after_warm_up(served, expected):
+    """24 requests with mixed decoding rules, seeds, stop ids, token limits and prompt lengths (every bucket),
+    joining at different steps, one cancelled mid-way: no trace and no compile after warm-up."""
+    prompts, full = expected
+    rng = np.random.default_rng(3)
+    vocab = served.engine.target.cfg.vocab_size
+    schedule = {}
+    for i in range(24):
+        n = int(rng.integers(1, MAX_CONTEXT - 8)) if i else MAX_CONTEXT - 9  # the longest bucket included
+        prompt = rng.integers(0, vocab - 1, size=n).tolist()
+        params = RequestParams(max_new_tokens=int(rng.integers(1, min(12, MAX_CONTEXT - n + 1))), temperature=float(rng.choice([0, 0.5, 1.7])),
+                               top_k=int(rng.integers(0, 9)), top_p=float(rng.choice([1.0, 0.8, 0.3])),
+                               seed=int(rng.integers(1 << 32)),
+                               stop_token_ids=tuple(int(t) for t in rng.integers(0, vocab, size=rng.integers(0, 4))))
+        schedule.setdefault(int(rng.integers(0, 10)), []).append((prompt, params))
+    with COMPILES.count() as events:
+        served.submit(prompts[3], RequestParams(max_new_tokens=15))
+        served.step()
+        assert served.cancel(served.running_ids()[0]).finish_reason == "cancelled"
+        results, kinds = _run(served, schedule)
+    assert events == []
+    assert len(results) == 24 and {r.finish_reason for r, *_ in results.values()} <= {"stop", "length"}
+    assert len({k for k in kinds if k is not None}) == 3
+    assert {served.bucket_for(len(p)) for _, p, _ in results.values()} == set(served.buckets)
+
+
+# ---- slots -------------------------------------------------------------------------------------------------------
+EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, 3), st.integers(1, 14), st.sampled_from([(), (0,), (5, 9)])),
+    st.tuples(st.just("cancel"), st.integers(0, 40)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("fail")),
+), min_size=1000, max_size=1000)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(events=EVENTS)
+def test_random_submit_cancel_step_events_leak_no_slot(served, expected, events):
+    """1000 random submits, cancels, steps and failed steps: every finished request has its exact tokens, a
+    cancelled one a prefix of them, a failed step ends its running requests with "error", and no slot leaks."""
+    prompts, full = expected
+    requests, finished = {}, {}
+    fail_next = False
+
+    def done(records):
+        for rec in records:
+            assert rec.request_id not in finished
+            finished[rec.request_id] = rec
+
+    for ev in events:
+        if ev[0] == "submit":
+            params = RequestParams(max_new_tokens=ev[2], stop_token_ids=ev[3])
+            if served.n_waiting == served.config.max_queue:
+                with pytest.raises(QueueFullError):
+                    served.submit(prompts[ev[1]], params)
+                continue
+            requests[served.submit(prompts[ev[1]], params)] = (ev[1], params)
+        elif ev[0] == "cancel":
+            live = [*served.running_ids(), *served.waiting_ids()]
+            if live:
+                rec = served.cancel(live[ev[1] % len(live)])
+                assert rec is not None and rec.finish_reason == "cancelled"
+                done([rec])
+        elif ev[0] == "fail":
+            fail_next = True
+        else:
+            if fail_next:
+                with _failing_steps(served):
+                    report = served.step()
+                fail_next = False
+                errors = [e for e in report.events if isinstance(e, RequestRecord) and e.finish_reason == "error"]
+                assert served.n_running == 0 and (errors or report.kind is None)
+            else:
+                report = served.step()
+            done([e for e in report.events if isinstance(e, RequestRecord)])
+        assert served.n_running + sum(r is None for r in served._slots) == served.config.max_slots
+    while served.has_work:  # what is left runs to its end
+        done([e for e in served.step().events if isinstance(e, RequestRecord)])
+    assert served.n_running == 0 and served.n_waiting == 0
+    assert set(finished) == set(requests)
+    print("finish reasons:", {r: sum(f.finish_reason == r for f in finished.values())
+                              for r in ("length", "stop", "cancelled", "error")})
+    for rid, rec in finished.items():
+        i, params = requests[rid]
+        want = _want(full[i], params.max_new_tokens, params.stop_token_ids)
+        if rec.finish_reason in ("stop", "length"):
+            assert rec.token_ids == want, (rid, rec)
+        else:
+            assert rec.finish_reason in ("cancelled", "error") and rec.token_ids == want[: len(rec.token_ids)]
+
+
+@contextlib.contextmanager
+def _failing_steps(core: ServingEngine):
+    """Every step program raises, as a device fault would, for the duration."""
+    saved = dict(core._programs)
+
+    def boom(*_args):
+        raise RuntimeError("injected device fault")
+
+    for key in saved:
+        if key[0] == "step":
+            core._programs[key] = boom
+    try:
+        yield
+    finally:
+        core._programs.update(saved)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+def _params(**kw) -> RequestParams:
+    return RequestParams(**{"max_new_tokens": 4, **kw})
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ([1] * MAX_CONTEXT, _params(max_new_tokens=1), "prompt"),
+    ([1, 2], _params(max_new_tokens=MAX_CONTEXT), "max_new_tokens"),
+    ([1, 2], _params(max_new_tokens=0), "max_new_tokens"),
+    ([1, 2], _params(temperature=-0.1), "temperature"),
+    ([1, 2], _params(temperature=float("nan")), "temperature"),
+    ([1, 2], _params(temperature=float("inf")), "temperature"),
+    ([1, 2], _params(top_p=0.0), "top_p"),
+    ([1, 2], _params(top_p=1.5), "top_p"),
+    ([1, 2], _params(top_k=9), "top_k"),
+    ([1, 2], _params(top_k=-1), "top_k"),
+    ([1, 2], _params(stop_token_ids=(10**6,)), "stop_token_ids"),
+    ([1, 2], _params(stop_token_ids=(1, 2, 3, 4, 5)), "stop_token_ids"),
+    ([1, 2], _params(seed=-1), "seed"),
+    ([1, 2], _params(seed=1 << 32), "seed"),
+    ([], _params(), "prompt"),
+    ([1, 10**6], _params(), "prompt"),
+    ("text", _params(), "prompt"),
+    ([1.5, 2], _params(), "prompt"),
+])
+def test_bad_requests_name_their_field_and_leave_the_others_alone(served, expected, prompt, params, field):
+    prompts, full = expected
+    rid = served.submit(prompts[1], RequestParams(max_new_tokens=6))
+    records = [e for e in served.step().events if isinstance(e, RequestRecord)]
+    with pytest.raises(RequestError) as info:
+        served.submit(prompt, params)
+    assert info.value.field == field and str(info.value).startswith(field)
+    if isinstance(prompt, list) and prompt and len(prompt) + params.max_new_tokens > MAX_CONTEXT:
+        assert isinstance(info.value, PromptTooLongError) and f"max_context {MAX_CONTEXT}" in str(info.value)
+    assert served.n_waiting == 0
+    while served.has_work:
+        records += [e for e in served.step().events if isinstance(e, RequestRecord)]
+    (rec,) = [r for r in records if r.request_id == rid]
+    assert rec.token_ids == full[1][:6]
+
+
+def test_queue_limit_and_shutdown_refuse_new_requests(pair):
+    core = ServingEngine(Engine(pair.target, None, None),
+                         ServeConfig(max_slots=1, max_context=MAX_CONTEXT, mode="ar", max_queue=2))
+    core.submit([1, 2, 3], RequestParams(max_new_tokens=2))
+    core.submit([1, 2, 3], RequestParams(max_new_tokens=2))
+    with pytest.raises(QueueFullError, match="max_queue 2"):
+        core.submit([1, 2, 3])
+    cancelled = core.shutdown()
+    assert [r.finish_reason for r in cancelled] == ["cancelled", "cancelled"]
+    with pytest.raises(EngineClosedError):
+        core.submit([1, 2, 3])
+
+
+# ---- the async front ---------------------------------------------------------------------------------------------
+def test_async_front_streams_deltas_then_the_record(pair, expected):
+    prompts, full = expected
+    core = ServingEngine(Engine(pair.target, None, None),
+                         ServeConfig(max_slots=2, max_context=MAX_CONTEXT, mode="ar", rounds_per_step=2))
+    core.warm_up()
+
+    async def main():
+        front = AsyncServingEngine(core)
+        await front.start()
+        with pytest.raises(RequestError, match="top_p"):
+            front.submit(prompts[0], RequestParams(max_new_tokens=4, top_p=2.0))
+
+        async def one(i, n, cancel_after=None):
+            stream = front.submit(prompts[i], RequestParams(max_new_tokens=n))
+            got, deltas = [], 0
+            async for delta in stream:
+                got += delta.token_ids
+                deltas += 1
+                if cancel_after is not None and len(got) >= cancel_after:
+                    stream.cancel()
+            return got, deltas, stream.record
+
+        runs = await asyncio.gather(one(0, 14), one(1, 9), one(2, 16, cancel_after=2), one(3, 12))
+        await front.shutdown(timeout=30)
+        with pytest.raises(EngineClosedError):
+            front.submit(prompts[0], RequestParams(max_new_tokens=4))
+        return runs
+
+    runs = asyncio.run(main())
+    assert core.closed and core.n_running == 0
+    for i, (got, deltas, rec) in enumerate(runs):
+        assert got == rec.token_ids
+        if i == 2:
+            assert rec.finish_reason == "cancelled" and got == full[2][: len(got)] and len(got) < 16
+        else:
+            assert rec.finish_reason == "length" and got == full[i][: len(got)] and deltas >= 2
+            assert rec.first_token_time <= rec.finish_time and rec.rounds == len(rec.accept_lengths) > 0
