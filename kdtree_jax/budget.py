@@ -184,7 +184,7 @@ def checkpoint_name(path: str | os.PathLike) -> str:
 
 def merge_profiles(old: BudgetProfile, new: BudgetProfile) -> BudgetProfile:
     """`new` plus the batch sizes of `old` that `new` did not measure, for the same engine and device: a profile
-    re-measured one batch size at a time (each run within a device call's time limit) keeps the others. Settings are
+    re-measured one batch size at a time (each run within a time limit) keeps the others. Settings are
     kept per batch size (`settings["by_batch"]`), so each table says when and how it was measured."""
     key = ProfileKey(new.device_kind, new.dtype, new.n_devices, new.target, new.drafter)
     why = old.mismatch(key)
@@ -197,7 +197,7 @@ def merge_profiles(old: BudgetProfile, new: BudgetProfile) -> BudgetProfile:
 
 def _settings_by_batch(profile: BudgetProfile) -> dict:
     """{batch: settings}; a profile written before settings were kept per batch has one flat dict with
-    `tokens_per_s` keyed by batch (the shipped session-5 profile): its fields apply to every batch."""
+    `tokens_per_s` keyed by batch (the first shipped profiles): its fields apply to every batch."""
     if "by_batch" in profile.settings:
         return dict(profile.settings["by_batch"])
     flat = {k: v for k, v in profile.settings.items() if k != "tokens_per_s"}

@@ -1,7 +1,7 @@
 """After acceptance: move the accepted path's latents to contiguous rows and commit the emitted tokens.
 
 Accepted node at depth d was verified at position start + d and lands at row start + d, so its cached k_pe
-needs no re-rotation (ddtree_algorithm.md §5). Everything is gathered before anything is written.
+needs no re-rotation (docs/DESIGN.md, "One round"). Everything is gathered before anything is written.
 """
 from __future__ import annotations
 

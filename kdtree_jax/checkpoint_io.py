@@ -23,9 +23,19 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
 
 from kdtree_jax.atomic import atomic_dir
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.drafter import load_drafter
+from kdtree_jax.hf_checkpoint import HFCheckpoint
+from kdtree_jax.model import KimiModel
+from kdtree_jax.sharding import shard_model, state_shardings
+from kdtree_jax.tokenizer import KimiTokenizer
+from kdtree_jax.weights import load_model
 
 FORMAT = "kdtree-jax/orbax-v1"
 META = "kdtree_meta.json"
@@ -77,8 +87,6 @@ def save_converted(model, dst: str | os.PathLike, *, config_json: dict, extra_fi
                    expert_format: str = "float", overwrite: bool = False, before_commit: Callable | None = None,
                    progress: bool = False) -> str:
     """Write `model` as a converted checkpoint at `dst`, atomically (with `progress`, a bar over the steps)."""
-    import orbax.checkpoint as ocp
-
     dst = os.path.abspath(os.fspath(dst))
     with atomic_dir(dst, overwrite=overwrite) as tmp, _Steps(progress, 2 + len(extra_files)) as steps:
         state = nnx.to_pure_dict(nnx.state(model))
@@ -119,8 +127,6 @@ class _Steps:
     def __init__(self, enabled: bool, total: int, desc: str = "saving"):
         self._bar = None
         if enabled:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total, desc=desc, unit="step", leave=False)
 
     @contextlib.contextmanager
@@ -200,11 +206,6 @@ def read_meta(path: str, *, verify: bool = True) -> dict:
 def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=None, verify: bool = True,
                    moe_impl: str = "auto"):
     """Restore a converted target; with a mesh, each parameter is restored straight into its sharded layout."""
-    import orbax.checkpoint as ocp
-
-    from kdtree_jax.config import ModelConfig
-    from kdtree_jax.model import KimiModel
-
     path = os.path.abspath(os.fspath(path))
     meta = read_meta(path, verify=verify)
     cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
@@ -220,8 +221,6 @@ def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     graphdef, abstract = nnx.split(nnx.eval_shape(build))
     target = nnx.to_pure_dict(abstract)
     if mesh is not None:
-        from kdtree_jax.sharding import state_shardings
-
         shardings = nnx.to_pure_dict(state_shardings(abstract, mesh))
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
     else:
@@ -240,8 +239,6 @@ def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
 
 def _stored_params(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every stored parameter's shape and dtype, from orbax's metadata (no tensor data is read)."""
-    import orbax.checkpoint as ocp
-
     params = os.path.join(path, PARAMS)
     try:
         md = ocp.StandardCheckpointer().metadata(params)
@@ -292,9 +289,6 @@ def cast_params(model, dtype):
 
 def load_target_any(path: str | os.PathLike, *, dtype: str = "float32", mesh=None, progress: bool = False):
     """A target from an HF safetensors directory (read directly) or a converted checkpoint."""
-    from kdtree_jax.hf_checkpoint import HFCheckpoint
-    from kdtree_jax.weights import load_model
-
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
@@ -312,8 +306,6 @@ def load_target_any(path: str | os.PathLike, *, dtype: str = "float32", mesh=Non
         raise FileNotFoundError(f"{path}: neither an HF safetensors checkpoint (config.json + *.safetensors) nor a "
                                 f"converted one ({META})")
     if mesh is not None:
-        from kdtree_jax.sharding import shard_model
-
         model = shard_model(model, mesh)
     return model
 
@@ -326,8 +318,6 @@ class _with_progress:
         self.config = ckpt.config
         self._bar = None
         if enabled:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=len(ckpt.names()), desc="loading tensors", unit="tensor", leave=False)
 
     def get(self, name: str):
@@ -341,8 +331,6 @@ class _with_progress:
 
 
 def load_drafter_any(path: str | os.PathLike, *, dtype: str = "float32"):
-    from kdtree_jax.drafter import load_drafter
-
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such drafter directory")
@@ -351,10 +339,35 @@ def load_drafter_any(path: str | os.PathLike, *, dtype: str = "float32"):
 
 def load_tokenizer_any(path: str | os.PathLike):
     """The tokenizer shipped with a checkpoint (its own files or a `tokenizer/` folder), or None."""
-    from kdtree_jax.tokenizer import KimiTokenizer
-
     path = os.fspath(path)
     for cand in (path, os.path.join(path, "tokenizer")):
         if os.path.isfile(os.path.join(cand, "tiktoken.model")):
             return KimiTokenizer.from_dir(cand)
     return None
+
+
+# ---- sharded restore ------------------------------------------------------------------------------------------
+def abstract_sharded_state(cfg: ModelConfig, mesh: Mesh, *, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+                           cache_dtype=None, expert_format: str = "float", moe_impl: str = "auto"):
+    """(graphdef, state of ShapeDtypeStructs carrying NamedShardings, the rules of `sharding.py`): an orbax restore
+    target, or the per-device bytes of a model too large to build; nothing allocated."""
+
+    def build():
+        return KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype,
+                         expert_format=expert_format, moe_impl=moe_impl)
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    shardings = state_shardings(abstract, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return graphdef, state
+
+
+def restore_sharded(path: str, cfg: ModelConfig, mesh: Mesh, **model_kw) -> nnx.Module:
+    """Restore an orbax StandardCheckpointer tree of `nnx.to_pure_dict(nnx.state(model))` straight into the mesh.
+
+    Every process reads only its own shards; the whole model never sits on one device.
+    """
+    graphdef, abstract = abstract_sharded_state(cfg, mesh, **model_kw)
+    restored = ocp.StandardCheckpointer().restore(path, nnx.to_pure_dict(abstract))
+    nnx.replace_by_pure_dict(abstract, restored)
+    return nnx.merge(graphdef, abstract)

@@ -10,14 +10,12 @@ import json
 import os
 import sys
 
-from kdtree_jax.checkpoint_io import DTYPES, save_converted
+from kdtree_jax.checkpoint_io import DTYPES, _with_progress, save_converted
+from kdtree_jax.hf_checkpoint import HFCheckpoint, tokenizer_files
+from kdtree_jax.weights import detect_expert_format, load_model
 
 
 def convert(src: str, dst: str, *, dtype: str = "bfloat16", overwrite: bool = False, progress: bool = True) -> str:
-    from kdtree_jax.checkpoint_io import _with_progress
-    from kdtree_jax.hf_checkpoint import HFCheckpoint, tokenizer_files
-    from kdtree_jax.weights import detect_expert_format, load_model
-
     if not os.path.isdir(src):
         raise FileNotFoundError(f"{src}: no such checkpoint directory")
     with HFCheckpoint.open(src) as ckpt:

@@ -1,5 +1,5 @@
 """DFlash block-diffusion drafter (Flax NNX): one non-causal pass over [bonus, MASK x (L-1)] conditioned on target
-features injected as extra K/V in every layer (ddtree_algorithm.md §6.1).
+features injected as extra K/V in every layer (DFlash, arXiv 2602.06036; z-lab/dflash `dflash/model.py`).
 
 Layout of one `draft` call for request b (positions = cache rows):
     context rows  [0, length[b])                    cached K/V (post k_norm, post rope)
@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from kdtree_jax.atomic import atomic_dir
 from kdtree_jax.drafter_config import DrafterConfig
@@ -398,8 +400,6 @@ def set_hf_tensors(drafter: DFlashDrafter, tensors: dict[str, np.ndarray], *, so
 def _read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """All tensors of an HF safetensors dir (single file or sharded with model.safetensors.index.json), and the file
     each came from. Plain safetensors suffices: drafters are never quantized."""
-    from safetensors import safe_open
-
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -442,8 +442,6 @@ def drafter_from_hf_tensors(cfg: DrafterConfig, tensors: dict[str, np.ndarray], 
 
 def save_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, path: str | os.PathLike) -> None:
     """Write config.json + model.safetensors in z-lab layout; atomic (temp dir in the same parent, then rename)."""
-    from safetensors.numpy import save_file
-
     with atomic_dir(path) as tmp:
         tensors = {}
         for name, value in hf_tensors(drafter).items():

@@ -6,6 +6,7 @@ until every request has hit a stop token or `max_new_tokens`. The streaming vari
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -17,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from kdtree_jax import budget as budget_mod
 from kdtree_jax import sampling
+from kdtree_jax.checkpoint_io import load_drafter_any, load_target_any, load_tokenizer_any
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
 from kdtree_jax.speculative import (
@@ -305,8 +308,6 @@ class Engine:
              dtype: str = "float32", use_pallas: bool | None = None, progress: bool = False,
              budget_profile: str | os.PathLike | None = None, attn_backend: str | None = None) -> "Engine":
         """budget_profile: for budget="auto"; default `<target dir>/../budget_profile.<device kind>.json`."""
-        from kdtree_jax.checkpoint_io import load_drafter_any, load_target_any, load_tokenizer_any
-
         model = load_target_any(target, dtype=dtype, mesh=mesh, progress=progress)
         draft_model = None if drafter is None else load_drafter_any(drafter, dtype=dtype)
         if budget_profile is None:
@@ -353,8 +354,6 @@ class Engine:
         t0 = time.perf_counter()
         bar = None
         if self.progress:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=2, desc=f"compiling {desc}", unit="stage", leave=False)
         with jax.default_matmul_precision(self.matmul_precision), _mesh_context(self.mesh):
             lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
@@ -589,8 +588,6 @@ class Engine:
 
 def _mesh_context(mesh):
     """Trace under the engine's mesh, so expert-parallel MoE (shard_map) and sharding rules can see it."""
-    import contextlib
-
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 

@@ -10,7 +10,12 @@ import json
 import os
 import sys
 
-ATTENTION_BACKENDS = ("auto", "triton", "mosaic")  # "auto" + pallas_kernels.verify_attn.BACKENDS (jax-free import)
+from kdtree_jax import budget as budget_mod
+from kdtree_jax.engine import Engine
+from kdtree_jax.sharding import parse_mesh
+from pallas_kernels.verify_attn import BACKENDS
+
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
 DEFAULT_TARGET = os.path.join(DEFAULT_DIR, "target")
@@ -152,9 +157,6 @@ def run(argv: list[str] | None = None) -> int:
     _check_args(args)
     prompts = _prompts(args)
 
-    from kdtree_jax.engine import Engine
-    from kdtree_jax.sharding import parse_mesh
-
     mesh = parse_mesh(args.mesh) if args.mesh else None
     engine = Engine.load(args.checkpoint, args.drafter if args.mode != "ar" else None, mesh=mesh, dtype=args.dtype,
                          use_pallas=not args.no_pallas, progress=True, budget_profile=args.budget_profile,
@@ -197,8 +199,6 @@ def _default_budget(engine, mode: str) -> int | str:
     """No --budget: "auto" where a budget profile measured on this device applies (the B the README's speedups were
     measured at), else the fixed budget. Unlike an explicit --budget auto, a missing, foreign or unreadable profile
     is no warning: a plain run on a device nobody profiled is not a mistake."""
-    from kdtree_jax import budget as budget_mod
-
     if mode != "ddtree":  # ar and chain take no budget
         return budget_mod.DEFAULT_BUDGET
     try:

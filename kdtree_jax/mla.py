@@ -18,6 +18,8 @@ from flax import nnx
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, init_norm_weight, init_normal, rms_norm
+from kdtree_jax.sharding import verify_attn_on_mesh
+from pallas_kernels.verify_attn import verify_attn
 
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row never turns into NaN
 
@@ -132,14 +134,10 @@ def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: j
     q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(cache.dtype)  # [B, N, H, A]
     tree_kv = project_latents(attn, x, cos, sin).astype(cache.dtype)  # [B, N, A]
     if use_pallas:
-        from pallas_kernels.verify_attn import verify_attn  # lazy: the kernel module is optional on CPU
-
         kw = dict(scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, layer=layer, interpret=interpret,
                   backend=attn_backend)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.size > 1:  # each device runs the kernel on its requests and heads
-            from kdtree_jax.sharding import verify_attn_on_mesh
-
             o_lat = verify_attn_on_mesh(q, cache, start, tree_kv, mask, **kw)
         else:
             o_lat = verify_attn(q, cache, start, tree_kv, mask, **kw)

@@ -17,10 +17,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import init_normal, swiglu
 from kdtree_jax.quant import NIBBLES_PER_WORD, dequant_int4_jnp
+from pallas_kernels.int4_moe import int4_moe_ffn
 
 MOE_IMPLS = ("auto", "dense", "gather", "kernel", "ep")  # ep: expert-parallel over the mesh set by jax.set_mesh
 INT4_ARRAYS = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")  # kernel arg order
@@ -78,9 +81,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., D] -> [..., D]."""
-        if self.impl == "ep":  # each device runs its own experts, one psum (kdtree_jax/sharding.py)
-            from kdtree_jax.sharding import moe_expert_parallel
-
+        if self.impl == "ep":  # each device runs its own experts, one psum (`moe_expert_parallel` below)
             return moe_expert_parallel(self, x)
         flat = x.reshape(-1, x.shape[-1])  # [M, D]
         logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [M, E]
@@ -127,8 +128,6 @@ def experts_int4_kernel(x: jax.Array, weights: jax.Array, idx: jax.Array, expert
     model's stored layout, which is the kernel's; any E works (e.g. one device's local experts: ids outside 0..E-1
     are absent pairs that cost nothing). Interpret mode follows the backend (`resolve_interpret`).
     """
-    from pallas_kernels.int4_moe import int4_moe_ffn  # lazy, as in mla.py: Pallas loads only when a kernel runs
-
     return int4_moe_ffn(x, idx, weights, *(experts[n] for n in INT4_ARRAYS), out_dtype=out_dtype)
 
 
@@ -196,3 +195,73 @@ def _experts_gather(moe: MoE, x: jax.Array, weights: jax.Array, idx: jax.Array) 
     h = jax.nn.silu(jnp.einsum("md,mkdi->mki", x, wg)) * jnp.einsum("md,mkdi->mki", x, wu)
     y = jnp.einsum("mki,mkid->mkd", h, wd)  # [M, k, D]
     return jnp.einsum("mk,mkd->md", weights, y.astype(jnp.float32)).astype(x.dtype)
+
+
+# ---- expert parallelism over a mesh ----------------------------------------------------------------------------
+EXPERT_ARRAYS = {"float": ("gate", "up", "down"),
+                 "int4": ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")}
+
+
+def moe_expert_parallel(moe, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    """Same result as `MoE.__call__(x)`, with routed experts run by their owners (jax-llm-examples dispatch).
+
+    Activations stay replicated over tensor/expert (split by batch over data): the router runs everywhere, each
+    device maps the global top-k ids to its local experts (foreign pairs get weight 0), runs only those on its own
+    weight shard (E over `expert`, width over `tensor`), and one psum over (expert, tensor) combines. No expert
+    weight ever crosses devices and no all-to-all is needed. `mesh` defaults to the one set by `jax.set_mesh`.
+    `MoE(impl="ep")` calls it (see docs/sharding.md).
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    cfg = moe.cfg
+    flat = x.reshape(-1, x.shape[-1])  # [M, D]
+    logits = flat.astype(jnp.float32) @ moe.router[...].astype(jnp.float32)  # [M, E]
+    weights, idx = route(logits, moe.bias[...] if cfg.topk_method == "noaux_tc" else None, cfg)  # [M, k]
+    names = EXPERT_ARRAYS[moe.expert_format]
+    arrays = [getattr(moe, n)[...] for n in names]
+    n_exp = mesh.shape["expert"] if cfg.n_routed_experts % mesh.shape["expert"] == 0 else 1
+    width_tp = mesh.shape["tensor"] > 1 and all(
+        a.shape[_width_dim(n)] % mesh.shape["tensor"] == 0 for n, a in zip(names, arrays))
+    ep_axis = "expert" if n_exp > 1 else None
+    specs = [P(ep_axis, *[("tensor" if width_tp and d == _width_dim(n) else None) for d in (1, 2)]) for n in names]
+    data = "data" if mesh.shape["data"] > 1 and flat.shape[0] % mesh.shape["data"] == 0 else None
+    reduce_axes = tuple(a for a, on in (("expert", ep_axis), ("tensor", width_tp)) if on)
+    e_local = cfg.n_routed_experts // n_exp
+    use_kernel = kernel_eligible(moe)  # INT4 on GPU: the grouped kernel runs only the local pairs
+
+    def local(xs, w, ids, *experts):
+        first = jax.lax.axis_index("expert") * e_local if ep_axis else 0
+        lid = ids - first  # [m, k] local expert id, valid in [0, e_local)
+        mine = (lid >= 0) & (lid < e_local)
+        w = jnp.where(mine, w, 0.0)
+        if use_kernel:  # foreign pairs keep an out-of-range id: absent for the kernel, no rows, no work
+            y = experts_int4_kernel(xs, w, lid, dict(zip(names, experts)), out_dtype=jnp.float32)
+        else:
+            wg, wu, wd = _local_expert_weights(moe, dict(zip(names, experts)), jnp.where(mine, lid, 0), xs.dtype)
+            h = jax.nn.silu(jnp.einsum("md,mkdi->mki", xs, wg)) * jnp.einsum("md,mkdi->mki", xs, wu)
+            y = jnp.einsum("mki,mkid->mkd", h, wd)  # [m, k, D] partial over the local width
+            y = jnp.einsum("mk,mkd->md", w, y.astype(jnp.float32))
+        return jax.lax.psum(y, reduce_axes) if reduce_axes else y
+
+    tok = P(data, None)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=tok, check_vma=False)(
+        flat, weights, idx, *arrays)
+    y = y.astype(x.dtype)
+    if cfg.n_shared_experts:
+        y = y + moe.shared(flat)
+    return y.reshape(x.shape)
+
+
+def _width_dim(name: str) -> int:
+    """Dim of a stacked routed-expert array that holds the expert width (moe_intermediate_size or its packing)."""
+    return 2 if name in ("gate", "up") or name.startswith("down_") else 1
+
+
+def _local_expert_weights(moe, experts: dict, lid: jax.Array, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """gate, up [m, k, D, I'] and down [m, k, I', D] of the local experts `lid` [m, k] (INT4 dequantized here)."""
+    if moe.expert_format == "float":
+        return tuple(experts[n][lid].astype(dt) for n in ("gate", "up", "down"))
+    out = []
+    for n in ("gate", "up", "down"):
+        w = dequant_int4_jnp(experts[n + "_packed"][lid], experts[n + "_scale"][lid], moe.group_size, dt)
+        out.append(jnp.swapaxes(w, -1, -2))  # [m, k, out, in] -> [m, k, in, out]
+    return tuple(out)

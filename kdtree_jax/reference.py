@@ -1,8 +1,9 @@
 """Golden float64 numpy forward of the DeepSeek-V3 / Kimi K2 text model (HF `modeling_deepseek.py` semantics).
 
-Written from the format doc's math (kimi_k2_format.md §3), deliberately sharing no code with the JAX model: plain
-MLA with causal attention, YaRN rope applied the way HF does it (de-interleave permutation + NeoX rotate_half),
-noaux_tc sigmoid routing. Slow and simple; meant for tiny configs in tests.
+Written from the math of HF's reference code (`modeling_deepseek.py`, shipped with the Kimi K2 checkpoints),
+deliberately sharing no code with the JAX model: plain MLA with causal attention, YaRN rope applied the way HF
+does it (de-interleave permutation + NeoX rotate_half), noaux_tc sigmoid routing. Slow and simple; meant for
+tiny configs in tests.
 """
 from __future__ import annotations
 

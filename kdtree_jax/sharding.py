@@ -11,12 +11,15 @@ as in jax-llm-examples), while routed experts split their E dim over `expert` an
 expert), and both put ~1/8 of the model on each GPU. A mesh axis cannot be in two places of one spec (P2 check).
 
 Everything else — which parameter has which logical axes — is keyed by the parameter's path in the NNX state
-(`layers.3.attn.q_b`), so restores (`abstract_sharded_state`) need no live module. A dim that does not divide its
-mesh axes falls back to fewer axes, then to replicated, and the fallback is recorded (`sharding_notes`).
+(`layers.3.attn.q_b`), so restores (`checkpoint_io.abstract_sharded_state`) need no live module. A dim that does
+not divide its mesh axes falls back to fewer axes, then to replicated, and the fallback is recorded
+(`sharding_notes`).
 
 The MoE runs under plain GSPMD propagation: with experts sharded on E, the model's "dense" expert path computes
 each device's local experts and all-reduces the combine (no all-gather of expert weights; see docs/sharding.md).
-`moe_expert_parallel` is the explicit `shard_map` form of the same dispatch for the "gather"-sized case.
+`moe.moe_expert_parallel` is the explicit `shard_map` form of the same dispatch for the "gather"-sized case, and
+`verify_attn_on_mesh` below runs the attention kernel per device. This module imports no model code (mla.py
+imports it), so the layers use the rules without an import cycle.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kdtree_jax.config import ModelConfig
+from pallas_kernels.verify_attn import verify_attn
 
 MESH_AXES = ("data", "tensor", "expert")
 
@@ -222,34 +225,6 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
     return nnx.merge(graphdef, state)
 
 
-def abstract_sharded_state(cfg: ModelConfig, mesh: Mesh, *, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
-                           cache_dtype=None, expert_format: str = "float", moe_impl: str = "auto"):
-    """(graphdef, state of ShapeDtypeStructs carrying NamedShardings): an orbax restore target; nothing allocated."""
-    from kdtree_jax.model import KimiModel
-
-    def build():
-        return KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, cache_dtype=cache_dtype,
-                         expert_format=expert_format, moe_impl=moe_impl)
-
-    graphdef, abstract = nnx.split(nnx.eval_shape(build))
-    shardings = state_shardings(abstract, mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    return graphdef, state
-
-
-def restore_sharded(path: str, cfg: ModelConfig, mesh: Mesh, **model_kw) -> nnx.Module:
-    """Restore an orbax StandardCheckpointer tree of `nnx.to_pure_dict(nnx.state(model))` straight into the mesh.
-
-    Every process reads only its own shards; the whole model never sits on one device.
-    """
-    import orbax.checkpoint as ocp
-
-    graphdef, abstract = abstract_sharded_state(cfg, mesh, **model_kw)
-    restored = ocp.StandardCheckpointer().restore(path, nnx.to_pure_dict(abstract))
-    nnx.replace_by_pure_dict(abstract, restored)
-    return nnx.merge(graphdef, abstract)
-
-
 def per_device_bytes(state) -> int:
     """Bytes one device holds for a state whose leaves carry NamedShardings (arrays or ShapeDtypeStructs)."""
     total = 0
@@ -262,62 +237,7 @@ def total_bytes(state) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
 
 
-# ---- MoE: explicit expert parallelism --------------------------------------------------------------------------
-EXPERT_ARRAYS = {"float": ("gate", "up", "down"),
-                 "int4": ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")}
-
-
-def moe_expert_parallel(moe, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
-    """Same result as `MoE.__call__(x)`, with routed experts run by their owners (jax-llm-examples dispatch).
-
-    Activations stay replicated over tensor/expert (split by batch over data): the router runs everywhere, each
-    device maps the global top-k ids to its local experts (foreign pairs get weight 0), runs only those on its own
-    weight shard (E over `expert`, width over `tensor`), and one psum over (expert, tensor) combines. No expert
-    weight ever crosses devices and no all-to-all is needed. `mesh` defaults to the one set by `jax.set_mesh`.
-    Hook: MoE.__call__ can return this when the engine runs on a mesh (see docs/sharding.md).
-    """
-    from kdtree_jax.moe import experts_int4_kernel, kernel_eligible, route
-
-    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    cfg = moe.cfg
-    flat = x.reshape(-1, x.shape[-1])  # [M, D]
-    logits = flat.astype(jnp.float32) @ moe.router[...].astype(jnp.float32)  # [M, E]
-    weights, idx = route(logits, moe.bias[...] if cfg.topk_method == "noaux_tc" else None, cfg)  # [M, k]
-    names = EXPERT_ARRAYS[moe.expert_format]
-    arrays = [getattr(moe, n)[...] for n in names]
-    n_exp = mesh.shape["expert"] if cfg.n_routed_experts % mesh.shape["expert"] == 0 else 1
-    width_tp = mesh.shape["tensor"] > 1 and all(
-        a.shape[_width_dim(n)] % mesh.shape["tensor"] == 0 for n, a in zip(names, arrays))
-    ep_axis = "expert" if n_exp > 1 else None
-    specs = [P(ep_axis, *[("tensor" if width_tp and d == _width_dim(n) else None) for d in (1, 2)]) for n in names]
-    data = "data" if mesh.shape["data"] > 1 and flat.shape[0] % mesh.shape["data"] == 0 else None
-    reduce_axes = tuple(a for a, on in (("expert", ep_axis), ("tensor", width_tp)) if on)
-    e_local = cfg.n_routed_experts // n_exp
-    use_kernel = kernel_eligible(moe)  # INT4 on GPU: the grouped kernel runs only the local pairs
-
-    def local(xs, w, ids, *experts):
-        first = jax.lax.axis_index("expert") * e_local if ep_axis else 0
-        lid = ids - first  # [m, k] local expert id, valid in [0, e_local)
-        mine = (lid >= 0) & (lid < e_local)
-        w = jnp.where(mine, w, 0.0)
-        if use_kernel:  # foreign pairs keep an out-of-range id: absent for the kernel, no rows, no work
-            y = experts_int4_kernel(xs, w, lid, dict(zip(names, experts)), out_dtype=jnp.float32)
-        else:
-            wg, wu, wd = _local_expert_weights(moe, dict(zip(names, experts)), jnp.where(mine, lid, 0), xs.dtype)
-            h = jax.nn.silu(jnp.einsum("md,mkdi->mki", xs, wg)) * jnp.einsum("md,mkdi->mki", xs, wu)
-            y = jnp.einsum("mki,mkid->mkd", h, wd)  # [m, k, D] partial over the local width
-            y = jnp.einsum("mk,mkd->md", w, y.astype(jnp.float32))
-        return jax.lax.psum(y, reduce_axes) if reduce_axes else y
-
-    tok = P(data, None)
-    y = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *specs), out_specs=tok, check_vma=False)(
-        flat, weights, idx, *arrays)
-    y = y.astype(x.dtype)
-    if cfg.n_shared_experts:
-        y = y + moe.shared(flat)
-    return y.reshape(x.shape)
-
-
+# ---- attention on a mesh ---------------------------------------------------------------------------------------
 def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int | None, mesh=None, **kw):
     """`pallas_kernels.verify_attn` run by every device on its own requests and heads (jax.shard_map).
 
@@ -325,8 +245,6 @@ def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int 
     every device. Here each device passes its batch shard of the cache ([L, Bt/data, S, A], replicated over the
     head split, as LATENT_CACHE_AXES lays it out) and its slice of the heads ("heads" axes) straight to the kernel.
     """
-    from pallas_kernels.verify_attn import verify_attn
-
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     q_spec = logical_spec(("batch", None, "heads", None), q.shape, mesh, name="verify_attn q")  # as the weights
     data = q_spec[0]
@@ -338,21 +256,3 @@ def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int 
 
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, cache_spec, row, row, row), out_specs=q_spec,
                          check_vma=False)(q, cache, prefix_len, tree_kv, tree_mask)
-
-
-def _width_dim(name: str) -> int:
-    """Dim of a stacked routed-expert array that holds the expert width (moe_intermediate_size or its packing)."""
-    return 2 if name in ("gate", "up") or name.startswith("down_") else 1
-
-
-def _local_expert_weights(moe, experts: dict, lid: jax.Array, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """gate, up [m, k, D, I'] and down [m, k, I', D] of the local experts `lid` [m, k] (INT4 dequantized here)."""
-    from kdtree_jax.quant import dequant_int4_jnp
-
-    if moe.expert_format == "float":
-        return tuple(experts[n][lid].astype(dt) for n in ("gate", "up", "down"))
-    out = []
-    for n in ("gate", "up", "down"):
-        w = dequant_int4_jnp(experts[n + "_packed"][lid], experts[n + "_scale"][lid], moe.group_size, dt)
-        out.append(jnp.swapaxes(w, -1, -2))  # [m, k, out, in] -> [m, k, in, out]
-    return tuple(out)

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import tiktoken
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Kimi's pre-tokenizer (o200k-like, Han runs split out first). `&&` is set intersection in tiktoken's regex engine.
 KIMI_PAT_PARTS: tuple[str, ...] = (
@@ -34,7 +36,7 @@ KIMI_PAT_STR = "|".join(KIMI_PAT_PARTS)
 
 NUM_SPECIAL_SLOTS = 256  # special ids occupy [special_base, special_base + 256); Kimi: 163584..163839
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000  # tiktoken panics on longer inputs
-MAX_NO_WHITESPACES_CHARS = 25_000  # tiktoken is quadratic on long runs of (non-)whitespace (tiktoken issue #195)
+MAX_NO_WHITESPACES_CHARS = 25_000  # tiktoken is quadratic on long runs of (non-)whitespace (github.com/openai/tiktoken/issues/195)
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -347,9 +349,6 @@ class KimiTokenizer:
 
 
 def _compile_template(source: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message: str):
         raise TemplateError(message)
 

@@ -2,11 +2,12 @@
 
 Why a kernel: at decode / verify sizes (1..512 tokens, top-8 of 384 experts) an MoE layer is bound by reading the
 touched experts' weights. XLA's `ragged_dot` costs ~8 ms per layer even for one token and gathering weights copies
-them (jax_stack.md §3.1). Here each touched expert's packed INT4 words are read once per row block, unpacked in
+them (BENCHMARKS.md §4a). Here each touched expert's packed INT4 words are read once per row block, unpacked in
 registers and fed to the tensor cores; untouched experts cost nothing.
 
-Weight layout (kimi_k2_format.md §2.3, the model's stacked INT4 experts): packed int32 [E, N, K/8] — nibble k of
-word j is input column 8j+k, offset 8 — and scale bf16 [E, N, K/G]: W[e, n, i] = (nib - 8) * scale[e, n, i // G].
+Weight layout (`int4_layout.py`, compressed-tensors pack-quantized; the model's stacked INT4 experts): packed
+int32 [E, N, K/8] — nibble k of word j is input column 8j+k, offset 8 — and scale bf16 [E, N, K/G]:
+W[e, n, i] = (nib - 8) * scale[e, n, i // G].
 
 Routing layout (XLA, outside the kernel): the P (token, expert) pairs are sorted by expert; each touched expert
 gets a *slot* whose rows start at a multiple of `block_m` (padded with zero rows), so every row block belongs to
@@ -22,14 +23,15 @@ through L2. A program loops over its slot's row blocks (dynamic trip count) and,
 W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates
 x_k @ W_k^T in fp32. x_k are the input columns {8j + k}: the wrapper stores the activations nibble-major
 (`_nibble_major`: column k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile and no
-value is ever gathered or reshaped across the nibble axis (jax_stack.md §2.3).
+value is ever gathered or reshaped across the nibble axis (Pallas' Triton lowering takes power-of-two blocks and
+no value gathers: `jax/_src/pallas/triton/lowering.py`).
 
 With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly.
 `split_k` (static) splits the K loop over more programs, for few rows: fp32 partials, added in XLA (not bit-identical
 to the unsplit kernel; within the same tolerance of the float64 reference).
 
 Unpack variants (static `unpack=`, same bf16 weights bit for bit): "f32" forms each weight in fp32 and rounds it
-(~6 ALU instructions per weight in the sm_90 K loop, `scripts/kernel_resources.py --int4-mix`); "bf16x2" (bf16
+(~6 ALU instructions per weight in the sm_90 K loop, `benchmarks/kernel_resources.py --int4-mix`); "bf16x2" (bf16
 activations only) forms two weights per instruction in inline PTX (~2.9 per weight, loop included). Neither path
 round-trips the dequantized tile through shared memory: Triton loads the packed words straight into the mma operand
 layout (no STS in the K loop), so the unpack ALU work, not layout conversion, is what the variants differ in.
@@ -50,13 +52,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kdtree_jax.quant import INT4_OFFSET, NIBBLES_PER_WORD, dequant_int4_jnp
 from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
+from pallas_kernels.int4_layout import INT4_OFFSET, NIBBLES_PER_WORD, dequant_int4_jnp
 
 MIN_DOT = 16  # smallest dot dimension Triton handles well (and the smallest row block)
 MAX_BLOCK_M = 64  # row-block cap: larger blocks waste rows on experts with few tokens
 PAIRWISE_ROUTE_MAX_PAIRS = 512  # route by [P, P] comparisons up to here (64 tokens at top-8): 1/4 M int compares
-# Tiles and warps from the sm_90 resource report (scripts/kernel_resources.py, BENCHMARKS.md): with 64 words per K
+# Tiles and warps from the sm_90 resource report (benchmarks/kernel_resources.py, BENCHMARKS.md): with 64 words per K
 # tile the fused gate/up kernel spilled 216 (1 token) to 1176 (512 tokens) bytes per thread on 4 warps; 32 words on
 # 8 warps keeps both kernels in registers from 1 to 512 routed tokens.
 DEFAULT_BLOCK_N = 64  # output columns per program

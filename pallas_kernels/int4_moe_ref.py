@@ -1,10 +1,10 @@
-"""float64 numpy references for `int4_moe`: dequantize with `quant.dequant_int4` (the exact HF decoding) and loop
-over (token, expert) pairs — deliberately nothing like the kernel's sorted, block-padded layout."""
+"""float64 numpy references for `int4_moe`: dequantize with `int4_layout.dequant_int4` (the exact HF decoding)
+and loop over (token, expert) pairs — deliberately nothing like the kernel's sorted, block-padded layout."""
 from __future__ import annotations
 
 import numpy as np
 
-from kdtree_jax.quant import NIBBLES_PER_WORD, dequant_int4
+from pallas_kernels.int4_layout import NIBBLES_PER_WORD, dequant_int4
 
 
 def _dequant64(packed, scale) -> np.ndarray:

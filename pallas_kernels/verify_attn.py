@@ -7,7 +7,7 @@ Every query row (node n, head h) attends to the request's latent cache rows [0, 
 its mask row allows. The KV side is one shared 576-wide latent head (MQA: c_kv | k_pe), so the (N, H) query rows
 are flattened to R_q = N*H rows and processed as 2-D tiles of `block_q` rows; each KV block of `block_k` latents
 is loaded once per tile and feeds both dots: scores = q_lat·c_kv + q_pe·k_pe (two power-of-two dots, 512 + 64),
-values = c_kv itself (see kimi_k2_format.md §3.6).
+values = c_kv itself (weight absorption: DeepSeek-V2, arXiv 2405.04434, §2.1.2; `kdtree_jax/mla.py`).
 
 Grid (query tiles, splits, Bt), tiles fastest: the programs resident at once are mostly tiles of one request and
 split, so they share its KV blocks through L2 (what makes large trees compute-bound, not HBM-bound). Split j
@@ -20,7 +20,7 @@ axis, parallel over rows, where a Pallas merge loop over splits measured latency
 The split count fills whole waves of SMs (`_default_splits`): a grid of 136 equal programs on 132 SMs takes two
 program times, as long as 264.
 
-Triton constraints and how they are met (jax_stack.md §2.3):
+Triton constraints (the rules of `jax/_src/pallas/triton/lowering.py`) and how they are met:
   - power-of-two tiles only: R and rope dims are padded to powers of two >= 16 in the wrapper only when they are not
     already (never for K2's 512 + 64); row counts need no padding because the last query tile / KV block is
     shifted back to end at the array's end (the overlap is masked for KV and written twice with equal values
@@ -49,7 +49,7 @@ MIN_DOT = 16  # smallest dot dimension Triton handles well
 # fit one MIN_DOT-row tile, warps, stages); residency is the sm_90 resource report's (shared memory and registers,
 # checked by tests/test_kernel_resources.py) and sizes the split rule's wave. bf16 from the H200 tuning sweeps
 # (BENCHMARKS.md §3, `bench_kernels.py --tune`): 4 warps and 3 stages beat the 8-warp, 2-stage tiles the sm_90
-# resource report suggested by 1.4-2.2x (session 3); with the wave split rule, 32 x 64 tiles won 4 of 5 H = 64 shapes
+# resource report suggested by 1.4-2.2x; with the wave split rule, 32 x 64 tiles won 4 of 5 H = 64 shapes
 # (tied the fifth), and 16 x 32 (one query tile per request: smaller KV blocks, two blocks per SM) was best or within
 # 16% of the best on every H = 8 decode shape. 64-row tiles with wgmma (an output split in
 # value chunks to stay in registers) lost on all five H = 64 shapes. fp32 keeps 16 x 32 on 8 warps, 2 stages: larger
@@ -304,7 +304,7 @@ def pick_backend(backend: str | None, dtype, rows: int, r: int, dr: int, seq: in
 
     By default the wgmma kernel serves, on an sm_90 GPU, every call it supports whose rows fill whole 64-row tiles:
     at H = 64 its GPU time per call measured 1.2-2.7x less than the Triton kernel's (wall time 0.9-2.5x, the 0.9 at
-    batch 1, 32k; BENCHMARKS.md §3, session 6), while H = 8 decode, padded to a tile, measured a tie (0.95-1.05x)
+    batch 1, 32k; BENCHMARKS.md §3), while H = 8 decode, padded to a tile, measured a tie (0.95-1.05x)
     and stays on Triton. An explicit choice is honoured (any row count:
     rows are padded) or refused with the reason."""
     fits = verify_attn_mgpu.supports(dtype, r, dr, seq)

@@ -14,7 +14,7 @@ scores are computed once. Each program (request b, query tile t, split j) writes
 of the prefix blocks and its rows' log-sum-exp; `verify_attn` merges the splits with the tree part. The output
 leaves through shared memory (the q tile's, dead by then) and TMA stores: written from the wgmma register layout it
 cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA: 1.8 / 2.9 µs), the largest part of a short call
-(BENCHMARKS.md §3, session 7). That buffer holds the input dtype, so the fp32 output goes as two parts, hi = o
+(BENCHMARKS.md §3). That buffer holds the input dtype, so the fp32 output goes as two parts, hi = o
 rounded and lo = o - hi: 16 significant bits, as many bytes as fp32. One bf16 part alone (8 bits) made the greedy
 ddtree and AR calls round differently enough to pick different tokens on a random model: one prefix over 1 and over
 5 splits then differs by 2.3e-3 relative before the final cast, against 8e-4 with both parts (P's own bf16 rounding).

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine's
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kdtree_jax import training as T  # noqa: E402
+from kdtree_jax import train as T  # noqa: E402
 from kdtree_jax.drafter import load_drafter  # noqa: E402
 from kdtree_jax.hf_checkpoint import HFCheckpoint  # noqa: E402
 from kdtree_jax.tokenizer import KimiTokenizer  # noqa: E402

@@ -9,7 +9,7 @@ The table ends with the check that matters: measured tokens/s of the automatic c
     python scripts/profile_budget.py --n-prompts 2 --max-new-tokens 16 --budgets 4 16 --batches 1 2 --repeats 1
 
 The profile is written after each batch size. A profile already at --out for the same engine and device keeps the
-batch sizes this run does not measure, so one batch size per run (e.g. per time-limited device call) rebuilds it.
+batch sizes this run does not measure, so one batch size per run (e.g. under a time limit per run) rebuilds it.
 """
 from __future__ import annotations
 

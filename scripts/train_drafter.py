@@ -1,4 +1,4 @@
-"""Train the DFlash drafter of kdtree-mini against the frozen target (ddtree_algorithm.md §6.2).
+"""Train the DFlash drafter of kdtree-mini against the frozen target (the DFlash recipe, arXiv 2602.06036).
 
 Each step: the target runs over the batch and its tapped layers (dflash target_layer_ids) give the features; many
 random anchors per sequence each open a block [token, MASK x (L-1)] that sees the features strictly before its
@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kdtree_jax import training as T  # noqa: E402
+from kdtree_jax import train as T  # noqa: E402
 from kdtree_jax.config import ModelConfig  # noqa: E402
 from kdtree_jax.drafter import (  # noqa: E402
     DFlashDrafter,

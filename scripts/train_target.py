@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kdtree_jax import training as T  # noqa: E402
+from kdtree_jax import train as T  # noqa: E402
 from kdtree_jax.config import ModelConfig, RopeScaling  # noqa: E402
 from kdtree_jax.tokenizer import KimiTokenizer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The mesh-scaling benchmark (issue: 8 GPUs) on simulated CPU devices: the sharded generations give the one-device
+"""The mesh-scaling benchmark (1 to 8 GPUs) on simulated CPU devices: the sharded generations give the one-device
 tokens, ddtree gives ar's tokens on each layout, and every row is timed."""
 import importlib.util
 import math
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_mesh_scaling.py")
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_mesh_scaling.py")
 
 
 @pytest.mark.multidevice

@@ -1,4 +1,4 @@
-"""scripts/bench_round.py: the timed parts are the real round (chained, they rebuild the fused round's state), the
+"""benchmarks/bench_round.py: the timed parts are the real round (chained, they rebuild the fused round's state), the
 timing loop runs every call on unchanged inputs, and the shared prefill cut to each spec is that spec's prefill.
 
 CPU smoke only (kernels in the Pallas interpreter); the full sweep is a GPU command (see the script's docstring).
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-sys.path.insert(0, SCRIPTS)
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
 
 import bench_round  # noqa: E402
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_util.py")
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_util.py")
 _spec = importlib.util.spec_from_file_location("_bench_util", _PATH)
 bench_util = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_util)

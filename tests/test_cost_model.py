@@ -1,4 +1,4 @@
-"""The verify cost model of scripts/bench_kimi_layer.py: non-negative coefficients, minimax relative error, and the
+"""The verify cost model of benchmarks/bench_kimi_layer.py: non-negative coefficients, minimax relative error, and the
 leave-one-out check, on synthetic measurements with known coefficients (fresh random shapes every run)."""
 import dataclasses
 import importlib.util
@@ -10,7 +10,7 @@ import pytest
 
 from kdtree_jax.config import kimi_k2_6
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_kimi_layer.py")
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_kimi_layer.py")
 _spec = importlib.util.spec_from_file_location("_bench_kimi_layer", _PATH)
 bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = bench  # its dataclasses look their module up

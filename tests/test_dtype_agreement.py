@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PATH = os.path.join(_REPO, "scripts", "dtype_agreement.py")
+_PATH = os.path.join(_REPO, "benchmarks", "dtype_agreement.py")
 _PAIR = os.path.join(_REPO, "checkpoints", "kdtree-mini")
 
 

@@ -345,7 +345,7 @@ def test_chain_rounds_equal_the_offline_drafter_walk():
     walked one round per block. Ties the engine's drafter context, positions and target features to training's."""
     import json
 
-    from kdtree_jax import training as T
+    from kdtree_jax import train as T
 
     eng = Engine.load(os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter"))
     with open(os.path.join(SHIPPED, "heldout_prompts.jsonl")) as f:

@@ -7,19 +7,22 @@ thread at B = 256) ran 1.6-2.2x faster than spill-free 8-warp tiles (BENCHMARKS.
 than SPILL_LIMIT is a change to measure on the GPU before it lands."""
 import importlib.util
 import os
+import sys
 
 import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("triton", reason="the sm_90 compile needs the triton package (test extra, Linux x86-64)")
 
-from pallas_kernels.triton_report import (SHARED_LIMIT, KernelResources, mma_loop, opcode_counts,  # noqa: E402
-                                          parse_sass, report)
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, _BENCHMARKS)  # triton_report lives next to kernel_resources, its command-line user
+
 from pallas_kernels.verify_attn import DEFAULTS, MIN_DOT  # noqa: E402
+from triton_report import SHARED_LIMIT, KernelResources, mma_loop, opcode_counts, parse_sass, report  # noqa: E402
 
 SPILL_LIMIT = 512  # stack bytes per thread
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "kernel_resources.py")
+_PATH = os.path.join(_BENCHMARKS, "kernel_resources.py")
 _spec = importlib.util.spec_from_file_location("_kernel_resources", _PATH)
 cases = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cases)

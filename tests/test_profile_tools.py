@@ -1,5 +1,6 @@
-"""The profiling scripts' bookkeeping: kernel -> round part attribution (profile_round), the ncu summary
-(profile_step) and the per-step slope (bench_kimi_layer), on synthetic traces with fresh random durations."""
+"""The profiling benchmarks' bookkeeping: kernel -> round part attribution (profile_round), the per-step slope
+(bench_kimi_layer) and kernel time per call from trace events (bench_kernels), on synthetic traces with fresh random
+durations."""
 import importlib.util
 import os
 import sys
@@ -7,20 +8,19 @@ import sys
 import numpy as np
 import pytest
 
-_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_{name}", os.path.join(_SCRIPTS, f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"_{name}", os.path.join(_BENCHMARKS, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
-    sys.path.insert(0, _SCRIPTS)
+    sys.path.insert(0, _BENCHMARKS)
     spec.loader.exec_module(mod)
     return mod
 
 
 profile_round = _load("profile_round")
-profile_step = _load("profile_step")
 bench_kimi_layer = _load("bench_kimi_layer")
 
 HLO = """\
@@ -79,37 +79,6 @@ def test_kernels_attribute_to_round_parts(rng):
         assert got[part] == pytest.approx(want[part], rel=1e-12)
 
 
-def test_ncu_summary_sums_by_kind_and_unit(rng, tmp_path):
-    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
-              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
-    lines, total = ["==PROF== Connected to process 1", header], {}
-    names = ["verify_attn", "int4_swiglu", "gemv2T_kernel", "loop_add_fusion_3", "gemm_fusion_dot_9"]
-    for i in range(40):
-        name = names[int(rng.integers(len(names)))]
-        ns = float(rng.uniform(500, 90000))
-        unit, value = ("usecond", f"{ns / 1e3:.6f}") if i % 2 else ("nsecond", f"{ns:,.3f}")
-        lines.append(f'"{i}","1","python","h","{name}","1","7","(128,1,1)","(1,1,1)","0","9.0",'
-                     f'"Command line profiler metrics","gpu__time_duration.sum","{unit}","{value}"')
-        kind = profile_step.kind_of(name)
-        total[kind] = total.get(kind, 0.0) + ns / 1e3
-    path = tmp_path / "ncu.csv"
-    path.write_text("\n".join(lines) + "\n")
-    rows = profile_step.read_ncu_csv(str(path))
-    assert len(rows) == 40
-    assert sum(us for _, us in rows) == pytest.approx(sum(total.values()), rel=1e-6)
-    steps = int(rng.integers(1, 9))
-    text = profile_step.summarize(str(path), wall_us=None, steps=steps)
-    for kind, us in total.items():
-        assert f"| {kind} |" in text and f"{us / steps:.1f}" in text
-
-
-def test_ncu_summary_rejects_a_csv_without_times(tmp_path):
-    path = tmp_path / "empty.csv"
-    path.write_text('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n"0","k","other","byte","1"\n')
-    with pytest.raises(ValueError, match="empty.csv: no gpu__time_duration.sum rows"):
-        profile_step.read_ncu_csv(str(path))
-
-
 def test_per_step_slope_drops_the_fixed_cost(rng):
     fixed, step = float(rng.uniform(1e-4, 1e-3)), float(rng.uniform(1e-4, 3e-3))
     k0, k1 = sorted(int(k) for k in rng.choice(range(1, 64), 2, replace=False))
@@ -119,28 +88,6 @@ def test_per_step_slope_drops_the_fixed_cost(rng):
     assert row[f"ms_per_step_of_{k0}"] == pytest.approx((fixed + k0 * step) * 1e3 / k0, rel=1e-12)
     one = bench_kimi_layer.per_step_ms((k0,), [fixed + k0 * step])
     assert one == {"ms": pytest.approx((fixed + k0 * step) * 1e3 / k0, rel=1e-12)}
-
-
-def test_chunked_attention_equals_the_jnp_form(rng):
-    """bench_attn_forms' candidate: chunks of any size (an overlapping last chunk included) give the same output."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from kdtree_jax.mla import absorbed_attention_jnp
-
-    forms = _load("bench_attn_forms")
-    b, n, h, a, r = 2, int(rng.integers(1, 6)), 3, 24, 16
-    s = int(rng.integers(n + 3, 90))
-    q, c, t = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((b, n, h, a), (b, s, a), (b, n, a)))
-    prefix = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
-    mask = jnp.asarray(bench_kimi_layer.ancestor_mask(rng, b, n))
-    ref = np.asarray(absorbed_attention_jnp(q, c, prefix, t, mask, scale=0.3, kv_lora_rank=r), np.float64)
-    chunk_rows = int(rng.integers(1, s))
-    with jax.default_matmul_precision("highest"):
-        got = forms.chunked_attention(q, c, prefix, t, mask, scale=0.3, kv_lora_rank=r,
-                                      score_bytes=4 * b * n * h * chunk_rows)
-    np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_kernel_time_per_call_from_trace_events(rng):
@@ -183,19 +130,3 @@ def test_verify_table_reads_against_the_same_bytes(rng):
     got = dict(zip(header, line))
     assert got["read ms (kernels)"] == f"{read:.3f}"
     assert got["% read (kernels)"] == f"{100 * read / kern:.0f}%"
-
-
-@pytest.mark.parametrize("variant", ["q+store", "q+tma-store"])
-def test_probe_micro_kernels_write_their_output(variant, rng, interpret):
-    """The probe's fixed-work kernels write every column of every program (the interpreter starts outputs poisoned),
-    so the timed work is the work named. Each compute warpgroup writes column c of its half as c * (program + 1)."""
-    import jax.numpy as jnp
-
-    probe = _load("probe_mgpu_fixed_cost")
-    programs, half = 2, probe.R // 2
-    q = jnp.asarray(rng.standard_normal((probe.REQUESTS, probe.vm.ROWS, probe.R + probe.DR)), jnp.bfloat16)
-    out = np.asarray(probe.micro_kernel(variant, programs, interpret=interpret)(q).astype(jnp.float32))
-    col = np.arange(probe.R) % half
-    want = np.asarray(jnp.asarray(col[None, :] * (np.arange(programs)[:, None] + 1.0), jnp.float32)
-                      .astype(jnp.bfloat16).astype(jnp.float32))
-    np.testing.assert_array_equal(out, np.broadcast_to(want[:, None, :], out.shape))

@@ -14,8 +14,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kdtree_jax import sharding as sh
+from kdtree_jax.checkpoint_io import abstract_sharded_state, restore_sharded
 from kdtree_jax.config import QuantConfig, kimi_k2_6, tiny
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify
+from kdtree_jax.moe import moe_expert_parallel
 from kdtree_jax.weights import init_random
 
 # 8 heads so attention really splits 8 ways; expert width 112 appears in no other tensor, so a collective carrying
@@ -217,7 +219,7 @@ def test_moe_expert_parallel_matches_moe(rng, shape, fmt):
     want = np.asarray(model.layers[1].mlp(x))
     mesh = sh.make_mesh(shape)
     graphdef, state = nnx.split(sh.shard_model(model, mesh).layers[1].mlp)
-    compiled = jax.jit(lambda st, x: sh.moe_expert_parallel(nnx.merge(graphdef, st), x, mesh)).lower(
+    compiled = jax.jit(lambda st, x: moe_expert_parallel(nnx.merge(graphdef, st), x, mesh)).lower(
         state, x).compile()
     got = np.asarray(compiled(state, x))
     assert_close(got, want, f"moe_expert_parallel on {shape}")
@@ -237,7 +239,7 @@ def test_moe_expert_parallel_int4_kernel_matches_moe(rng, monkeypatch, shape):
     monkeypatch.setattr(moe_mod, "kernel_eligible", lambda moe: True)
     mesh = sh.make_mesh(shape)
     graphdef, state = nnx.split(sh.shard_model(model, mesh).layers[1].mlp)
-    fn = jax.jit(lambda st, x: sh.moe_expert_parallel(nnx.merge(graphdef, st), x, mesh))
+    fn = jax.jit(lambda st, x: moe_expert_parallel(nnx.merge(graphdef, st), x, mesh))
     assert "pallas_call" in str(jax.make_jaxpr(fn)(state, x))  # the kernel path, not the einsum one
     got = np.asarray(fn(state, x))
     assert_close(got, want, f"moe_expert_parallel with the INT4 kernel on {shape}")
@@ -267,8 +269,8 @@ def test_orbax_restore_into_three_meshes(rng, tmp_path):
     ckptr.wait_until_finished()
     for shape in ((1, 2, 4), (8, 1, 1), (2, 4, 1)):
         mesh = sh.make_mesh(shape)
-        restored = sh.restore_sharded(str(tmp_path / "params"), CFG, mesh, param_dtype=jnp.float32,
-                                      dtype=jnp.float32, expert_format="int4")
+        restored = restore_sharded(str(tmp_path / "params"), CFG, mesh, param_dtype=jnp.float32,
+                                   dtype=jnp.float32, expert_format="int4")
         got = jax.tree_util.tree_leaves_with_path(nnx.state(restored))
         for (kp, y), x in zip(got, jax.tree.leaves(want)):
             path = sh.path_str(kp)
@@ -284,7 +286,7 @@ def test_orbax_restore_into_three_meshes(rng, tmp_path):
 @pytest.mark.parametrize("shape", [(1, 1, 8), (1, 8, 1)])
 def test_k2_6_int4_per_device_bytes(shape):
     mesh = sh.make_mesh(shape)
-    _, state = sh.abstract_sharded_state(kimi_k2_6(), mesh, param_dtype=jnp.bfloat16, expert_format="int4")
+    _, state = abstract_sharded_state(kimi_k2_6(), mesh, param_dtype=jnp.bfloat16, expert_format="int4")
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
     assert not sh.sharding_notes(state, mesh)
     total, per = sh.total_bytes(state), sh.per_device_bytes(state)

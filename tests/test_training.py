@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdtree_jax import training as T
+from kdtree_jax import train as T
 from kdtree_jax.config import tiny
 from kdtree_jax.drafter import (
     DFlashDrafter,

@@ -1,0 +1,441 @@
+"""INT4 routed-expert FFN on one GPU: the Pallas grouped kernel vs dequantize-then-matmul in XLA vs bf16 experts.
+
+    python benchmarks/bench_int4_moe.py [--quick] [--out results.json] [--tune] [--kernel-only] [--unpack f32,bf16x2]
+                                        [--breakdown] [--budget-s 200]
+
+K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
+routing is uniform random (distinct experts per token); N_SETS input sets (x and routing) run back to back inside
+one jit (`bench_util.per_call_s`: host dispatch amortised, and L2 never holds the previous call's experts). Bytes = the distinct touched experts' packed words + scales (gate, up,
+down); "% copy" = achieved bandwidth / a device copy measured in the same run. The bf16 column runs the same routed
+shape with bf16 experts through XLA (`ragged_dot`, and `gather` for small counts). Every config is guarded: an OOM or
+compile failure is recorded and the sweep goes on. On a CPU backend it runs a tiny smoke sweep (numbers meaningless).
+--unpack times each listed INT4 unpack variant (`int4_moe.UNPACK_MODES`) on the same inputs and weights, and checks
+each variant's output against the first one's on one input set (they should agree bit for bit). On CPU the bf16x2
+variant runs its jnp stand-in in the interpreter (inline PTX needs a GPU), and the smoke sweep uses bf16 activations
+when it is asked for (bf16x2 requires them).
+--breakdown times the parts of one `int4_moe_ffn` call alone, each on the previous part's precomputed outputs and
+in its own back-to-back jit: the routing glue before the first kernel (`moe_route`), the fused gate/up kernel, the
+reorder of h to nibble-major, the down kernel, the combine; each part's share of the whole call (timed alongside).
+--tune times TUNE configs (block_n, block_w, warps, num_stages, split_k) with the default unpack at TUNE_TOKENS and
+reports the best per token count; no new config starts after --budget-s seconds (one GPU call has a hard limit).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_util import copy_ceiling, per_call_s  # noqa: E402
+from pallas_kernels.int4_moe import (UNPACK_BF16X2, UNPACK_F32, UNPACK_MODES, _nibble_major,  # noqa: E402
+                                     bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
+                                     grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route)
+
+N_SETS = 8  # input sets per timed jit, run back to back (dispatch amortised; routing differs call to call)
+GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    d: int = 7168
+    inter: int = 2048
+    experts: int = 384
+    top_k: int = 8
+    group: int = 32
+    tokens: tuple[int, ...] = (1, 8, 16, 64, 256, 512)
+    copy_bytes: int = 2 << 30
+
+
+FULL = Shape()
+QUICK = dataclasses.replace(FULL, tokens=(1, 16, 256))
+CPU_SMOKE = Shape(d=1024, inter=128, experts=16, top_k=2, tokens=(1, 5), copy_bytes=16 << 20)  # D: 4 K tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+    block_n: int
+    block_w: int = 32
+    warps: int = 8
+    stages: int = 2
+    split_k: int = 1  # gate/up kernel only
+
+    @property
+    def key(self) -> str:
+        return f"pallas_bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_k{self.split_k}"
+
+
+# Around (64, 32, 8 warps, 2 stages), the default until this tune made it 3 stages (BENCHMARKS.md 4a): deeper
+# pipelines, narrower / wider N tiles, split-K gate/up for decode (K2.6 gate/up: 28 K tiles of 32 words, so split_k 2
+# and 4 divide them). Ten configs keep the tuned part of a --quick GPU run near two minutes.
+TUNE = (TuneConfig(64), TuneConfig(64, stages=3), TuneConfig(64, stages=4),
+        TuneConfig(32, warps=4), TuneConfig(32, warps=4, stages=3), TuneConfig(128), TuneConfig(128, stages=3),
+        TuneConfig(64, split_k=2), TuneConfig(64, split_k=4), TuneConfig(32, warps=4, stages=3, split_k=4))
+TUNE_TOKENS = (1, 16)  # decode and a small verify tree: where the grid, not the bytes, may bound the call
+BREAKDOWN_PARTS = ("route", "gate_up", "h_reorder", "down", "combine")
+
+
+CPU_UNPACK_NOTE = "CPU: bf16x2 runs its jnp stand-in in the Pallas interpreter, not the inline PTX (needs a GPU)"
+
+
+# ---- timing helpers (also used by bench_kimi_layer.py) -----------------------------------------------------------
+def short_error(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+
+
+def is_oom(e: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+
+
+def cycling(fn, sets):
+    """A no-argument callable that runs fn on the next input set each call."""
+    state = {"i": 0}
+
+    def call():
+        args = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        return fn(*args)
+
+    return call
+
+
+# ---- weights and inputs ------------------------------------------------------------------------------------------
+def random_int4(key, e: int, n_out: int, n_in: int, group: int):
+    """Random packed words and bf16 scales made on the device (magnitude of a 1/sqrt(fan_in) init)."""
+    kb, ks = jax.random.split(key)
+    bits = jax.random.bits(kb, (e, n_out, n_in // 8), jnp.uint32)
+    scale = jax.random.uniform(ks, (e, n_out, n_in // group), jnp.float32, 0.5, 1.5) / (4.0 * n_in**0.5)
+    return jax.lax.bitcast_convert_type(bits, jnp.int32), scale.astype(jnp.bfloat16)
+
+
+def int4_expert_bytes(shape: Shape) -> int:
+    """Packed words + bf16 scales of one expert's gate, up and down."""
+    per_matrix = shape.d * shape.inter
+    return 3 * (per_matrix // 2 + per_matrix // shape.group * 2)
+
+
+def make_sets(shape: Shape, tokens: int, dtype, seed: int):
+    """N_SETS (x [M, D], idx [M, k] distinct uniform experts, weights [M, k]) made on the device."""
+    sets = []
+    for i in range(N_SETS):
+        kx, kr, kw = jax.random.split(jax.random.key(seed * 100 + i), 3)
+        x = jax.random.normal(kx, (tokens, shape.d), dtype)
+        _, idx = jax.lax.top_k(jax.random.uniform(kr, (tokens, shape.experts)), shape.top_k)
+        w = jax.random.uniform(kw, (tokens, shape.top_k), jnp.float32, 0.2, 1.0)
+        sets.append((x, idx.astype(jnp.int32), w))
+    return sets
+
+
+def distinct_experts(sets) -> float:
+    return float(np.mean([len(np.unique(np.asarray(idx))) for _, idx, _ in sets]))
+
+
+# ---- sweep ---------------------------------------------------------------------------------------------------------
+def unpack_key(unpack: str) -> str:
+    """Row key of an unpack variant's timing (the fp32 path keeps the historical `pallas_int4`)."""
+    return "pallas_int4" if unpack == UNPACK_F32 else f"pallas_int4_{unpack}"
+
+
+def parse_unpacks(text: str) -> tuple[str, ...]:
+    unpacks = tuple(u.strip() for u in text.split(",") if u.strip())
+    bad = [u for u in unpacks if u not in UNPACK_MODES]
+    if bad or not unpacks:
+        raise SystemExit(f"--unpack: {bad or text!r} not in {UNPACK_MODES}")
+    return unpacks
+
+
+def check_variants(row: dict, outs: dict, unpacks) -> None:
+    """Each variant's output vs the first variant's on the same inputs: bitwise equality and the largest gap."""
+    first = unpacks[0]
+    for u in unpacks[1:]:
+        if u in outs and first in outs:
+            row[f"{u}_same_bits_as_{first}"] = bool(np.array_equal(outs[u], outs[first]))
+            row[f"{u}_max_abs_diff_vs_{first}"] = float(np.max(np.abs(outs[u] - outs[first])))
+
+
+def tuned_ffn(cfg: TuneConfig, interpret: bool):
+    return lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, block_n=cfg.block_n, block_w=cfg.block_w,
+                                             num_warps=cfg.warps, num_stages=cfg.stages, split_k=cfg.split_k,
+                                             interpret=interpret)
+
+
+def run_tune(row: dict, sets, w4, interpret: bool, deadline: float) -> None:
+    """Each TUNE config's ms in `row` (or its error, or `skipped` past the deadline), then the best one."""
+    for cfg in TUNE:
+        if time.perf_counter() > deadline:
+            row[f"{cfg.key}_error"] = "skipped: --budget-s reached"
+            continue
+        try:
+            row[f"{cfg.key}_ms"] = per_call_s(tuned_ffn(cfg, interpret), [s + tuple(w4) for s in sets]) * 1e3
+        except Exception as e:  # noqa: BLE001
+            row[f"{cfg.key}_error"] = short_error(e)
+    timed = {c.key: row[f"{c.key}_ms"] for c in TUNE if f"{c.key}_ms" in row}
+    if timed:
+        row["tune_best"] = min(timed, key=timed.get)
+
+
+def stage_fns(shape: Shape, interpret: bool):
+    """The parts of one `int4_moe_ffn` call (default tiles and unpack), each returning what the next part takes.
+    Outputs pass an optimization barrier: the timing jit reads one element of each, which XLA could otherwise
+    compute alone (a gather or reorder sliced to one element costs nothing)."""
+    kw = dict(interpret=interpret)
+    bar = jax.lax.optimization_barrier
+    words = shape.inter // 8
+
+    def route(x, i, w, *ws):
+        return bar(moe_route(x, i, shape.experts, group_size=shape.group))
+
+    def gate_up(layout, xp, *ws):
+        return bar(moe_gate_up(xp, layout, (ws[0], ws[1]), (ws[2], ws[3]), **kw))
+
+    def h_reorder(h):
+        return bar(_nibble_major(h, words))
+
+    def down(layout, hp, *ws):
+        return bar(grouped_int4_matmul(hp, ((ws[4], ws[5]),), layout, nibble_major=True, **kw))
+
+    def combine(y, layout, w):
+        return bar(moe_combine(y, layout, w, y.dtype))
+
+    return dict(route=route, gate_up=gate_up, h_reorder=h_reorder, down=down, combine=combine)
+
+
+def run_breakdown(row: dict, sets, w4, shape: Shape, interpret: bool, whole) -> None:
+    """Times the whole call and each part alone on the same input sets (each part's inputs precomputed)."""
+    fns = stage_fns(shape, interpret)
+    ws = tuple(w4)
+    try:
+        routed = [jax.jit(fns["route"])(*s, *ws) for s in sets]
+        hs = [jax.jit(fns["gate_up"])(*r, *ws) for r in routed]
+        hps = [jax.jit(fns["h_reorder"])(h) for h in hs]
+        ys = [jax.jit(fns["down"])(r[0], hp, *ws) for r, hp in zip(routed, hps)]
+        part_args = dict(route=[s + ws for s in sets], gate_up=[tuple(r) + ws for r in routed],
+                         h_reorder=[(h,) for h in hs], down=[(r[0], hp) + ws for r, hp in zip(routed, hps)],
+                         combine=[(y, r[0], s[2]) for y, r, s in zip(ys, routed, sets)])
+        row["bd_whole_ms"] = per_call_s(lambda *a: jax.lax.optimization_barrier(whole(*a)),
+                                        [s + ws for s in sets]) * 1e3
+        for part in BREAKDOWN_PARTS:
+            row[f"bd_{part}_ms"] = per_call_s(fns[part], part_args[part]) * 1e3
+        parts_out = np.asarray(fns["combine"](ys[0], routed[0][0], sets[0][2]).astype(jnp.float32))
+        row["bd_parts_equal_whole"] = bool(np.array_equal(parts_out, np.asarray(
+            jax.jit(whole)(*sets[0], *ws).astype(jnp.float32))))
+    except Exception as e:  # noqa: BLE001
+        row["bd_error"] = short_error(e)
+
+
+def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True,
+              unpacks=(UNPACK_F32,), breakdown: bool = False, deadline: float = float("inf")) -> None:
+    """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    w4 = []
+    for key, (n_out, n_in) in zip(keys, ((shape.inter, shape.d), (shape.inter, shape.d), (shape.d, shape.inter))):
+        w4 += list(random_int4(key, shape.experts, n_out, n_in, shape.group))
+    ffn = {u: (lambda x, i, w, *ws, u=u: int4_moe_ffn(x, i, w, *ws, unpack=u, interpret=interpret)) for u in unpacks}
+    deq = jax.jit(dequant_then_matmul_ffn)
+    default_ffn = lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret)  # noqa: E731
+    tune_tokens = [t for t in shape.tokens if t in TUNE_TOKENS] or list(shape.tokens[:1])
+    for tokens in shape.tokens:
+        sets = make_sets(shape, tokens, dtype, seed=tokens)
+        n_dist = distinct_experts(sets)
+        row = dict(tokens=tokens, pairs=tokens * shape.top_k, distinct_experts=n_dist,
+                   bytes=n_dist * int4_expert_bytes(shape))
+        if interpret and UNPACK_BF16X2 in unpacks:
+            row["unpack_note"] = CPU_UNPACK_NOTE
+        variants = {unpack_key(u): ffn[u] for u in unpacks}
+        if baselines:
+            variants["xla_dequant"] = dequant_then_matmul_ffn
+        for name, fn in variants.items():
+            try:
+                row[f"{name}_ms"] = per_call_s(fn, [s + tuple(w4) for s in sets]) * 1e3
+            except Exception as e:  # noqa: BLE001  (an OOM or failed compile is a result; keep sweeping)
+                row[f"{name}_error"] = short_error(e)
+        outs = {}
+        for u in unpacks:
+            try:
+                outs[u] = np.asarray(jax.jit(ffn[u])(*sets[0], *w4).astype(jnp.float32))
+            except Exception as e:  # noqa: BLE001
+                row[f"{u}_check_error"] = short_error(e)
+        check_variants(row, outs, unpacks)
+        if breakdown:
+            run_breakdown(row, sets, w4, shape, interpret, default_ffn)
+        if tune and tokens in tune_tokens:
+            run_tune(row, sets, w4, interpret, deadline)
+        try:  # the first variant against the XLA baseline on one input set (both bf16: loose, catches wrong experts)
+            if unpacks[0] in outs:
+                want = np.asarray(deq(*sets[0], *w4).astype(jnp.float32))
+                row["rel_diff_vs_xla"] = float(np.linalg.norm(outs[unpacks[0]] - want) / np.linalg.norm(want))
+        except Exception as e:  # noqa: BLE001
+            row["check_error"] = short_error(e)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del w4
+    if baselines:
+        bf16_sweep(shape, rows, dtype)
+
+
+def bf16_sweep(shape: Shape, rows: list[dict], dtype):
+    """Same routed shapes with bf16 experts [E, in, out] (XLA): built after the INT4 weights are freed."""
+    try:
+        keys = jax.random.split(jax.random.key(1), 3)
+        mk = jax.jit(lambda k, s, fan: (jax.random.normal(k, s, jnp.float32) / fan**0.5).astype(jnp.bfloat16),
+                     static_argnums=(1, 2))
+        wg = mk(keys[0], (shape.experts, shape.d, shape.inter), shape.d)
+        wu = mk(keys[1], (shape.experts, shape.d, shape.inter), shape.d)
+        wd = mk(keys[2], (shape.experts, shape.inter, shape.d), shape.inter)
+    except Exception as e:  # noqa: BLE001
+        for row in rows:
+            row["bf16_error"] = short_error(e)
+        return
+    ragged, gather = jax.jit(bf16_ragged_dot_ffn), jax.jit(bf16_gather_ffn)
+    for row in rows:
+        sets = make_sets(shape, row["tokens"], dtype, seed=row["tokens"])
+        row["bf16_bytes"] = row["distinct_experts"] * 3 * shape.d * shape.inter * 2
+        todo = {"bf16_ragged_dot": ragged}
+        if row["tokens"] <= GATHER_MAX_TOKENS:
+            todo["bf16_gather"] = gather
+        for name, f in todo.items():
+            try:
+                row[f"{name}_ms"] = per_call_s(f, [s + (wg, wu, wd) for s in sets]) * 1e3
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = short_error(e)
+        print(json.dumps({k: v for k, v in row.items() if k.startswith(("tokens", "bf16"))}), flush=True)
+
+
+def ms(row, name):
+    return f"{row[name + '_ms']:.3f}" if name + "_ms" in row else ("OOM" if "RESOURCE" in row.get(
+        name + "_error", "") else ("err" if name + "_error" in row else "—"))
+
+
+def unpack_markdown(rows: list[dict], copy_bw: float, unpacks) -> str:
+    """One line per (tokens, unpack variant): time, bandwidth, speed relative to the first variant, same bits."""
+    first = unpacks[0]
+    lines = [f"| tokens | unpack | pallas ms | GB/s | % copy | {first} ms / this | same bits as {first} | max abs diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = r.get(unpack_key(first) + "_ms")
+        for u in unpacks:
+            t = r.get(unpack_key(u) + "_ms")
+            gbps = r["bytes"] / (t / 1e3) / 1e9 if t else None
+            bw = f"{gbps:.0f} | {100 * gbps * 1e9 / copy_bw:.0f}%" if gbps else "— | —"
+            ratio = f"{base / t:.2f}" if t and base else "—"
+            same = r.get(f"{u}_same_bits_as_{first}", "—" if u != first else "(ref)")
+            diff = r.get(f"{u}_max_abs_diff_vs_{first}")
+            lines.append(f"| {r['tokens']} | {u} | {ms(r, unpack_key(u))} | {bw} | {ratio} | {same} | "
+                         f"{'—' if diff is None else f'{diff:.1e}'} |")
+    notes = sorted({r["unpack_note"] for r in rows if "unpack_note" in r})
+    return "\n".join(lines + [f"\nnote: {n}" for n in notes])
+
+
+def markdown(rows: list[dict], copy_bw: float) -> str:
+    lines = ["| tokens | distinct experts | INT4 MB | roofline ms | pallas ms | GB/s | % copy | xla dequant ms | "
+             "bf16 ragged_dot ms | bf16 gather ms | bf16 roofline ms | rel diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        roof = r["bytes"] / copy_bw * 1e3
+        if "pallas_int4_ms" in r:
+            gbps = r["bytes"] / (r["pallas_int4_ms"] / 1e3) / 1e9
+            bw = f"{gbps:.0f} | {100 * gbps * 1e9 / copy_bw:.0f}%"
+        else:
+            bw = "— | —"
+        bf16_roof = f"{r['bf16_bytes'] / copy_bw * 1e3:.3f}" if "bf16_bytes" in r else "—"
+        diff = f"{r['rel_diff_vs_xla']:.1e}" if "rel_diff_vs_xla" in r else "—"
+        lines.append(f"| {r['tokens']} | {r['distinct_experts']:.1f} | {r['bytes'] / 1e6:.0f} | {roof:.3f} | "
+                     f"{ms(r, 'pallas_int4')} | {bw} | {ms(r, 'xla_dequant')} | {ms(r, 'bf16_ragged_dot')} | "
+                     f"{ms(r, 'bf16_gather')} | {bf16_roof} | {diff} |")
+    return "\n".join(lines)
+
+
+def tune_markdown(rows: list[dict]) -> str:
+    """One line per TUNE config (ms per tuned token count), then the best config per token count."""
+    tuned = [r for r in rows if any(k.startswith("pallas_bn") for k in r)]
+    if not tuned:
+        return ""
+    lines = ["| block_n | block_w | warps | stages | split_k | " + " | ".join(f"{r['tokens']} tok ms" for r in tuned)
+             + " |", "|---|---|---|---|---|" + "---|" * len(tuned)]
+    for c in TUNE:
+        lines.append(f"| {c.block_n} | {c.block_w} | {c.warps} | {c.stages} | {c.split_k} | "
+                     + " | ".join(ms(r, c.key) for r in tuned) + " |")
+    default = TUNE[0].key
+    for r in tuned:
+        if "tune_best" in r:
+            best = r["tune_best"]
+            lines.append(f"\nbest at {r['tokens']} tokens: {best} {r[best + '_ms']:.3f} ms (default {ms(r, default)} "
+                         f"ms)")
+    return "\n".join(lines)
+
+
+def breakdown_markdown(rows: list[dict]) -> str:
+    """Each part's ms and share of the whole call; "sum" = the parts added (launch gaps between jits not counted)."""
+    done = [r for r in rows if "bd_whole_ms" in r or "bd_error" in r]
+    if not done:
+        return ""
+    lines = ["| tokens | whole ms | " + " | ".join(f"{p} ms (share)" for p in BREAKDOWN_PARTS)
+             + " | sum of parts ms | parts = whole |", "|---|---|" + "---|" * len(BREAKDOWN_PARTS) + "---|---|"]
+    for r in done:
+        if "bd_error" in r:
+            lines.append(f"| {r['tokens']} | err: {r['bd_error']} |")
+            continue
+        whole = r["bd_whole_ms"]
+        parts = [r.get(f"bd_{p}_ms") for p in BREAKDOWN_PARTS]
+        cells = [f"{t:.3f} ({100 * t / whole:.0f}%)" if t is not None else "—" for t in parts]
+        total = sum(t for t in parts if t is not None)
+        lines.append(f"| {r['tokens']} | {whole:.3f} | " + " | ".join(cells)
+                     + f" | {total:.3f} | {r.get('bd_parts_equal_whole', '—')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 256 only")
+    parser.add_argument("--out", help="write all results as JSON to this path")
+    parser.add_argument("--tune", action="store_true",
+                        help=f"also time TUNE (block_n, block_w, warps, stages, split_k) at tokens {TUNE_TOKENS}")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time the routing glue, each kernel, the h reorder and the combine alone")
+    parser.add_argument("--budget-s", type=float, default=200.0,
+                        help="start no --tune config after this many seconds of the run")
+    parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
+    parser.add_argument("--unpack", default=f"{UNPACK_F32},{UNPACK_BF16X2}",
+                        help=f"comma-separated INT4 unpack variants to time side by side, from {UNPACK_MODES}")
+    args = parser.parse_args(argv)
+    unpacks = parse_unpacks(args.unpack)
+    on_gpu = jax.default_backend() == "gpu"
+    shape = (QUICK if args.quick else FULL) if on_gpu else CPU_SMOKE
+    dtype = jnp.bfloat16 if on_gpu or UNPACK_BF16X2 in unpacks else jnp.float32
+    if not on_gpu:
+        print(f"warning: backend {jax.default_backend()}: tiny smoke sweep in the Pallas interpreter "
+              f"({jnp.dtype(dtype).name} activations)", file=sys.stderr)
+        if UNPACK_BF16X2 in unpacks:
+            print(f"warning: {CPU_UNPACK_NOTE}", file=sys.stderr)
+    t0 = time.perf_counter()
+    device = jax.devices()[0].device_kind
+    copy_bw = copy_ceiling(shape.copy_bytes)
+    print(f"## INT4 MoE FFN on {device}: D {shape.d}, I {shape.inter}, E {shape.experts}, top-{shape.top_k}, group "
+          f"{shape.group}; copy (read+write) {copy_bw / 1e9:.0f} GB/s\n", flush=True)
+    rows = []
+    try:
+        run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only,
+                  unpacks=unpacks, breakdown=args.breakdown, deadline=t0 + args.budget_s)
+    finally:  # print whatever finished, even after an unexpected failure
+        result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
+                      unpacks=unpacks, int4_bytes_per_expert=int4_expert_bytes(shape),
+                      total_s=time.perf_counter() - t0)
+        extra = [t for t in (breakdown_markdown(rows), tune_markdown(rows)) if t]
+        print("\n\n".join([markdown(rows, copy_bw), unpack_markdown(rows, copy_bw, unpacks), *extra])
+              + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# GPU measurements by what they measure: each target is one command; its log and JSON go to $OUT (default ./out).
+#
+#   bash benchmarks/run_gpu.sh TARGET...        e.g. bash benchmarks/run_gpu.sh kernel-tests engine
+#
+#   engine          end to end: ar / chain / ddtree B 16-256, batch 1 and 8, tokens/s + plot (scripts/bench_engine.py)
+#   eval-pair       the shipped pair: held-out loss, drafter acceptance, engine table into a model-card copy
+#   budget-profile  tau(B) and round cost per batch size, the profile budget="auto" reads (scripts/profile_budget.py)
+#   kernels         verify_attn against the copy / matmul ceilings, then the tree kernels (benchmarks/bench_kernels.py)
+#   tree-kernels    tree_build / tree_accept against the host heap and walk (benchmarks/bench_tree_kernels.py)
+#   topk            per-depth top-K draft log-probs, kernel vs XLA variants (benchmarks/bench_topk.py)
+#   int4-moe        the INT4 grouped expert FFN vs dequantize-then-matmul vs bf16 experts (benchmarks/bench_int4_moe.py)
+#   k26-layer       full-width K2.6 layers against the HBM roofline (benchmarks/bench_kimi_layer.py)
+#   k26-ar-step     the K2.6 AR step inside a compiled loop, per step from two loop lengths (bench_kimi_layer.py)
+#   k26-round       one K2.6-width round part by part, from a profiler trace (benchmarks/profile_round.py)
+#   round           one round of the shipped pair part by part (benchmarks/bench_round.py)
+#   mesh            K2.6-width layers on 2 GPUs vs one, same tokens, ms per round (nvidia-h200-x2)
+#   kernel-tests    the kernel, lowering and engine-equality tests, compiled on the GPU
+#
+# Run from anywhere on the GPU machine; PYTHONPATH is set to the repository here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+PY=${PY:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$OUT"
+
+target() {
+    case "$1" in
+    engine) "$PY" scripts/bench_engine.py --batches 1,8 --repeats 3 --out "$OUT/engine.json" --plot "$OUT/engine.png" ;;
+    eval-pair) cp checkpoints/kdtree-mini/MODEL_CARD.md "$OUT/" && "$PY" scripts/eval_pair.py --engine-prompts 32 \
+        --out-dir "$OUT/eval_pair" --model-card "$OUT/MODEL_CARD.md" ;;
+    budget-profile) "$PY" scripts/profile_budget.py --out "$OUT/budget_profile.nvidia-h200.json" ;;
+    kernels) "$PY" benchmarks/bench_kernels.py --trace --budget-s 280 --out "$OUT/kernels.json" ;;
+    tree-kernels) "$PY" benchmarks/bench_tree_kernels.py --out "$OUT/tree_kernels.json" ;;
+    topk) "$PY" benchmarks/bench_topk.py --out "$OUT/topk.json" ;;
+    int4-moe) "$PY" benchmarks/bench_int4_moe.py --out "$OUT/int4_moe.json" ;;
+    k26-layer) "$PY" benchmarks/bench_kimi_layer.py --budget-s 250 --out "$OUT/k26_layer.json" ;;
+    k26-ar-step) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --budget-s 120 \
+        --out "$OUT/k26_ar_step.json" ;;
+    k26-round) "$PY" benchmarks/profile_round.py --batch 1 --budgets 16 --ar --out "$OUT/k26_round" ;;
+    round) "$PY" benchmarks/bench_round.py --time-limit 200 --out "$OUT/round.json" ;;
+    mesh) "$PY" benchmarks/bench_mesh_scaling.py --layers 4 --batch 1 --modes ar ddtree --meshes 1x1x2 \
+        --out "$OUT/mesh.json" ;;
+    kernel-tests) "$PY" -m pytest -q -rf tests/test_verify_attn.py tests/test_verify_attn_mgpu.py \
+        tests/test_tree_build.py tests/test_tree_accept.py tests/test_topk.py tests/test_int4_moe.py \
+        tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
+    *) echo "unknown target: $1 (see the list at the top of $0)" >&2; return 2 ;;
+    esac
+}
+
+if [ $# -eq 0 ]; then
+    sed -n '2,/^# Run from/p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+fi
+status=0
+for name in "$@"; do
+    echo "== $name ($(date +%T))"
+    target "$name" 2>&1 | tee "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc ($(date +%T))"
+    [ "$rc" -eq 0 ] || status=1
+done
+exit $status
