@@ -163,7 +163,7 @@ def test_profile_json_round_trip_is_exact_and_atomic(rng, tmp_path):
 
 def test_merge_keeps_the_batches_a_run_did_not_measure(rng, tmp_path):
     """A profile re-measured one batch size per run: the new tables replace theirs, the other batch sizes stay, and
-    each batch keeps its own settings, including those of a profile written with flat settings (session 5's)."""
+    each batch keeps its own settings, including those of a profile written with flat settings (the first profile format)."""
     key = ProfileKey(device_kind="NVIDIA H200", dtype="float32", n_devices=1, target="a/target", drafter="a/drafter")
     old = dataclasses.replace(random_profile(rng, key=key, batches=[1, 8, 64]),
                               settings={"repeats": 3, "tokens_per_s": {"1": {"ar": 1.0}, "8": {"ar": 2.0}}})

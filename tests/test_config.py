@@ -200,7 +200,7 @@ def test_to_hf_dict_round_trip(rng, wrapped):
         assert ModelConfig.from_hf_dict(raw) == cfg
 
 
-# moonshotai/Kimi-K2.6 config.json with its published values (shared/docs/kimi_k2_format.md §1.3, §2.3):
+# moonshotai/Kimi-K2.6 config.json with its published values (the model card's files on the Hugging Face hub):
 # quantization_config inside text_config, eos 163586, yarn factor 64 / beta_fast 32, rms_norm_eps 1e-5.
 K26_QUANT = {
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",

@@ -90,7 +90,7 @@ def test_stop_ids_include_im_end(toy, mini):
 
 
 def test_pattern_is_the_docs_eight_alternatives():
-    """Copied from docs/kimi_k2_format.md section 4, independently of the module's spelling."""
+    """The Kimi K2 chat template as moonshotai/Kimi-K2.6 publishes it (tokenizer_config.json), independently of the module's spelling."""
     doc = [
         r"[\p{Han}]+",
         r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"

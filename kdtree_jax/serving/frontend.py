@@ -7,6 +7,7 @@ in the caller, so a bad request raises at `submit` and never reaches the worker 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -98,7 +99,7 @@ class AsyncServingEngine:
                                      f"(max_queue {self.core.config.max_queue})")
             ids, _, seed = self.core.check(prompt, params)
             if params.seed is None:  # fix the drawn seed now: the record can then reproduce the request
-                params = RequestParams(**{**params.__dict__, "seed": seed})
+                params = dataclasses.replace(params, seed=seed)
             rid = next(self._ids)
             self._pending += 1
         stream = RequestStream(self, rid, len(ids))

@@ -248,16 +248,14 @@ class ServingEngine:
         return spec
 
     def _buckets(self) -> list[int]:
-        """Padded prompt lengths, one prefill program each: powers of two from min_prompt_bucket, then whole
-        prefill chunks (as `Engine.prompt_bucket` pads), up to what max_context - 1 prompt tokens need."""
-        longest = self.config.max_context - 1
-        lengths = {self.engine.prompt_bucket(max(self.config.min_prompt_bucket, 1))[1]}
-        b = 1
-        while b < longest:
-            b *= 2
-            lengths.add(self.engine.prompt_bucket(min(b, longest))[1] if b > self.engine.prefill_chunk
-                        else max(b, self.engine.prompt_bucket(self.config.min_prompt_bucket)[1]))
-        return sorted(x for x in lengths if x >= self.engine.prompt_bucket(self.config.min_prompt_bucket)[1])
+        """Padded prompt lengths, one prefill program each: powers of two from min_prompt_bucket, each padded as
+        `Engine.prompt_bucket` pads (whole prefill chunks past the chunk), up to what max_context - 1 tokens need."""
+        longest, n, out = self.config.max_context - 1, self.config.min_prompt_bucket, set()
+        while True:
+            out.add(self.engine.prompt_bucket(min(n, longest))[1])
+            if n >= longest:
+                return sorted(out)
+            n *= 2
 
     def bucket_for(self, prompt_len: int) -> int:
         return next(b for b in self.buckets if b >= prompt_len)
