@@ -298,7 +298,7 @@ class ServingEngine:
                 return programs.release(table, slot)
 
             args = (*weights, self.table, np.int32(0))
-        desc = f"{name} {key.name if isinstance(key, StepKind) else key}"
+        desc = name if key is None else f"{name} {key.name if isinstance(key, StepKind) else key}"
         compiled, seconds = eng.compile(fn, args, ("serve", self._uid, name, key), desc=desc, donate=(2,))
         self.warmup_s[desc] = seconds
         self._programs[(name, key)] = compiled

@@ -1,0 +1,224 @@
+"""`python -m kdtree_jax.serve` (or `kdtree-serve`): an OpenAI-compatible HTTP server over the serving engine.
+
+With no arguments it serves the shipped pair in `checkpoints/kdtree-mini/` at http://127.0.0.1:8000/v1. Flags follow
+vLLM / SGLang names where they have one. Startup loads the checkpoints, compiles every program the slot table can
+run (progress bars while compiling; JAX's persistent compilation cache makes a restart load them instead, see
+$KDTREE_COMPILATION_CACHE) and only then opens the port, so no request waits on a compile.
+
+SIGTERM (or Ctrl-C): the port closes at once, running requests get --shutdown-timeout seconds to finish, what is
+left is cancelled (finish_reason "abort"), and the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+import jax
+import uvicorn
+
+from kdtree_jax.engine import Engine
+from kdtree_jax.generate import (
+    ATTENTION_BACKENDS,
+    DEFAULT_DIR,
+    DEFAULT_DRAFTER,
+    DEFAULT_TARGET,
+    UsageError,
+    _budget,
+    _close_progress_bars,
+    _default_budget,
+    _HelpFormatter,
+    _Parser,
+)
+from kdtree_jax.server import ServerSettings, build_app
+from kdtree_jax.serving import AsyncServingEngine, ServeConfig, ServingEngine, enable_compilation_cache
+from kdtree_jax.sharding import parse_mesh
+
+log = logging.getLogger("kdtree_jax.serve")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+SHUTDOWN_MARGIN_S = 5.0  # after the engine cancelled what was left: time for those responses to end, then uvicorn
+# cancels their handlers
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CACHE_HELP = ("compiled programs are kept in JAX's persistent compilation cache: $KDTREE_COMPILATION_CACHE, else "
+              "~/.cache/kdtree-jax/xla; KDTREE_COMPILATION_CACHE=off disables it")
+
+
+def _serve_budget(text: str):
+    """--budget: an integer B, 'auto', or a table by active slots such as '1:64,4:32,8:ar'."""
+    if ":" not in text:
+        return _budget(text)
+    table = {}
+    for item in text.split(","):
+        slots, _, b = item.partition(":")
+        try:
+            table[int(slots)] = "ar" if b.strip().lower() == "ar" else int(b)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected 'slots:budget' pairs such as 1:64,4:32,8:ar, got {text!r}") \
+                from None
+    return table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m kdtree_jax.serve", description="Serve the OpenAI API (completions, chat) with DDTree "
+                "speculative decoding over a table of request slots.", formatter_class=_HelpFormatter,
+                epilog=CACHE_HELP)
+    m = p.add_argument_group("model")
+    m.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
+                   help="target: an HF safetensors directory (converted on the fly) or a converted checkpoint")
+    m.add_argument("--drafter", "--speculative-model", dest="drafter", default=None,
+                   help="DFlash drafter directory; default: the shipped drafter when the checkpoint is the shipped "
+                        "target")
+    m.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the names requests may give as 'model' (responses use the first); default: the --model "
+                        "value as given, or 'kdtree-mini' for the shipped pair")
+    m.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter/compute dtype")
+    m.add_argument("--mesh", default=None, help="device layout as data x tensor x expert, e.g. 1x8x1; default: one "
+                                                "device")
+    m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="verify_attn kernel")
+    d = p.add_argument_group("decoding")
+    d.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower,
+                   choices=("ddtree", "chain", "ar"), default="ddtree",
+                   help="ddtree: draft tree; chain: DFlash block; ar: one token per target forward")
+    d.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=_serve_budget, default=None,
+                   help="DDTree node budget: B, 'auto' (per step, from the budget profile and the number of active "
+                        "slots), or a table by active slots such as 1:64,4:32,8:ar; default: auto where a budget "
+                        "profile measured on this device applies, else 32")
+    d.add_argument("--budget-profile", default=None, help="budget profile JSON for --budget auto; default: "
+                   "budget_profile.<device kind>.json beside the checkpoint")
+    d.add_argument("--rounds-per-step", type=int, default=None,
+                   help="rounds per step: tokens reach the host (and clients) once per step; default: ServeConfig's")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--max-slots", "--max-num-seqs", "--max-running-requests", dest="max_slots", type=int,
+                   default=None, help="requests decoded together (slots in the table); default: ServeConfig's")
+    s.add_argument("--max-context", "--max-model-len", "--context-length", dest="max_context", type=int,
+                   default=None, help="prompt + completion tokens of one request; default: ServeConfig's")
+    s.add_argument("--max-queue", "--max-queued-requests", dest="max_queue", type=int, default=None,
+                   help="waiting requests beyond this are refused with 503; default: ServeConfig's")
+    h = p.add_argument_group("server")
+    h.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    h.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    h.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="seconds running requests get to finish after SIGTERM before they are cancelled")
+    h.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level")
+    return p
+
+
+def _check_args(args) -> None:
+    for name in ("rounds_per_step", "max_slots", "max_context"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_queue is not None and args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.shutdown_timeout < 0:
+        raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not 0 <= args.port < 1 << 16:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if not os.path.exists(args.checkpoint):
+        raise UsageError(f"--checkpoint {args.checkpoint}: no such directory")
+    shipped = os.path.abspath(args.checkpoint) == DEFAULT_TARGET
+    if args.drafter is None and args.mode != "ar" and shipped:
+        args.drafter = DEFAULT_DRAFTER
+    if args.mode != "ar":
+        if args.drafter is None:
+            raise UsageError(f"--mode {args.mode} needs --drafter (or use --mode ar)")
+        if not os.path.exists(args.drafter):
+            raise UsageError(f"--drafter {args.drafter}: no such directory")
+    if args.served_model_name is None:
+        args.served_model_name = [os.path.basename(DEFAULT_DIR) if shipped else args.checkpoint]
+
+
+def load(args):
+    """Load the engine, compile every program of the slot table; returns (front, tokenizer, settings)."""
+    t0 = time.perf_counter()
+    drafter = args.drafter if args.mode != "ar" else None
+    log.info("loading target %s%s (%s) on %s", args.checkpoint, f" and drafter {drafter}" if drafter else "",
+             args.dtype, jax.devices()[0].device_kind)
+    engine = Engine.load(args.checkpoint, drafter, mesh=parse_mesh(args.mesh) if args.mesh else None,
+                         dtype=args.dtype, progress=True, budget_profile=args.budget_profile,
+                         attn_backend=None if args.attention_backend == "auto" else args.attention_backend)
+    if engine.tokenizer is None:
+        raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; the OpenAI server needs them")
+    n_params = sum(x.size for x in jax.tree.leaves(engine.weights))
+    log.info("loaded %.1fM parameters in %.1f s", n_params / 1e6, time.perf_counter() - t0)
+    given = {k: getattr(args, k) for k in ("max_slots", "max_context", "rounds_per_step", "max_queue")
+             if getattr(args, k) is not None}
+    budget = args.budget if args.budget is not None else _default_budget(engine, args.mode)
+    core = ServingEngine(engine, ServeConfig(mode=args.mode, budget=budget, **given))
+    cfg = core.config
+    log.info("slot table: %d slots x %d tokens, %d rounds per step; step per active slots: %s", cfg.max_slots,
+             cfg.max_context, cfg.rounds_per_step, ", ".join(f"{a}: {k.name}" for a, k in sorted(core.plan.items())))
+    log.info("compiling %d prefill programs (prompt buckets %s) and %d step programs", len(core.buckets),
+             core.buckets, len(core.kinds))
+    t0 = time.perf_counter()
+    seconds = core.warm_up()
+    log.info("compiled in %.1f s: %s", time.perf_counter() - t0, ", ".join(f"{k} {v:.1f}s" for k, v in
+                                                                         seconds.items()))
+    settings = ServerSettings(model_names=tuple(args.served_model_name), shutdown_timeout=args.shutdown_timeout,
+                              root=os.path.abspath(args.checkpoint))
+    return AsyncServingEngine(core), engine.tokenizer, settings
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's shutdown (close the port, wait for the connections), with the engine drained alongside: running
+    requests get the shutdown timeout, then are cancelled, so their responses end well-formed ("abort") and the
+    connections close."""
+
+    def __init__(self, config: uvicorn.Config, drain):
+        super().__init__(config)
+        self._drain = drain
+
+    async def shutdown(self, sockets=None):
+        drain = asyncio.ensure_future(self._drain())
+        await super().shutdown(sockets)
+        await drain
+
+
+def make_server(app, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> GracefulServer:
+    """A uvicorn server for `build_app`'s app."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_MARGIN_S)
+    return GracefulServer(config, app.state.openai.drain)
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, force=True)  # an import may have set one
+    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
+    cache = enable_compilation_cache()
+    log.info("compilation cache: %s", cache or "off")
+    front, tokenizer, settings = load(args)
+    app = build_app(front, tokenizer, settings)
+    server = make_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+                         log_level=args.log_level)
+    log.info("serving %s at http://%s:%d/v1", " / ".join(settings.model_names), args.host, args.port)
+    # uvicorn handles SIGTERM / SIGINT while it runs, then re-raises the signal once it has shut down; ignoring them
+    # from here on lets that graceful shutdown end the process with exit code 0 instead of the signal's default
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = run(argv)
+    except (UsageError, ValueError, FileNotFoundError) as e:  # bad flags, bad checkpoint, mismatched drafter, ...
+        if os.environ.get("KDTREE_DEBUG"):
+            raise
+        _close_progress_bars()
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

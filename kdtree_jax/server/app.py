@@ -1,0 +1,454 @@
+"""The OpenAI-compatible HTTP app (FastAPI) over an `AsyncServingEngine`.
+
+POST /v1/completions and /v1/chat/completions (stream false or true: SSE chunks as OpenAI sends them, ending with
+`data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus text). Every error is OpenAI's error JSON with
+the status it calls for: 400 naming the field, 404 for an unknown model or path, 503 while the queue is full or the
+server is shutting down. A request whose client goes away is cancelled at once, which frees its slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from jinja2.exceptions import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kdtree_jax.server.metrics import CONTENT_TYPE, ServerMetrics
+from kdtree_jax.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    param_path,
+)
+from kdtree_jax.server.text import TextStream
+from kdtree_jax.serving import (
+    AsyncServingEngine,
+    EngineClosedError,
+    QueueFullError,
+    RequestError,
+    RequestParams,
+    RequestStream,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20  # a larger request body is refused with 413 before it is read
+QUEUE_FULL_RETRY_AFTER_S = 1  # Retry-After of a 503 for a full queue
+# the record's finish reason -> the response's (vLLM's names; "abort": cancelled by the server, e.g. at shutdown)
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+SSE_DONE = format_sse_event(data_str="[DONE]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """What differs between completions and chat completions."""
+
+    prompt_field: str  # the field the prompt comes in
+    default_limit: int | None  # max tokens when the request gives none (None: the rest of the context)
+    id_prefix: str
+
+
+COMPLETIONS = Endpoint("prompt", DEFAULT_COMPLETION_MAX_TOKENS, "cmpl")
+CHAT = Endpoint("messages", None, "chatcmpl")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    model_names: tuple[str, ...]  # names a request's "model" may give; responses name the first
+    shutdown_timeout: float = 10.0  # seconds running requests get to finish at shutdown before they are cancelled
+    root: str | None = None  # the checkpoint served, as /v1/models shows it
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+
+class Job:
+    """One request in flight: its engine stream, its text as it becomes final, and how it ended."""
+
+    def __init__(self, server: OpenAIServer, stream: RequestStream, text: TextStream, prompt_ids: list[int],
+                 arrival: float, id_prefix: str):
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.stream, self.text, self.prompt_ids, self.arrival = stream, text, prompt_ids, arrival
+        self._server = server
+        self.record = None  # the engine's RequestRecord once the request ended
+        self._closed = False
+
+    async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """(text, token ids) as they become final. A stop string cancels the request; the record is then awaited,
+        so `record` is set when the iteration ends."""
+        async for delta in self.stream:
+            self._server.metrics.generation_tokens.inc(len(delta.token_ids))
+            if self.text.stopped:
+                continue  # cancelled: only its record is still to come
+            before = len(self.text.token_ids)
+            piece = self.text.feed(delta.token_ids)
+            if self.text.stopped:
+                self.stream.cancel()
+            yield piece, self.text.token_ids[before:]
+        yield self.text.finish(), []
+        self._finished(self.stream.record)
+
+    def close(self) -> None:
+        """Called however the response ended; a request still running (client gone, server cancelled the
+        handler) is cancelled, which frees its slot before the next step. Call when nothing iterates `pieces`."""
+        if self.record is None and not self._closed:
+            self.stream.cancel()
+            self._server.background(self._finish_abandoned())
+        self._closed = True
+
+    async def _finish_abandoned(self) -> None:
+        async for delta in self.stream:
+            self._server.metrics.generation_tokens.inc(len(delta.token_ids))
+        self._finished(self.stream.record)
+
+    def _finished(self, record) -> None:
+        if self.record is None:
+            self.record = record
+            self._server.metrics.finished(record, self.arrival, self.finish_reason)
+
+    @property
+    def finish_reason(self) -> str:
+        if self.text.stopped:
+            return "stop"
+        return FINISH_REASONS.get(self.record.finish_reason, "error")
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason == "error"
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """What stopped it (vLLM's field): the stop string, or the stop token id."""
+        if self.text.stopped:
+            return self.text.stop_string
+        ids = self.record.token_ids
+        return ids[-1] if self.record.finish_reason == "stop" and ids else None
+
+    def usage(self) -> dict:
+        n = len(self.text.token_ids)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
+                "total_tokens": len(self.prompt_ids) + n}
+
+    def spec_decode(self) -> dict:
+        """The request's speculative statistics, named as vLLM names them."""
+        r = self.record
+        return {"num_spec_steps": r.rounds, "num_draft_tokens": r.num_draft_tokens,
+                "num_accepted_tokens": r.num_accepted_tokens, "mean_acceptance_length": r.mean_acceptance_length}
+
+    def error(self) -> dict:
+        return error_body(f"generation failed: {self.record.error or self.record.finish_reason}", "server_error")
+
+
+class OpenAIServer:
+    """Turns OpenAI requests into serving-engine requests and their results back into OpenAI responses."""
+
+    def __init__(self, front: AsyncServingEngine, tokenizer, settings: ServerSettings):
+        if tokenizer is None:
+            raise ValueError("the OpenAI server needs the checkpoint's tokenizer")
+        self.front, self.tokenizer, self.settings = front, tokenizer, settings
+        self.max_context = front.core.config.max_context
+        self.metrics = ServerMetrics(front, settings.model_name)
+        self.hidden_ids = frozenset(tokenizer.special_tokens.values())
+        self.max_token_chars = _longest_token(tokenizer)
+        self.closing = False
+        self._tasks: set[asyncio.Task] = set()
+        self._drain: asyncio.Task | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Stop taking requests; running ones get `shutdown_timeout` seconds, then are cancelled (they end with
+        finish_reason "abort"). Safe to call more than once."""
+        self.closing = True
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self.front.shutdown(timeout=self.settings.shutdown_timeout))
+        await asyncio.shield(self._drain)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.settings.model_names:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves "
+                                f"{', '.join(map(repr, self.settings.model_names))}.",
+                           param="model", code="model_not_found")
+
+    async def encode_text(self, text: str, field: str, *, special: bool) -> list[int]:
+        """Token ids of a text prompt, tokenized off the event loop. A text that is surely over max_context is
+        refused before it is tokenized."""
+        if len(text) > self.max_context * self.max_token_chars:
+            raise ApiError(400, f"the prompt has {len(text)} characters, more than this model's maximum context "
+                                f"length of {self.max_context} tokens can hold", param=field,
+                           code="context_length_exceeded")
+        return await run_in_threadpool(self.tokenizer.encode, text, special)
+
+    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [m.as_template_message() for m in body.messages]
+        try:
+            text = await run_in_threadpool(self.tokenizer.apply_chat_template, messages)
+        except TemplateError as e:
+            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        return await self.encode_text(text, "messages", special=True)
+
+    def start(self, ids: list[int], body, endpoint: Endpoint, arrival: float) -> Job:
+        """Submit to the engine; refusals raise ApiError before any response has started."""
+        limit, limit_field = body.token_limit
+        self._check_length(len(ids), limit, limit_field, endpoint.prompt_field)
+        rest = self.max_context - len(ids)
+        max_new = limit if limit is not None else min(endpoint.default_limit or rest, rest)
+        params = RequestParams(
+            max_new_tokens=max_new, temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_k=max(body.top_k, 0), top_p=body.top_p, seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+        fields = {"prompt": endpoint.prompt_field, "max_new_tokens": limit_field}
+        try:
+            stream = self.front.submit(ids, params)
+        except RequestError as e:
+            field = fields.get(e.field, e.field)
+            raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", param=field) from None
+        except QueueFullError as e:
+            raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
+                           code="queue_full", headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}) from None
+        except EngineClosedError:
+            raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
+        self.metrics.prompt_tokens.inc(len(ids))
+        text = TextStream(self.tokenizer, body.stop or (), self.hidden_ids)
+        return Job(self, stream, text, ids, arrival, endpoint.id_prefix)
+
+    def _check_length(self, n: int, limit: int | None, limit_field: str, prompt_field: str) -> None:
+        if n >= self.max_context:
+            raise ApiError(400, f"the prompt has {n} tokens; this model's maximum context length is "
+                                f"{self.max_context} tokens (prompt + completion)", param=prompt_field,
+                           code="context_length_exceeded")
+        if limit is not None and n + limit > self.max_context:
+            raise ApiError(400, f"{limit_field} {limit} plus the prompt's {n} tokens exceeds this model's maximum "
+                                f"context length of {self.max_context} tokens", param=limit_field,
+                           code="context_length_exceeded")
+
+    async def run_to_end(self, job: Job, request: Request) -> str:
+        """A non-streaming request: its whole text. A client that goes away meanwhile cancels it."""
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, job))
+        try:
+            return "".join([piece async for piece, _ in job.pieces()])
+        finally:
+            watcher.cancel()
+            job.close()
+
+    # ---- responses ----------------------------------------------------------------------------------------
+    def head(self, job: Job, obj: str) -> dict:
+        return {"id": job.id, "object": obj, "created": job.created, "model": self.settings.model_name}
+
+    def completion(self, job: Job, text: str, body: CompletionRequest) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": job.finish_reason,
+                  "stop_reason": job.stop_reason}
+        if body.return_token_ids:
+            choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": job.text.token_ids}
+        return {**self.head(job, "text_completion"), "choices": [choice], "usage": job.usage(),
+                "spec_decode": job.spec_decode()}
+
+    def chat_completion(self, job: Job, text: str, body: ChatCompletionRequest) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": job.finish_reason, "stop_reason": job.stop_reason}
+        out = {**self.head(job, "chat.completion"), "choices": [choice], "usage": job.usage(),
+               "spec_decode": job.spec_decode()}
+        if body.return_token_ids:
+            choice["token_ids"] = job.text.token_ids
+            out["prompt_token_ids"] = job.prompt_ids
+        return out
+
+    async def completion_events(self, job: Job, body: CompletionRequest) -> AsyncIterator[bytes]:
+        def chunk(text: str, ids: list[int], finish: str | None = None) -> dict:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            if body.return_token_ids:
+                choice["token_ids"] = ids
+            return {**self.head(job, "text_completion"), "choices": [choice]}
+
+        async for piece, ids in job.pieces():
+            if piece or (ids and body.return_token_ids):
+                yield _sse(chunk(piece, ids))
+        async for event in self._stream_end(job, body, chunk("", [], job.finish_reason), "text_completion"):
+            yield event
+
+    async def chat_events(self, job: Job, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+        def chunk(delta: dict, ids: list[int], finish: str | None = None) -> dict:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if body.return_token_ids:
+                choice["token_ids"] = ids
+            return {**self.head(job, "chat.completion.chunk"), "choices": [choice]}
+
+        yield _sse(chunk({"role": "assistant", "content": ""}, []))
+        async for piece, ids in job.pieces():
+            if piece or (ids and body.return_token_ids):
+                yield _sse(chunk({"content": piece}, ids))
+        async for event in self._stream_end(job, body, chunk({}, [], job.finish_reason), "chat.completion.chunk"):
+            yield event
+
+    async def _stream_end(self, job: Job, body, last: dict, obj: str) -> AsyncIterator[bytes]:
+        """The finish chunk (with the speculative statistics), the usage chunk if asked for, then [DONE]."""
+        if job.failed:
+            yield _sse(job.error())
+        else:
+            last["choices"][0]["stop_reason"] = job.stop_reason
+            yield _sse({**last, "spec_decode": job.spec_decode()})
+            if body.include_usage:
+                yield _sse({**self.head(job, obj), "choices": [], "usage": job.usage()})
+        yield SSE_DONE
+
+    def health(self) -> dict:
+        slots = self.front.core.config.max_slots
+        running = self.front.n_running
+        return {"status": "shutting_down" if self.closing else "ok", "running": running,
+                "waiting": self.front.n_waiting, "free_slots": slots - running, "max_slots": slots}
+
+    def models(self) -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "kdtree-jax", "root": self.settings.root,
+             "max_model_len": self.max_context} for name in self.settings.model_names]}
+
+
+class JobEventStream(EventSourceResponse):
+    """An SSE response whose request is cancelled however the response ends (done, client gone, shutdown)."""
+
+    def __init__(self, job: Job, events: AsyncIterator[bytes]):
+        super().__init__(events, headers=SSE_HEADERS)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close()
+
+
+def build_app(front: AsyncServingEngine, tokenizer, settings: ServerSettings) -> FastAPI:
+    """The ASGI app; its lifespan starts `front` (warmed up already) and drains it at shutdown."""
+    server = OpenAIServer(front, tokenizer, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await front.start()
+        yield
+        await server.drain()
+
+    app = FastAPI(title="kdtree-jax", lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
+    app.state.openai = server
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        server.check_model(body.model)
+        prompt = body.prompt if body.prompt is not None else ""
+        ids = list(prompt) if isinstance(prompt, list) else await server.encode_text(prompt, "prompt", special=True)
+        job = server.start(ids, body, COMPLETIONS, arrival)
+        if body.stream:
+            return JobEventStream(job, server.completion_events(job, body))
+        text = await server.run_to_end(job, request)
+        if job.failed:
+            return JSONResponse(job.error(), status_code=500)
+        return JSONResponse(server.completion(job, text, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        server.check_model(body.model)
+        ids = await server.chat_prompt(body)
+        job = server.start(ids, body, CHAT, arrival)
+        if body.stream:
+            return JobEventStream(job, server.chat_events(job, body))
+        text = await server.run_to_end(job, request)
+        if job.failed:
+            return JSONResponse(job.error(), status_code=500)
+        return JSONResponse(server.chat_completion(job, text, body))
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse(server.health(), status_code=503 if server.closing else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------
+def _sse(obj: dict) -> bytes:
+    return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """Wait for the client to go away (the body is read already), then cancel its request."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.stream.cancel()
+
+
+def _longest_token(tokenizer) -> int:
+    """The most characters one token decodes to: a text longer than max_context times this is surely too long."""
+    longest = 1
+    for i in range(tokenizer.vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.token_bytes(i)))
+        except ValueError:  # an id a sparse vocabulary leaves out
+            continue
+    return longest
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """pydantic's errors as OpenAI's 400 (not FastAPI's 422), naming the first bad field."""
+    err = exc.errors()[0]
+    ctx = err.get("ctx") or {}
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") == "json_invalid":
+        message, param = f"the body is not valid JSON: {ctx.get('error', err.get('msg'))}", None
+    elif loc == ("body",):
+        message, param = "the body must be a JSON object (Content-Type: application/json)", None
+    else:
+        param = param_path(loc)
+        detail = str(ctx["error"]) if err.get("type") == "value_error" and "error" in ctx else err.get("msg")
+        message = f"{param}: {detail}" if param else str(detail)
+    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)

@@ -1,0 +1,194 @@
+"""The OpenAI request bodies the server accepts (pydantic, strict types) and OpenAI's error shape.
+
+Types are strict, as OpenAI's own API is: "max_tokens": "16" or "temperature": true is a 400, not a silent
+conversion. Fields this server does not know are ignored, as vLLM ignores them (clients send vendor extras); known
+OpenAI fields it does not implement (n > 1, logprobs, penalties, tools, ...) are accepted only at their "off" value,
+so a request is never answered as if they had been applied.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16  # stop strings per request; each one is searched for in every new piece of text
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat defaults to the rest of the context
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def param_path(loc: tuple) -> str | None:
+    """A pydantic error location as OpenAI names a parameter: ('body', 'messages', 0, 'role') -> messages[0].role."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """The fields completions and chat completions share."""
+
+    # field -> the values that mean "off"; anything else is refused as not supported
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    }
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1)  # vLLM's convention: 0 or -1 = off
+    seed: int | None = None
+    stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] | None = None  # vLLM extra: more token ids that end the request
+    ignore_eos: bool = False  # vLLM extra: do not stop at the model's own stop tokens
+    return_token_ids: bool = False  # vLLM extra: the prompt's and the completion's token ids in the choice
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, v):
+        if isinstance(v, str):
+            return [v]
+        if v is not None and not isinstance(v, list):
+            raise ValueError("must be a string or a list of strings")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v):
+        if v is not None and any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("*")
+    @classmethod
+    def _off_unless_supported(cls, v, info):
+        off = cls.UNSUPPORTED.get(info.field_name)
+        if off is not None and not any(_same(v, o) for o in off):
+            raise ValueError(f"not supported by this server (only {off[-1]!r})")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def token_limit(self) -> tuple[int | None, str]:
+        """(max tokens asked for, the field that asked)."""
+        return self.max_tokens, "max_tokens"
+
+
+def _same(value, off) -> bool:
+    """`value` is the off value `off` (True is not 1, False is not 0)."""
+    return value is off or (value == off and isinstance(value, bool) == isinstance(off, bool))
+
+
+class CompletionRequest(_SamplingRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_SamplingRequest.UNSUPPORTED, "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
+        "suffix": (None, ""),
+    }
+
+    prompt: Any = None  # text or token ids; checked by `single_prompt`
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v):
+        return single_prompt(v)
+
+
+def single_prompt(v) -> str | list[int]:
+    """OpenAI's prompt forms: a string, token ids, or a list of one of either (one prompt per request here)."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return v
+    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        raise ValueError(f"one prompt per request (got {len(v)})")
+    raise ValueError("must be a string or a list of integer token ids")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: list[TextPart]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_as_part(cls, v):
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of text parts")  # noqa: TRY004 (pydantic wants ValueError)
+        return v
+
+    def as_template_message(self) -> dict:
+        """The message as the chat template reads it (a developer turn is a system turn)."""
+        msg = {"role": "system" if self.role == "developer" else self.role,
+               "content": "".join(p.text for p in self.content)}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_SamplingRequest.UNSUPPORTED, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+        "response_format": (None, {"type": "text"}),
+    }
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    response_format: Any = None
+
+    @property
+    def token_limit(self) -> tuple[int | None, str]:
+        """(max tokens asked for, the field that asked)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"

@@ -1,0 +1,761 @@
+"""Serving benchmark: requests at a fixed concurrency or with Poisson arrivals, into the serving engine in-process or
+into an OpenAI-compatible server (--url); output tokens/s, requests/s and p50/p99 of TTFT, TPOT and inter-token
+latency per load point.
+
+In-process, several serving configs (ar, fixed-budget ddtree, load-following ddtree) run side by side in one run on
+the workload of scripts/bench_engine.py, each also timed through `Engine.generate` on the same requests one at a time
+(the serving loop's overhead at concurrency 1) and checked for greedy identity with it.
+
+    python scripts/bench_serving.py --concurrency 1,4,8,16 --configs ar,ddtree,auto --out bench_serving.json
+    python scripts/bench_serving.py --url http://127.0.0.1:8000 --concurrency 1,4,8,16,32 --label ddtree
+
+Metrics (vLLM's serving benchmark defines them the same way, except ITL, see below). Times are taken where the
+tokens arrive: in-process the host time of each token delta, over HTTP the client's receive time of each chunk.
+    TTFT   first token's arrival - the request's send time
+    TPOT   (last token's arrival - first token's arrival) / (output tokens - 1), requests of >= 2 tokens
+    ITL    for each delta after the first: the gap since the previous delta / the tokens it carries, one sample per
+           token (a step that commits 12 tokens in one delta adds 12 samples of gap / 12); the gaps themselves, one
+           sample per delta as vLLM counts ITL, are `delta_gap_ms` in the JSON
+    tokens/s and requests/s: completed requests' output tokens (requests) / the point's wall time, from its first
+    send to its last request's end
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Self
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine's prompts, shared
+
+from bench_engine import DEFAULT_DIR, load_prompts
+
+PERCENTILES = (50, 99)
+REQUESTS_PER_SLOT = 4  # default requests per load point: this many per concurrent request ...
+MIN_REQUESTS = 16  # ... and at least this many
+DEFAULT_CONCURRENCY = "1,4,8,16"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax.monitoring: one event per XLA compile
+FINISHED_OK = ("stop", "length")
+SHUTDOWN_TIMEOUT_S = 60.0
+HTTP_TIMEOUT_S = 600.0
+MS = 1e3
+
+# targets a serving run is judged by (printed with the results; the JSON keeps the numbers)
+SERVING_VS_GENERATE_MIN = 0.90  # at concurrency 1, serving tokens/s >= this x Engine.generate's
+DDTREE_VS_AR_MIN = 1.4  # fixed-budget ddtree over ar at concurrency 1
+AUTO_VS_BEST_MIN = 0.95  # load-following ddtree over the better of ar and fixed ddtree, at every concurrency
+
+
+# ---- what one request looked like from the client ---------------------------------------------------------------
+@dataclasses.dataclass
+class RequestResult:
+    """One request as its client saw it; times are time.perf_counter() seconds."""
+
+    send_time: float
+    request_id: int | None  # the serving engine's id (in-process)
+    chunk_times: list[float]  # arrival of each delta (chunk) that carried tokens
+    chunk_tokens: list[int]  # tokens in each of those deltas
+    output_tokens: int
+    prompt_tokens: int
+    ok: bool  # finished with "stop" or "length"
+    token_ids: list[int] | None = None  # where the client sees ids (in-process)
+    spec_rounds: int | None = None  # target forwards (rounds) the request took, where reported
+    spec_committed: int | None = None  # tokens those rounds committed (sum of acceptance lengths)
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Latencies:
+    ttft: float | None
+    tpot: float | None
+    itl: list[float]  # one sample per token after the first delta
+    delta_gaps: list[float]  # one sample per delta after the first
+
+
+def latencies(r: RequestResult) -> Latencies:
+    """TTFT, TPOT and inter-token latencies of one request (definitions in the module docstring)."""
+    if not r.chunk_times:
+        return Latencies(None, None, [], [])
+    ttft = r.chunk_times[0] - r.send_time
+    tpot = (r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+    gaps = np.diff(r.chunk_times).tolist()
+    itl = [g / n for g, n in zip(gaps, r.chunk_tokens[1:]) for _ in range(n)]
+    return Latencies(ttft, tpot, itl, gaps)
+
+
+def percentiles(values_s: list[float]) -> dict | None:
+    """Mean and the PERCENTILES (numpy's linear interpolation) in milliseconds; None without samples."""
+    if not values_s:
+        return None
+    v = np.asarray(values_s, np.float64) * MS
+    return {"mean": float(v.mean()), **{f"p{q}": float(np.percentile(v, q)) for q in PERCENTILES}}
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict:
+    """A load point's metrics over its completed requests."""
+    ok = [r for r in results if r.ok]
+    lat = [latencies(r) for r in ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    spec = [(r.spec_rounds, r.spec_committed) for r in ok if r.spec_rounds and r.spec_committed is not None]
+    rounds, committed = sum(x for x, _ in spec), sum(y for _, y in spec)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "wall_s": wall_s, "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else float("nan"),
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else float("nan"),
+        "ttft_ms": percentiles([x.ttft for x in lat if x.ttft is not None]),
+        "tpot_ms": percentiles([x.tpot for x in lat if x.tpot is not None]),
+        "itl_ms": percentiles([v for x in lat for v in x.itl]),
+        "delta_gap_ms": percentiles([v for x in lat for v in x.delta_gaps]),
+        "mean_acceptance_length": committed / rounds if rounds else None,
+    }
+
+
+# ---- load: who sends when ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LoadPoint:
+    """At most `concurrency` requests in flight (None: no cap), arriving as a Poisson process of `rate` per second
+    (inf: all at once)."""
+
+    concurrency: int | None
+    rate: float
+    num_requests: int
+
+    @property
+    def name(self) -> str:
+        parts = ([f"c={self.concurrency}"] if self.concurrency else []) + (
+            [f"rate={self.rate:g}/s"] if math.isfinite(self.rate) else [])
+        return " ".join(parts) or "all at once"
+
+
+def arrival_offsets(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Send times after the start: the first at 0, then exponential gaps of mean 1/rate; all 0 for rate inf."""
+    if not math.isfinite(rate):
+        return np.zeros(n)
+    return np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / rate, n - 1))])
+
+
+async def drive(send, point: LoadPoint, seed: int, progress=None) -> tuple[list[RequestResult], float]:
+    """Run `send(i)` for every request of the point under its arrivals and concurrency cap; (results, wall s)."""
+    offsets = arrival_offsets(point.num_requests, point.rate, np.random.default_rng(seed))
+    gate = asyncio.Semaphore(point.concurrency or point.num_requests)
+    start = time.perf_counter()
+
+    async def one(i: int) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+        async with gate:
+            result = await send(i)
+        if progress is not None:
+            progress.update(1)
+        return result
+
+    results = await asyncio.gather(*(one(i) for i in range(point.num_requests)))
+    return list(results), time.perf_counter() - start
+
+
+def load_points(args, max_slots: int) -> list[LoadPoint]:
+    """Every (concurrency, rate) the flags ask for; requests per point from --num-requests or the default."""
+    conc = args.concurrency if args.concurrency is not None else (None if args.request_rate else DEFAULT_CONCURRENCY)
+    caps = [int(c) for c in conc.split(",")] if conc else [None]
+    rates = [float(r) for r in args.request_rate.split(",")] if args.request_rate else [math.inf]
+    return [LoadPoint(c, r, args.num_requests or max(REQUESTS_PER_SLOT * (c or max_slots), MIN_REQUESTS))
+            for c in caps for r in rates]
+
+
+def request_prompt(prompts: list[list[int]], i: int) -> int:
+    """Request i asks prompt i mod n: every point cycles through the same prompts in the same order."""
+    return i % len(prompts)
+
+
+# ---- in-process: the serving engine ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ServingSetup:
+    """One config of the in-process run: a name and the ServeConfig fields it sets."""
+
+    name: str
+    mode: str
+    budget: object = None  # int, "auto" or {active slots: B or "ar"}; None for ar / chain
+
+
+def parse_budget_table(text: str) -> dict[int, int | str]:
+    """"1:32,4:16,8:ar" -> {1: 32, 4: 16, 8: "ar"}."""
+    table = {}
+    for item in text.split(","):
+        slots, _, budget = item.partition(":")
+        table[int(slots)] = "ar" if budget.strip() == "ar" else int(budget)
+    return table
+
+
+def serving_setups(args) -> list[ServingSetup]:
+    auto = parse_budget_table(args.auto_table) if args.auto_table else "auto"
+    known = {"ar": ServingSetup("ar", "ar"), "chain": ServingSetup("chain", "chain"),
+             "ddtree": ServingSetup("ddtree", "ddtree", args.budget), "auto": ServingSetup("auto", "ddtree", auto)}
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in known]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; choose from {sorted(known)}")
+    return [known[c] for c in names]
+
+
+def serve_config(args, setup: ServingSetup, max_slots: int):
+    from kdtree_jax.serving import ServeConfig
+
+    extra = {} if setup.budget is None else {"budget": setup.budget}
+    return ServeConfig(max_slots=max_slots, max_context=args.max_context or args.prompt_tokens + args.max_new_tokens,
+                       mode=setup.mode, rounds_per_step=args.rounds_per_step, min_prompt_bucket=args.min_prompt_bucket,
+                       **extra)
+
+
+def request_params(args, i: int):
+    from kdtree_jax.serving import RequestParams
+
+    return RequestParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed + i)
+
+
+def plan_summary(plan: dict) -> str:
+    """{active slots: StepKind} as "1-3:ddtree-32 4-16:ar"."""
+    runs, start = [], min(plan)
+    for a in sorted(plan):
+        if a + 1 not in plan or plan[a + 1] != plan[a]:
+            runs.append(f"{start}-{a}:{plan[a].name}" if a > start else f"{a}:{plan[a].name}")
+            start = a + 1
+    return " ".join(runs)
+
+
+class StepLog:
+    """Every step the serving worker ran: its kind, active slots and the requests it carried (appended on the worker
+    thread, after the step's deltas are delivered; read once the worker has stopped)."""
+
+    def __init__(self):
+        self.steps: list[tuple[str, int, frozenset]] = []
+
+    def __call__(self, report) -> None:
+        if report.kind is not None:
+            self.steps.append((report.kind.name, report.active, frozenset(e.request_id for e in report.events)))
+
+    def for_requests(self, ids: set) -> dict:
+        """Step-kind histogram and mean active slots of the steps that carried any of these requests."""
+        mine = [(kind, active) for kind, active, rids in self.steps if rids & ids]
+        return {"step_kinds": dict(sorted(collections.Counter(k for k, _ in mine).items())),
+                "mean_active_slots": float(np.mean([a for _, a in mine])) if mine else 0.0}
+
+
+class CompileCounter:
+    """XLA compiles while inside the block: after warm-up a timed point must compile nothing."""
+
+    def __init__(self):
+        self.count = 0
+
+    def _on_event(self, event: str, _duration: float, **_kw) -> None:
+        if event == COMPILE_EVENT:
+            self.count += 1
+
+    def __enter__(self) -> Self:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
+def inprocess_sender(front, prompts: list[list[int]], args):
+    """send(i) for `drive`: submit request i to the async serving front and collect its deltas and record."""
+
+    async def send(i: int) -> RequestResult:
+        ids = prompts[request_prompt(prompts, i)]
+        t0 = time.perf_counter()
+        stream = front.submit(ids, request_params(args, i))
+        times, counts = [], []
+        async for delta in stream:
+            times.append(delta.time)
+            counts.append(len(delta.token_ids))
+        rec = stream.record
+        return RequestResult(send_time=t0, request_id=stream.request_id, chunk_times=times, chunk_tokens=counts,
+                             output_tokens=len(rec.token_ids), prompt_tokens=rec.prompt_tokens,
+                             ok=rec.finish_reason in FINISHED_OK, token_ids=list(rec.token_ids), spec_rounds=rec.rounds,
+                             spec_committed=int(sum(rec.accept_lengths)), error=rec.error)
+
+    return send
+
+
+async def run_setup(engine, setup: ServingSetup, points: list[LoadPoint], prompts, args, max_slots: int):
+    """Build, warm up and time one serving config over every load point; (config info, rows, results per point)."""
+    from kdtree_jax.serving import AsyncServingEngine, ServingEngine
+
+    t0 = time.perf_counter()
+    core = ServingEngine(engine, serve_config(args, setup, max_slots))
+    programs = core.warm_up()
+    warmup_s = time.perf_counter() - t0
+    info = {"config": setup.name, "mode": setup.mode, "budget": _jsonable(setup.budget),
+            "plan": plan_summary(core.plan), "kind_at_one_slot": core.plan[1].name, "max_slots": max_slots,
+            "max_context": core.config.max_context, "rounds_per_step": core.config.rounds_per_step,
+            "warmup_s": warmup_s, "warmup_programs_s": programs}
+    print(f"{setup.name}: plan {info['plan']}; warm-up {warmup_s:.1f} s ({len(programs)} programs)", flush=True)
+    front = AsyncServingEngine(core)
+    await front.start()
+    send = inprocess_sender(front, prompts, args)
+    await drive(send, LoadPoint(max_slots, math.inf, max_slots), args.seed)  # warm-up pass, not timed
+    log = StepLog()
+    front.step_listeners.append(log)
+    rows, per_point = [], []
+    for point in points:
+        with CompileCounter() as compiles, _progress(point, setup.name) as bar:
+            results, wall = await drive(send, point, args.seed, bar)
+        row = {"config": setup.name, **point_fields(point), **summarize(results, wall), "compiles": compiles.count}
+        rows.append(row)
+        per_point.append(results)
+        print(row_line(row), flush=True)
+    await front.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # joins the worker: every step is in the log now
+    for row, results in zip(rows, per_point):
+        row.update(log.for_requests({r.request_id for r in results}))
+    return info, rows, per_point, core.plan[1]
+
+
+def generate_baseline(engine, kind, prompts, indices: list[int], args) -> dict:
+    """Engine.generate on the given requests one at a time, in the mode / budget the serving config runs with one
+    active slot: its tokens/s (compile excluded) and each prompt's tokens for the greedy check."""
+    mode, budget = kind.mode, kind.budget or None
+    extra = {"budget": budget} if budget else {}
+
+    def one(i):
+        p = request_prompt(prompts, i)
+        return p, engine.generate([prompts[p]], args.max_new_tokens, mode=mode, temperature=args.temperature,
+                                  seed=[args.seed + i], **extra)
+
+    one(indices[0])  # compile
+    tokens, wall, rounds, committed, ids = 0, 0.0, 0, 0, {}
+    for i in indices:
+        t0 = time.perf_counter()
+        _, res = one(i)
+        wall += time.perf_counter() - t0
+        out = res.outputs[0]
+        tokens += len(out.token_ids)
+        rounds += out.rounds
+        committed += sum(out.accept_lengths)
+        ids[i] = out.token_ids
+    return {"kind": kind.name, "requests": len(indices), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "mean_acceptance_length": committed / rounds if rounds else None,
+            "token_ids": ids}
+
+
+def greedy_check(results: list[RequestResult], reference: dict[int, list[int]], prompts) -> dict:
+    """How many requests got exactly Engine.generate's tokens for their prompt (greedy decoding is deterministic)."""
+    by_prompt = {request_prompt(prompts, i): ids for i, ids in reference.items()}
+    checked = [r.token_ids == by_prompt[request_prompt(prompts, i)] for i, r in enumerate(results)
+               if r.ok and request_prompt(prompts, i) in by_prompt]
+    return {"greedy_equal": sum(checked), "greedy_checked": len(checked)}
+
+
+async def run_inprocess(args) -> dict:
+    import jax
+
+    from kdtree_jax.engine import Engine
+
+    engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
+    prompts = load_prompts(args.prompts, engine.tokenizer, args.num_prompts, args.prompt_tokens)
+    setups = serving_setups(args)
+    points = load_points(args, 1)
+    max_slots = args.max_slots or max(p.concurrency or p.num_requests for p in points)
+    points = load_points(args, max_slots)
+    configs, rows, baselines = [], [], {}
+    for setup in setups:
+        info, setup_rows, per_point, kind = await run_setup(engine, setup, points, prompts, args, max_slots)
+        one = next((k for k, p in enumerate(points) if p.concurrency == 1 and not math.isfinite(p.rate)), None)
+        indices = list(range(points[one].num_requests)) if one is not None else list(range(len(prompts)))
+        if kind not in baselines:
+            baselines[kind] = generate_baseline(engine, kind, prompts, indices, args)
+        base = baselines[kind]
+        info["generate"] = {k: v for k, v in base.items() if k != "token_ids"}
+        print(f"{setup.name}: Engine.generate ({base['kind']}, one at a time) {base['tokens_per_s']:.1f} tok/s",
+              flush=True)
+        for row, results in zip(setup_rows, per_point):
+            if args.temperature == 0:
+                row.update(greedy_check(results, base["token_ids"], prompts))
+            if row["concurrency"] == 1 and row["request_rate"] is None:
+                row["baseline_tokens_per_s"] = base["tokens_per_s"]
+                row["vs_baseline"] = row["output_tokens_per_s"] / base["tokens_per_s"]
+        configs.append(info)
+        rows += setup_rows
+    return {"mode": "in-process", "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "configs": configs, "rows": rows, "targets": targets(rows)}
+
+
+# ---- HTTP: an OpenAI-compatible server --------------------------------------------------------------------------
+def http_sender(client, model: str, prompts: list[list[int]], args, tokenizer):
+    """send(i) for `drive`: stream /v1/completions for request i (token-id prompt), timing each chunk on arrival.
+
+    Tokens per chunk: the chunk's `token_ids` where the server sends them (vLLM's return_token_ids), else its text
+    encoded again (approximate at token boundaries); output tokens from `usage` when the server reports it."""
+    import httpx
+    import openai
+
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+
+    async def send(i: int) -> RequestResult:
+        ids = prompts[request_prompt(prompts, i)]
+        times, counts, usage, stats, reason = [], [], None, {}, None
+        t0 = time.perf_counter()
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=ids, max_tokens=args.max_new_tokens, temperature=args.temperature,
+                seed=args.seed + i, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            async for chunk in stream:
+                now = time.perf_counter()
+                for choice in chunk.choices:
+                    n = chunk_token_count(choice, tokenizer)
+                    if n:
+                        times.append(now)
+                        counts.append(n)
+                    reason = choice.finish_reason or reason
+                usage = chunk.usage or usage
+                stats.update(spec_stats(chunk))
+        except (openai.OpenAIError, httpx.HTTPError) as e:  # a failed request is counted; the point goes on
+            return RequestResult(t0, None, times, counts, sum(counts), len(ids), False,
+                                 error=f"{type(e).__name__}: {e}")
+        out = usage.completion_tokens if usage is not None else sum(counts)
+        rounds = stats.get("num_spec_steps")
+        mal = stats.get("mean_acceptance_length")
+        return RequestResult(t0, None, times, counts, out, len(ids), ok=reason in FINISHED_OK,
+                             spec_rounds=rounds, spec_committed=mal * rounds if rounds and mal else None,
+                             error=None if reason in FINISHED_OK else f"finish_reason {reason!r}")
+
+    return send
+
+
+def chunk_token_count(choice, tokenizer) -> int:
+    ids = getattr(choice, "token_ids", None)
+    if ids is not None:
+        return len(ids)
+    return len(tokenizer.encode(choice.text)) if choice.text else 0
+
+
+def spec_stats(chunk) -> dict:
+    """The speculative statistics a server attaches to a chunk (top level, usage or choice), by vLLM's names."""
+    names = ("mean_acceptance_length", "num_spec_steps", "num_draft_tokens", "num_accepted_tokens")
+    found = {}
+    for obj in (chunk, chunk.usage, *chunk.choices):
+        for where in (obj, getattr(obj, "model_extra", None) or {}):
+            for name in names:
+                value = where.get(name) if isinstance(where, dict) else getattr(where, name, None)
+                if isinstance(value, (int, float)):
+                    found[name] = value
+    return found
+
+
+async def run_http(args) -> dict:
+    from openai import AsyncOpenAI
+
+    from kdtree_jax.checkpoint_io import load_tokenizer_any
+
+    tokenizer = load_tokenizer_any(args.checkpoint)
+    prompts = load_prompts(args.prompts, tokenizer, args.num_prompts, args.prompt_tokens)
+    client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                         timeout=HTTP_TIMEOUT_S, max_retries=0)
+    model = args.model or (await client.models.list()).data[0].id
+    points = load_points(args, 1)
+    send = http_sender(client, model, prompts, args, tokenizer)
+    widest = max(p.concurrency or p.num_requests for p in points)
+    await drive(send, LoadPoint(widest, math.inf, widest), args.seed)  # warm-up pass: connections, first steps
+    rows = []
+    for point in points:
+        with _progress(point, args.label) as bar:
+            results, wall = await drive(send, point, args.seed, bar)
+        row = {"config": args.label, **point_fields(point), **summarize(results, wall)}
+        rows.append(row)
+        print(row_line(row), flush=True)
+    await client.close()
+    if args.compare:
+        compare_rows(rows, args.compare)
+    return {"mode": "http", "url": args.url, "model": model, "device": None, "configs": [{"config": args.label}],
+            "rows": rows, "targets": []}
+
+
+def compare_rows(rows: list[dict], spec: str) -> None:
+    """Add each row's tokens/s against the same load point of another results file (FILE or FILE:CONFIG)."""
+    path, _, config = spec.rpartition(":") if ":" in spec and not os.path.exists(spec) else (spec, "", "")
+    with open(path) as f:
+        other = json.load(f)["rows"]
+    for row in rows:
+        ref = next((o for o in other if o["config"] == (config or row["config"])
+                    and (o["concurrency"], o["request_rate"]) == (row["concurrency"], row["request_rate"])), None)
+        if ref is not None:
+            row["baseline_tokens_per_s"] = ref["output_tokens_per_s"]
+            row["vs_baseline"] = row["output_tokens_per_s"] / ref["output_tokens_per_s"]
+
+
+# ---- start-up: cold and warm compilation cache ------------------------------------------------------------------
+def startup_child(args) -> None:
+    """Load the pair, build one serving config and warm it up; print the seconds as one JSON line."""
+    import jax
+
+    from kdtree_jax.serving import ServingEngine, enable_compilation_cache
+
+    cache = enable_compilation_cache()
+    from kdtree_jax.engine import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
+    t1 = time.perf_counter()
+    setup = next(s for s in serving_setups(args) if s.name == args.startup_child)
+    core = ServingEngine(engine, serve_config(args, setup, args.max_slots))
+    programs = core.warm_up()
+    t2 = time.perf_counter()
+    print(json.dumps({"load_s": t1 - t0, "warmup_s": t2 - t1, "programs": len(programs), "cache_dir": cache,
+                      "device": jax.devices()[0].device_kind}))
+
+
+def child_argv(args, config: str, max_slots: int) -> list[str]:
+    """The flags a start-up child needs to build the same serving engine as the timed run."""
+    argv = [sys.executable, os.path.abspath(__file__), "--startup-child", config, "--configs", config,
+            "--checkpoint", args.checkpoint, "--drafter", args.drafter, "--dtype", args.dtype,
+            "--prompt-tokens", str(args.prompt_tokens), "--max-new-tokens", str(args.max_new_tokens),
+            "--max-slots", str(max_slots), "--rounds-per-step", str(args.rounds_per_step), "--budget", str(args.budget),
+            "--min-prompt-bucket", str(args.min_prompt_bucket)]
+    if args.max_context:
+        argv += ["--max-context", str(args.max_context)]
+    if args.auto_table:
+        argv += ["--auto-table", args.auto_table]
+    return argv
+
+
+def measure_startup(args) -> list[dict]:
+    """Per config: a process that loads and warms up with an empty compilation cache (cold), then another on the
+    same cache directory (warm). total_s is the whole process, interpreter and imports included."""
+    max_slots = args.max_slots or max(p.concurrency or p.num_requests for p in load_points(args, 1))
+    rows = []
+    for setup in serving_setups(args):
+        with tempfile.TemporaryDirectory(prefix="kdtree-xla-") as cache:
+            env = {**os.environ, "KDTREE_COMPILATION_CACHE": cache}
+            for run in ("cold", "warm"):
+                t0 = time.perf_counter()
+                out = subprocess.run(child_argv(args, setup.name, max_slots), env=env, capture_output=True,
+                                     text=True, check=False)
+                total = time.perf_counter() - t0
+                if out.returncode != 0:
+                    raise SystemExit(f"start-up child ({setup.name}, {run}) failed:\n{out.stderr[-4000:]}")
+                row = {"config": setup.name, "run": run, **json.loads(out.stdout.strip().splitlines()[-1]),
+                       "total_s": total}
+                rows.append(row)
+                print(f"start-up {setup.name} {run}: load {row['load_s']:.1f} s, warm-up {row['warmup_s']:.1f} s, "
+                      f"process {total:.1f} s", flush=True)
+    return rows
+
+
+# ---- report -----------------------------------------------------------------------------------------------------
+def point_fields(point: LoadPoint) -> dict:
+    return {"load": point.name, "concurrency": point.concurrency,
+            "request_rate": point.rate if math.isfinite(point.rate) else None, "num_requests": point.num_requests}
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The serving targets, where this run has the rows they compare (closed-loop points only)."""
+    closed = {(r["config"], r["concurrency"]): r for r in rows if r["request_rate"] is None and r["concurrency"]}
+    tps = {k: r["output_tokens_per_s"] for k, r in closed.items()}
+    out = []
+    for (config, c), r in sorted(closed.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if c == 1 and "vs_baseline" in r:
+            out.append(_target(f"{config} c=1: serving / Engine.generate tokens/s", r["vs_baseline"],
+                               SERVING_VS_GENERATE_MIN))
+    if ("ddtree", 1) in tps and ("ar", 1) in tps:
+        out.append(_target("c=1: ddtree / ar tokens/s", tps[("ddtree", 1)] / tps[("ar", 1)], DDTREE_VS_AR_MIN))
+    for (config, c), v in sorted(tps.items(), key=lambda kv: kv[0][1]):
+        if config == "auto" and ("ar", c) in tps and ("ddtree", c) in tps:
+            best = max(tps[("ar", c)], tps[("ddtree", c)])
+            out.append(_target(f"c={c}: auto / max(ar, ddtree) tokens/s", v / best, AUTO_VS_BEST_MIN))
+    return out
+
+
+def _target(name: str, value: float, minimum: float) -> dict:
+    return {"target": name, "value": value, "min": minimum, "met": value >= minimum}
+
+
+def _ms(stats: dict | None, key: str) -> str:
+    return "-" if not stats else f"{stats[key]:.2f}"
+
+
+def row_line(r: dict) -> str:
+    return (f"{r['config']} {r['load']}: {r['output_tokens_per_s']:.1f} tok/s, {r['requests_per_s']:.2f} req/s, "
+            f"TTFT p50 {_ms(r['ttft_ms'], 'p50')} ms, TPOT p50 {_ms(r['tpot_ms'], 'p50')} ms, "
+            f"{r['completed']}/{r['num_requests']} ok")
+
+
+def markdown(result: dict) -> str:
+    """The results as markdown tables: one row per (config, load point), then configs, targets, start-up."""
+    lines = [] if not result["rows"] else [
+        ("| config | load | requests | output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+         "ITL p50 / p99 ms | mean acceptance | steps run | greedy = generate | x baseline |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        steps = " ".join(f"{k}:{v}" for k, v in r.get("step_kinds", {}).items()) or "-"
+        greedy = f"{r['greedy_equal']}/{r['greedy_checked']}" if "greedy_checked" in r else "-"
+        tau = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+        ratio = f"{r['vs_baseline']:.3f}" if "vs_baseline" in r else "-"
+        lines.append(
+            f"| {r['config']} | {r['load']} | {r['completed']}/{r['num_requests']} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['requests_per_s']:.2f} | {_ms(r['ttft_ms'], 'p50')} / {_ms(r['ttft_ms'], 'p99')} | "
+            f"{_ms(r['tpot_ms'], 'p50')} / {_ms(r['tpot_ms'], 'p99')} | "
+            f"{_ms(r['itl_ms'], 'p50')} / {_ms(r['itl_ms'], 'p99')} | {tau} | {steps} | {greedy} | {ratio} |")
+    gen = [c for c in result["configs"] if "generate" in c]
+    if gen:
+        lines += ["", "| config | plan (active slots: step) | warm-up s | Engine.generate tok/s (one at a time) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {c['config']} | {c['plan']} | {c['warmup_s']:.1f} | {c['generate']['tokens_per_s']:.1f} "
+                  f"({c['generate']['kind']}) |" for c in gen]
+    if result["targets"]:
+        lines += ["", "| target | value | min | met |", "|---|---|---|---|"]
+        lines += [f"| {t['target']} | {t['value']:.3f} | {t['min']} | {'yes' if t['met'] else 'NO'} |"
+                  for t in result["targets"]]
+    if result.get("startup"):
+        lines += ["", "| config | compilation cache | load s | warm-up s | process s |", "|---|---|---|---|---|"]
+        lines += [f"| {s['config']} | {s['run']} | {s['load_s']:.2f} | {s['warmup_s']:.2f} | {s['total_s']:.2f} |"
+                  for s in result["startup"]]
+    return "\n".join(lines).lstrip("\n")
+
+
+def header(result: dict, args) -> str:
+    decoding = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    workload = f"{args.num_prompts} prompts x {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, {decoding}"
+    if result["mode"] == "startup":
+        return (f"### {result['device']}, {args.dtype}: serving engine start-up (load + warm-up), one fresh process "
+                f"per row\n")
+    if result["mode"] == "in-process":
+        where = f"{result['device']}, {args.dtype}, in-process, {args.rounds_per_step} rounds per step"
+        baseline = "serving / Engine.generate tokens/s at concurrency 1"
+    else:
+        where = f"HTTP {result['url']} (model {result['model']})"
+        baseline = "tokens/s / the --compare file's same load point"
+    return (f"### {where}; {workload}\n\n"
+            f"ITL = gap between deltas / tokens in the delta; x baseline = {baseline}\n")
+
+
+def provenance() -> dict:
+    import jax
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", "-C", REPO, *cmd], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    return {"jax_version": jax.__version__, "git_commit": git("rev-parse", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain")),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": " ".join(shlex.quote(a) for a in sys.argv)}
+
+
+def _jsonable(x):
+    return {str(k): v for k, v in x.items()} if isinstance(x, dict) else x
+
+
+class _progress:
+    """A tqdm bar over a point's requests on stderr (off where stderr is not a terminal)."""
+
+    def __init__(self, point: LoadPoint, name: str):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=point.num_requests, desc=f"{name} {point.name}", unit="req", leave=False, disable=None)
+
+    def __enter__(self):
+        return self.bar
+
+    def __exit__(self, *exc):
+        self.bar.close()
+
+
+# ---- command line -----------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    from kdtree_jax.serving import ServeConfig
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=os.path.join(DEFAULT_DIR, "target"), help="target (and tokenizer)")
+    p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
+    p.add_argument("--prompts", default=os.path.join(DEFAULT_DIR, "heldout_prompts.jsonl"))
+    p.add_argument("--num-prompts", type=int, default=16, help="distinct prompts; requests cycle through them")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="each prompt cut to this many tokens")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="request i has seed + i; Poisson arrivals draw from seed")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", default=None,
+                      help=f"closed loop: at most c requests in flight, e.g. 1,4,8 (default {DEFAULT_CONCURRENCY} "
+                           f"unless --request-rate is given; with it, the cap of each rate)")
+    load.add_argument("--request-rate", default=None, help="Poisson arrivals per second, e.g. 2,8,inf")
+    load.add_argument("--num-requests", type=int, default=None,
+                      help=f"requests per point (default max({REQUESTS_PER_SLOT} x concurrency, {MIN_REQUESTS}))")
+    eng = p.add_argument_group("in-process serving engine")
+    eng.add_argument("--configs", default="ar,ddtree,auto",
+                     help="ar, chain, ddtree (fixed --budget), auto (load-following ddtree)")
+    eng.add_argument("--budget", type=int, default=16, help="the ddtree config's budget B")
+    eng.add_argument("--auto-table", default=None,
+                     help="the auto config's {active slots: budget} table, e.g. 1:32,4:16,8:ar (default: the "
+                          "measured budget profile)")
+    eng.add_argument("--max-slots", type=int, default=None, help="default: the largest concurrency")
+    eng.add_argument("--max-context", type=int, default=None, help="default: prompt tokens + max new tokens")
+    eng.add_argument("--rounds-per-step", type=int, default=4)
+    eng.add_argument("--min-prompt-bucket", type=int, default=ServeConfig.min_prompt_bucket,
+                     help="the shortest padded prompt length; prefill programs for each power of two from here "
+                          "up to --max-context are compiled at warm-up")
+    eng.add_argument("--startup", action="store_true",
+                     help="instead of the load points: time start-up (load + warm-up) per config in fresh "
+                          "processes, with an empty compilation cache (cold), then the same cache (warm)")
+    eng.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
+    http = p.add_argument_group("HTTP server (OpenAI-compatible /v1/completions)")
+    http.add_argument("--url", default=None, help="e.g. http://127.0.0.1:8000; --configs does not apply")
+    http.add_argument("--model", default=None, help="default: the server's first model")
+    http.add_argument("--label", default="server", help="the config name of the HTTP rows")
+    http.add_argument("--extra-body", default=None,
+                      help='JSON merged into each request, e.g. {"return_token_ids": true}')
+    http.add_argument("--compare", default=None,
+                      help="FILE[:CONFIG]: results JSON of an in-process run; rows get tokens/s against its same "
+                           "load point (CONFIG's rows, default the same name as --label)")
+    p.add_argument("--out", default=None, help="write every row and the run's provenance as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.startup_child:
+        startup_child(args)
+        return {}
+    if args.url and args.startup:
+        raise SystemExit("--startup measures the in-process engine; it does not apply with --url")
+    from kdtree_jax.serving import enable_compilation_cache
+    from kdtree_jax.serving.slots import CACHE_ENV
+
+    cache = enable_compilation_cache() if os.environ.get(CACHE_ENV) else None  # default: warm-up compiles, cold
+    if args.startup:
+        startup = measure_startup(args)
+        result = {"mode": "startup", "device": startup[0]["device"], "configs": [], "rows": [], "targets": [],
+                  "startup": startup}
+    else:
+        result = asyncio.run(run_http(args) if args.url else run_inprocess(args))
+    result.update(compilation_cache=cache, args=vars(args), **provenance())
+    print("\n" + header(result, args) + "\n" + markdown(result), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""bench_serving: its latency metrics on hand-made timestamps, its load driver and HTTP chunk reading on fakes, and
+a tiny in-process run on the shipped pair (ar and ddtree at concurrency 1 and 2)."""
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def _module():
+    sys.path.insert(0, SCRIPTS)  # bench_serving imports bench_engine from its own directory
+    spec = importlib.util.spec_from_file_location("_bench_serving", os.path.join(SCRIPTS, "bench_serving.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _request(mod, send, times, counts, ok=True):
+    return mod.RequestResult(send_time=send, request_id=None, chunk_times=times, chunk_tokens=counts,
+                             output_tokens=sum(counts), prompt_tokens=4, ok=ok)
+
+
+def test_latencies_and_percentiles_on_hand_made_timestamps():
+    mod = _module()
+    # sent at 10 s; deltas of 1, 2 and 4 tokens at 10.5, 11.0 and 11.5 s
+    lat = mod.latencies(_request(mod, 10.0, [10.5, 11.0, 11.5], [1, 2, 4]))
+    assert lat.ttft == 0.5
+    assert lat.tpot == 1.0 / 6  # (11.5 - 10.5) s over the 6 tokens after the first
+    assert lat.itl == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]  # each gap split over its delta's tokens
+    assert lat.delta_gaps == [0.5, 0.5]
+    assert mod.latencies(_request(mod, 1.0, [1.25], [1])) == mod.Latencies(0.25, None, [], [])  # 1 token: no TPOT
+    assert mod.latencies(_request(mod, 1.0, [], [])) == mod.Latencies(None, None, [], [])
+
+    p = mod.percentiles([0.004, 0.001, 0.003, 0.002])  # ms 1..4; numpy's linear interpolation
+    assert p == pytest.approx({"mean": 2.5, "p50": 2.5, "p99": 3.97}, rel=1e-12)
+    assert mod.percentiles([]) is None
+
+    results = [_request(mod, 10.0, [10.5, 11.0, 11.5], [1, 2, 4]), _request(mod, 10.0, [10.25], [1]),
+               _request(mod, 10.0, [10.5], [1], ok=False)]
+    s = mod.summarize(results, wall_s=2.0)
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (2, 1, 8)
+    assert (s["output_tokens_per_s"], s["requests_per_s"]) == (4.0, 1.0)
+    assert s["ttft_ms"] == pytest.approx({"mean": 375.0, "p50": 375.0, "p99": 497.5}, rel=1e-12)
+    assert s["tpot_ms"] == pytest.approx({"mean": 1e3 / 6, "p50": 1e3 / 6, "p99": 1e3 / 6}, rel=1e-12)
+    assert s["itl_ms"]["p50"] == 125.0 and s["itl_ms"]["p99"] == 250.0
+    assert s["mean_acceptance_length"] is None  # no request reported rounds
+
+
+def test_arrivals_and_concurrency_cap():
+    mod = _module()
+    assert mod.arrival_offsets(5, math.inf, np.random.default_rng(0)).tolist() == [0.0] * 5
+    rate = 50.0
+    a = mod.arrival_offsets(4000, rate, np.random.default_rng(1))
+    assert a[0] == 0.0 and np.all(np.diff(a) > 0)
+    assert np.mean(np.diff(a)) == pytest.approx(1 / rate, rel=0.1)
+    assert np.array_equal(a, mod.arrival_offsets(4000, rate, np.random.default_rng(1)))  # seeded
+
+    in_flight, most = 0, 0
+
+    async def send(i):
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.001 * (i % 3))
+        in_flight -= 1
+        return i
+
+    results, wall = asyncio.run(mod.drive(send, mod.LoadPoint(2, math.inf, 7), seed=0))
+    assert results == list(range(7)) and most == 2 and wall > 0
+    assert mod.parse_budget_table("1:32,4:16,8:ar") == {1: 32, 4: 16, 8: "ar"}
+
+
+def test_http_sender_reads_token_counts_usage_and_spec_stats():
+    mod = _module()
+
+    def chunk(text=None, ids=None, finish=None, usage=None):
+        choices = [] if text is None else [SimpleNamespace(text=text, token_ids=ids, finish_reason=finish)]
+        return SimpleNamespace(choices=choices, usage=usage)
+
+    chunks = [chunk("a", [5]), chunk("bc", [6, 7]), chunk("", None, "length"),
+              chunk(usage=SimpleNamespace(completion_tokens=3, mean_acceptance_length=1.5, num_spec_steps=2))]
+
+    async def stream():
+        for c in chunks:
+            yield c
+
+    async def create(**body):
+        assert body["prompt"] == [1, 2, 3] and body["stream"] and body["stream_options"] == {"include_usage": True}
+        return stream()
+
+    client = SimpleNamespace(completions=SimpleNamespace(create=create))
+    args = mod.parse_args(["--url", "http://x", "--max-new-tokens", "3"])
+    r = asyncio.run(mod.http_sender(client, "m", [[1, 2, 3]], args, tokenizer=None)(0))
+    assert r.ok and r.chunk_tokens == [1, 2] and r.output_tokens == 3 and len(r.chunk_times) == 2
+    assert (r.spec_rounds, r.spec_committed) == (2, 3.0)
+
+
+def test_tiny_inprocess_run_on_the_shipped_pair(tmp_path):
+    mod = _module()
+    out = tmp_path / "serving.json"
+    mod.main(["--num-prompts", "3", "--prompt-tokens", "16", "--max-new-tokens", "8", "--concurrency", "1,2",
+              "--num-requests", "3", "--configs", "ar,ddtree", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["config"], r["concurrency"]) for r in rows] == [("ar", 1), ("ar", 2), ("ddtree", 1), ("ddtree", 2)]
+    for r in rows:
+        assert r["completed"] == 3 and r["failed"] == 0 and r["output_tokens_per_s"] > 0, r
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert 0 < r[metric]["p50"] <= r[metric]["p99"], (metric, r)
+        assert r["greedy_equal"] == r["greedy_checked"] == 3, r  # every request = Engine.generate's tokens
+        assert sum(r["step_kinds"].values()) > 0 and r["compiles"] == 0, r
+        assert set(r["step_kinds"]) == {"ar" if r["config"] == "ar" else "ddtree-16"}
+    assert all(r["vs_baseline"] > 0 for r in rows if r["concurrency"] == 1)
+    assert {c["config"]: c["generate"]["kind"] for c in result["configs"]} == {"ar": "ar", "ddtree": "ddtree-16"}
+    assert result["git_commit"] and result["jax_version"] and result["command"]
