@@ -10,54 +10,28 @@ import json
 import os
 import sys
 
-from kdtree_jax import budget as budget_mod
+from kdtree_jax.cli import (  # noqa: F401 (UsageError, ATTENTION_BACKENDS: part of this module's interface)
+    ATTENTION_BACKENDS,
+    DEFAULT_DRAFTER,
+    DEFAULT_TARGET,
+    HelpFormatter,
+    Parser,
+    UsageError,
+    default_budget,
+    parse_budget,
+    run_main,
+)
 from kdtree_jax.engine import Engine
 from kdtree_jax.sharding import parse_mesh
-from pallas_kernels.verify_attn import BACKENDS
 
-ATTENTION_BACKENDS = ("auto", *BACKENDS)
-
-DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
-DEFAULT_TARGET = os.path.join(DEFAULT_DIR, "target")
-DEFAULT_DRAFTER = os.path.join(DEFAULT_DIR, "drafter")
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
 
-class UsageError(Exception):
-    """Bad input from the user: one line on stderr, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(message)
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" to a flag's help unless the help already states its default or X is None / False
-    (an unset option or an off switch: nothing to state)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default is None or action.default is False:
-            return text
-        return super()._get_help_string(action)
-
-
-def _budget(text: str) -> int | str:
-    """--budget: an integer B or 'auto' (the measured best B for this device and batch size)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="python -m kdtree_jax.generate",
         description="Generate with DDTree speculative decoding (or the chain / autoregressive baselines).",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     io = p.add_argument_group("model")
     io.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
@@ -79,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower,
                     choices=("ddtree", "chain", "ar"), default="ddtree",
                     help="ddtree: draft tree; chain: DFlash block; ar: one token per target forward")
-    sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=_budget, default=None,
+    sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=parse_budget, default=None,
                     help="DDTree node budget B (tree tokens verified per round = 1 + B), or 'auto': the B with the "
                          "most measured tokens/s for this device and batch size, or plain ar where the profile "
                          "measured ar faster than every tree (scripts/profile_budget.py); default: auto where a "
@@ -163,7 +137,7 @@ def run(argv: list[str] | None = None) -> int:
                          attn_backend=None if args.attention_backend == "auto" else args.attention_backend)
     if any(isinstance(p, str) for p in prompts) and engine.tokenizer is None:
         raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; pass --prompt-ids instead")
-    budget = args.budget if args.budget is not None else _default_budget(engine, args.mode)
+    budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               mode=args.mode, budget=budget, chat=args.chat)
     totals = {"tokens": 0, "rounds": 0, "wall": 0.0, "compile": 0.0, "acc": [], "budgets": set()}
@@ -193,19 +167,6 @@ def run(argv: list[str] | None = None) -> int:
           f"tokens/s={tps:.1f} run_s={totals['wall']:.2f} compile_s={totals['compile']:.2f}{_budget_note(totals)}",
           file=sys.stderr)
     return 0
-
-
-def _default_budget(engine, mode: str) -> int | str:
-    """No --budget: "auto" where a budget profile measured on this device applies (the B the README's speedups were
-    measured at), else the fixed budget. Unlike an explicit --budget auto, a missing, foreign or unreadable profile
-    is no warning: a plain run on a device nobody profiled is not a mistake."""
-    if mode != "ddtree":  # ar and chain take no budget
-        return budget_mod.DEFAULT_BUDGET
-    try:
-        profile = budget_mod.profile_for(engine.budget_profile, engine.profile_key(), warn=False)
-    except budget_mod.ProfileError:  # only an explicit --budget auto makes an unreadable profile an error
-        return budget_mod.DEFAULT_BUDGET
-    return budget_mod.DEFAULT_BUDGET if profile is None else "auto"
 
 
 def _budget_note(totals) -> str:
@@ -242,28 +203,8 @@ def _run_batch(engine, batch, seeds, args, kw):
     return stream.result
 
 
-def _close_progress_bars() -> None:
-    """Close the progress bars an error left open (loading, compiling): they are leave=False bars, so closing erases
-    them and the error that follows is the one line left on the terminal, not text glued to a half-drawn bar."""
-    std = sys.modules.get("tqdm.std")  # not imported: no bar was ever drawn
-    for bar in list(getattr(std.tqdm, "_instances", ()) if std is not None else ()):
-        bar.close()
-
-
 def main(argv: list[str] | None = None) -> None:
-    try:
-        code = run(argv)
-    except UsageError as e:
-        _close_progress_bars()
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    except (ValueError, FileNotFoundError) as e:  # bad checkpoint, prompt too long, mismatched drafter, ...
-        if os.environ.get("KDTREE_DEBUG"):
-            raise
-        _close_progress_bars()
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    run_main(run, argv)
 
 
 if __name__ == "__main__":

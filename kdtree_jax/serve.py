@@ -15,24 +15,23 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 
 import jax
 import uvicorn
 
 from kdtree_jax.engine import Engine
-from kdtree_jax.generate import (
+from kdtree_jax.cli import (
     ATTENTION_BACKENDS,
     DEFAULT_DIR,
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
+    HelpFormatter,
+    Parser,
     UsageError,
-    _budget,
-    _close_progress_bars,
-    _default_budget,
-    _HelpFormatter,
-    _Parser,
+    default_budget,
+    parse_budget,
+    run_main,
 )
 from kdtree_jax.server import ServerSettings, build_app
 from kdtree_jax.serving import AsyncServingEngine, ServeConfig, ServingEngine, enable_compilation_cache
@@ -53,7 +52,7 @@ CACHE_HELP = ("compiled programs are kept in JAX's persistent compilation cache:
 def _serve_budget(text: str):
     """--budget: an integer B, 'auto', or a table by active slots such as '1:64,4:32,8:ar'."""
     if ":" not in text:
-        return _budget(text)
+        return parse_budget(text)
     table = {}
     for item in text.split(","):
         slots, _, b = item.partition(":")
@@ -66,8 +65,8 @@ def _serve_budget(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m kdtree_jax.serve", description="Serve the OpenAI API (completions, chat) with DDTree "
-                "speculative decoding over a table of request slots.", formatter_class=_HelpFormatter,
+    p = Parser(prog="python -m kdtree_jax.serve", description="Serve the OpenAI API (completions, chat) with DDTree "
+                "speculative decoding over a table of request slots.", formatter_class=HelpFormatter,
                 epilog=CACHE_HELP)
     m = p.add_argument_group("model")
     m.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
@@ -150,7 +149,7 @@ def load(args):
     log.info("loaded %.1fM parameters in %.1f s", n_params / 1e6, time.perf_counter() - t0)
     given = {k: getattr(args, k) for k in ("max_slots", "max_context", "rounds_per_step", "max_queue")
              if getattr(args, k) is not None}
-    budget = args.budget if args.budget is not None else _default_budget(engine, args.mode)
+    budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
     core = ServingEngine(engine, ServeConfig(mode=args.mode, budget=budget, **given))
     cfg = core.config
     log.info("slot table: %d slots x %d tokens, %d rounds per step; step per active slots: %s", cfg.max_slots,
@@ -209,15 +208,7 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        code = run(argv)
-    except (UsageError, ValueError, FileNotFoundError) as e:  # bad flags, bad checkpoint, mismatched drafter, ...
-        if os.environ.get("KDTREE_DEBUG"):
-            raise
-        _close_progress_bars()
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    sys.exit(code)
+    run_main(run, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""What the command-line programs (`kdtree_jax.generate`, `kdtree_jax.serve`) share: the shipped pair's paths,
+one-line usage errors, help that states each default once, the --budget syntax and the default budget."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from kdtree_jax import budget as budget_mod
+from pallas_kernels.verify_attn import BACKENDS
+
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
+
+DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
+DEFAULT_TARGET = os.path.join(DEFAULT_DIR, "target")
+DEFAULT_DRAFTER = os.path.join(DEFAULT_DIR, "drafter")
+
+
+class UsageError(Exception):
+    """Bad input from the user: one line on stderr, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(message)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already states its default or X is None / False
+    (an unset option or an off switch: nothing to state)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
+def parse_budget(text: str) -> int | str:
+    """--budget: an integer B or 'auto' (the measured best B for this device and batch size)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def default_budget(engine, mode: str) -> int | str:
+    """No --budget: "auto" where a budget profile measured on this device applies (the B the README's speedups were
+    measured at), else the fixed budget. Unlike an explicit --budget auto, a missing, foreign or unreadable profile
+    is no warning: a plain run on a device nobody profiled is not a mistake."""
+    if mode != "ddtree":  # ar and chain take no budget
+        return budget_mod.DEFAULT_BUDGET
+    try:
+        profile = budget_mod.profile_for(engine.budget_profile, engine.profile_key(), warn=False)
+    except budget_mod.ProfileError:  # only an explicit --budget auto makes an unreadable profile an error
+        return budget_mod.DEFAULT_BUDGET
+    return budget_mod.DEFAULT_BUDGET if profile is None else "auto"
+
+
+def close_progress_bars() -> None:
+    """Close the progress bars an error left open (loading, compiling): they are leave=False bars, so closing erases
+    them and the error that follows is the one line left on the terminal, not text glued to a half-drawn bar."""
+    std = sys.modules.get("tqdm.std")  # not imported: no bar was ever drawn
+    for bar in list(getattr(std.tqdm, "_instances", ()) if std is not None else ()):
+        bar.close()
+
+
+def run_main(run: Callable[[list[str] | None], int], argv: list[str] | None) -> None:
+    """Run a program's `run(argv)` and exit with its code; bad input (flags, checkpoints, prompts) is one `error:`
+    line on stderr and exit code 2 (KDTREE_DEBUG=1 shows the traceback)."""
+    try:
+        code = run(argv)
+    except UsageError as e:
+        close_progress_bars()
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except (ValueError, FileNotFoundError) as e:  # bad checkpoint, prompt too long, mismatched drafter, ...
+        if os.environ.get("KDTREE_DEBUG"):
+            raise
+        close_progress_bars()
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
