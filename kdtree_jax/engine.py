@@ -51,10 +51,11 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
             params: RequestRows) -> DecodeState:
     """Fill the target (and drafter) caches from right-padded prompts and pick the first token.
 
-    prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys, params: each request's rule. Chunks run through the verify
-    path (absorbed MLA, causal mask, the verify_attn kernel) when the spec uses Pallas: a chunk at a traced start
-    in plain MLA would expand every cache row through kv_b and materialise [Bt, H, chunk, S] scores (~17 GB per
-    layer for K2.6 at batch 8 and 32k); the kernel streams the prefix instead. Without Pallas, plain MLA.
+    prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys, params: what each request asks
+    for. Chunks run through the verify path (absorbed MLA, causal mask, the verify_attn kernel) when the spec uses
+    Pallas: a chunk at a traced start in plain MLA would expand every cache row through kv_b and materialise
+    [Bt, H, chunk, S] scores (~17 GB per layer for K2.6 at batch 8 and 32k); the kernel streams the prefix instead.
+    Without Pallas, plain MLA.
     """
     bt, cap = prompts.shape
     chunk = spec.prefill_chunk
