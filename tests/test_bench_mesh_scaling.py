@@ -9,6 +9,7 @@ import pytest
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_mesh_scaling.py")
 
 
+@pytest.mark.heavy
 @pytest.mark.multidevice
 def test_sharded_generations_match_one_device(tmp_path):
     spec = importlib.util.spec_from_file_location("_bench_mesh_scaling", _PATH)

@@ -32,6 +32,7 @@ def smoke(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.heavy
 def test_smoke_times_every_part_and_parts_rebuild_the_round(smoke):
     result, out = smoke
     assert not result["skipped"]
@@ -59,6 +60,7 @@ def test_smoke_times_every_part_and_parts_rebuild_the_round(smoke):
     assert traces
 
 
+@pytest.mark.heavy
 def test_markdown_has_one_line_per_row(smoke):
     result, _ = smoke
     table = bench_round.markdown(result["rows"], "### t")
@@ -109,6 +111,7 @@ def test_topk_prefix_is_the_smaller_topk(rng):
         np.testing.assert_array_equal(lp_wide[..., :k], lp)
 
 
+@pytest.mark.heavy
 def test_adapted_prefill_equals_the_specs_own_prefill(smoke):
     """One prefill per batch (the widest spec) cut down to ar / chain equals prefill run with that spec."""
     args = bench_round.parse_args(SMOKE)

@@ -103,6 +103,7 @@ def test_http_sender_reads_token_counts_usage_and_spec_stats():
     assert (r.spec_rounds, r.spec_committed) == (2, 3.0)
 
 
+@pytest.mark.heavy
 def test_tiny_inprocess_run_on_the_shipped_pair(tmp_path):
     mod = _module()
     out = tmp_path / "serving.json"

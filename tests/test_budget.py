@@ -252,6 +252,7 @@ def dictating_profile(rng, key: ProfileKey, batches, budgets, want: int) -> Budg
     return profile
 
 
+@pytest.mark.heavy
 def test_engine_auto_budget_runs_the_profiles_choice(shipped, rng, tmp_path):
     eng0, prompts = shipped
     budgets = [2, 4, 8]
@@ -272,6 +273,7 @@ def test_engine_auto_budget_runs_the_profiles_choice(shipped, rng, tmp_path):
     assert (ar.stats.mode, auto.stats.mode) == ("ar", "ddtree")
 
 
+@pytest.mark.heavy
 def test_engine_auto_runs_ar_where_the_profile_measured_ar_faster(shipped, rng, tmp_path):
     eng0, prompts = shipped
     budgets = [2, 4, 8]

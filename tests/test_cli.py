@@ -1,12 +1,15 @@
-"""`python -m kdtree_jax.generate` in a subprocess: JSON output, streaming, `--help`, the default run, and one-line
-errors with exit code 2."""
+"""`python -m kdtree_jax.generate`: JSON output, streaming, `--help`, the default run, and one-line errors with exit
+code 2. In-process through `main(argv)`, sharing loaded engines (and so their compiled programs) between tests; one
+smoke test runs the real command with no arguments in a subprocess."""
 from __future__ import annotations
 
+import dataclasses
 import glob
+import io
 import json
 import os
+import pathlib
 import re
-import selectors
 import subprocess
 import sys
 
@@ -14,8 +17,9 @@ import pytest
 from engine_utils import drafter_config, random_drafter
 
 from kdtree_jax import budget as budget_mod
-from kdtree_jax import config
+from kdtree_jax import config, generate
 from kdtree_jax.drafter import save_drafter
+from kdtree_jax.engine import Engine
 from kdtree_jax.synthetic import write_synthetic_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +39,7 @@ def synthetic_pair(tmp_path_factory):
     target = str(root / "target")
     files = glob.glob(os.path.join(TOKENIZER, "*.json")) + [os.path.join(TOKENIZER, "tiktoken.model")]
     write_synthetic_checkpoint(target, cfg, fmt="int4", wrapped=True, seed=3,
-                               extra_files={os.path.basename(f): open(f, "rb").read() for f in files})
+                               extra_files={os.path.basename(f): pathlib.Path(f).read_bytes() for f in files})
     drafter = str(root / "drafter")
     dcfg = drafter_config(cfg, block_size=4)
     save_drafter(random_drafter(dcfg, 3), dcfg, drafter)
@@ -49,21 +53,63 @@ def synthetic_pair(tmp_path_factory):
     return target, drafter, bad, bad_vocab
 
 
+@pytest.fixture(scope="module")
+def loaded_engines():
+    """Engines loaded by this module's CLI runs, by Engine.load's arguments."""
+    return {}
+
+
+@pytest.fixture(autouse=True)
+def share_engines(monkeypatch, loaded_engines):
+    """Engine.load returns the engine an earlier run loaded with the same arguments, so the programs that run
+    compiled serve this one. A load that raises is not kept."""
+    real_load = Engine.load
+
+    def load(target, drafter=None, **kw):
+        key = (os.path.abspath(target), drafter and os.path.abspath(drafter), tuple(sorted(kw.items())))
+        if key not in loaded_engines:
+            loaded_engines[key] = real_load(target, drafter, **kw)
+        return loaded_engines[key]
+
+    monkeypatch.setattr(Engine, "load", staticmethod(load))
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps --help at the terminal width
+
+
+@dataclasses.dataclass
+class Cli:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(capfd, *args, check=True) -> Cli:
+    """`main(args)` in this process: its exit code and what reached file descriptors 1 and 2 (carriage returns
+    kept: a progress bar's redraws must not read as lines that a terminal never shows)."""
+    capfd.readouterr()  # drop what came before
+    try:
+        generate.main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code
+    out, err = capfd.readouterr()
+    if check:
+        assert code == 0, err[-3000:]
+    return Cli(code, out, err)
+
+
 def cli_env() -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)  # one device: the CLI is a single-process user program
     return env
 
 
-def run_cli(*args, check=True):
-    """Exit code and output, decoded with carriage returns kept: text=True would turn each into a newline, and a
-    progress bar's redraws would read as lines that a terminal never shows."""
+def run_cli_process(*args) -> Cli:
+    """The real command in a subprocess, as a user runs it."""
     proc = subprocess.run([sys.executable, "-m", "kdtree_jax.generate", *args], capture_output=True,
-                          timeout=TIMEOUT, cwd=REPO, env=cli_env())
-    proc.stdout, proc.stderr = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+                          check=False, timeout=TIMEOUT, cwd=REPO, env=cli_env())
+    cli = Cli(proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace"))
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    return cli
 
 
 def screen_lines(raw: str) -> list[str]:
@@ -93,12 +139,13 @@ def parse_json_lines(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-def test_json_ddtree_equals_ar_on_synthetic_hf_dir(synthetic_pair):
+@pytest.mark.heavy
+def test_json_ddtree_equals_ar_on_synthetic_hf_dir(synthetic_pair, capfd):
     target, drafter, *_ = synthetic_pair
     common = ["--checkpoint", target, "--drafter", drafter, "--json", "--max-new-tokens", "12",
               "--prompt", "def add(a, b):", "--prompt", "import os", "--prompt-ids", "5,6,7,8"]
-    ar = parse_json_lines(run_cli(*common, "--mode", "ar").stdout)
-    tree = parse_json_lines(run_cli(*common, "--mode", "ddtree", "--budget", "8").stdout)
+    ar = parse_json_lines(run_cli(capfd, *common, "--mode", "ar").stdout)
+    tree = parse_json_lines(run_cli(capfd, *common, "--mode", "ddtree", "--budget", "8").stdout)
     assert len(ar) == len(tree) == 3
     for a, t in zip(ar, tree):
         assert a["token_ids"] == t["token_ids"] and len(a["token_ids"]) >= 1
@@ -108,43 +155,73 @@ def test_json_ddtree_equals_ar_on_synthetic_hf_dir(synthetic_pair):
         assert t["stats"]["tokens_per_s"] > 0
 
 
-def test_text_streams_before_exit(synthetic_pair):
-    """Generated text reaches stdout round by round: in two or more separate reads, all before the read that brings
-    the stats line (printed after the last token). Evidence by order, not by timing. Printed once at the end, the
-    text (one write under PIPE_BUF, so atomic) would come in a single read just before the stats line. The random
-    drafter commits about one token per round, so 200 tokens are about 200 streamed updates."""
+class _Pipe(io.TextIOBase):
+    """A stream that appends what reaches its reader to `log` as (name, text): stdout on flush (a pipe is block
+    buffered, so text printed without a flush would arrive only at exit), stderr on every write."""
+
+    def __init__(self, name: str, log: list, buffered: bool):
+        self.name, self.log, self.buffered, self.pending = name, log, buffered, []
+
+    def write(self, text: str) -> int:
+        self.pending.append(text)
+        if not self.buffered:
+            self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        text, self.pending = "".join(self.pending), []
+        if text:
+            self.log.append((self.name, text))
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+
+def test_text_streams_before_exit(synthetic_pair, monkeypatch):
+    """Generated text reaches stdout round by round: after the engine hands over the tokens of one update and before
+    it hands over the next, for two or more updates, and all before the stats line (printed after the last token).
+    Evidence by order, not by timing: one log records each update the engine yields and each piece of text that
+    reaches stdout or stderr. Printed once at the end, the text would follow the last update. The random drafter
+    commits about one token per round, so 64 tokens are about 64 updates."""
     target, drafter, *_ = synthetic_pair
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kdtree_jax.generate", "--checkpoint", target, "--drafter", drafter,
-         "--prompt", "x", "--max-new-tokens", "200", "--budget", "4", "--stream-every", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=cli_env())
-    reads = []  # ("out" | "err", bytes), in the order the reads returned them
-    try:
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ, "out")
-            sel.register(proc.stderr, selectors.EVENT_READ, "err")
-            while sel.get_map():
-                ready = sel.select(timeout=TIMEOUT)
-                assert ready, f"no output for {TIMEOUT} s"
-                for key, _ in ready:
-                    data = os.read(key.fileobj.fileno(), 1 << 16)
-                    if data:
-                        reads.append((key.data, data))
-                    else:
-                        sel.unregister(key.fileobj)
-        proc.wait(timeout=TIMEOUT)
-    finally:
-        proc.kill()
-    err = b"".join(data for kind, data in reads if kind == "err").decode(errors="replace")
-    assert proc.returncode == 0, err[-2000:]
+    log = []  # ("update", i) | ("out", text) | ("err", text), in order
+    real_stream = Engine.generate_stream
+
+    class LoggedStream:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __iter__(self):
+            for i, new in enumerate(self.stream):
+                log.append(("update", i))
+                yield new
+
+        @property
+        def result(self):
+            return self.stream.result
+
+    monkeypatch.setattr(Engine, "generate_stream", lambda self, *a, **kw: LoggedStream(real_stream(self, *a, **kw)))
+    with monkeypatch.context() as streams:
+        streams.setattr(sys, "stdout", _Pipe("out", log, buffered=True))
+        streams.setattr(sys, "stderr", _Pipe("err", log, buffered=False))
+        code = generate.run(["--checkpoint", target, "--drafter", drafter, "--prompt", "x", "--max-new-tokens", "64",
+                             "--budget", "4", "--stream-every", "1"])
+        sys.stdout.flush()  # what a buffered pipe would still deliver at exit
+    err = "".join(text for kind, text in log if kind == "err")
+    assert code == 0
     assert STATS.match(screen_lines(err)[-1]), err[-2000:]
-    stats_at = next(i for i, (kind, data) in enumerate(reads) if kind == "err" and b"tokens/s=" in data)
-    echo, seen, text_reads = len(b"x"), 0, 0  # stdout is the prompt echo, then the generated text
-    for kind, data in reads[:stats_at]:
-        if kind == "out":
-            text_reads += bool(data[max(0, echo - seen):].strip())
-            seen += len(data)
-    assert text_reads >= 2, f"generated text came in {text_reads} read(s) before the stats line: {reads[-8:]}"
+    stats_at = next(i for i, (kind, text) in enumerate(log) if kind == "err" and "tokens/s=" in text)
+    out = [(i, text) for i, (kind, text) in enumerate(log) if kind == "out"]
+    assert out[0][1] == "x"  # the prompt echo, before any update
+    updates = [i for i, (kind, _) in enumerate(log) if kind == "update"]
+    # for each piece of generated text, the update it followed
+    after = {max((u for u in updates if u < i), default=-1) for i, text in out[1:] if text.strip()}
+    assert len(after) >= 2, f"generated text followed {len(after)} update(s): {log[-8:]}"
+    assert -1 not in after and max(updates) < stats_at and all(i < stats_at for i, _ in out), log[-8:]
 
 
 @pytest.mark.parametrize(
@@ -157,21 +234,21 @@ def test_text_streams_before_exit(synthetic_pair):
         (["--prompt-ids", "1,x"], "--prompt-ids"),
     ],
 )
-def test_bad_flags_exit_2_one_line(args, needle, synthetic_pair):
+def test_bad_flags_exit_2_one_line(args, needle, synthetic_pair, capfd):
     target, drafter, *_ = synthetic_pair
-    assert_one_line_error(run_cli("--checkpoint", target, "--drafter", drafter, *args, check=False), needle)
+    assert_one_line_error(run_cli(capfd, "--checkpoint", target, "--drafter", drafter, *args, check=False), needle)
 
 
-def test_attention_backend_that_cannot_serve_the_checkpoint_exits_2(synthetic_pair):
+def test_attention_backend_that_cannot_serve_the_checkpoint_exits_2(synthetic_pair, capfd):
     target, drafter, *_ = synthetic_pair  # fp32 cache, latent widths the wgmma kernel does not take
-    proc = run_cli("--checkpoint", target, "--drafter", drafter, "--attention-backend", "mosaic", "--prompt-ids", "1,2",
-                   check=False)
+    proc = run_cli(capfd, "--checkpoint", target, "--drafter", drafter, "--attention-backend", "mosaic",
+                   "--prompt-ids", "1,2", check=False)
     assert proc.returncode == 2 and "attn_backend='mosaic' needs" in proc.stderr and "kv_lora_rank=" in proc.stderr
     assert "Traceback" not in proc.stderr and "compiling" not in proc.stderr  # refused before any compile
 
 
 @pytest.mark.parametrize("case", ["drafter_hidden_size", "drafter_vocab", "prompt_too_long"])
-def test_mismatched_drafter_and_long_prompt_exit_2(case, synthetic_pair):
+def test_mismatched_drafter_and_long_prompt_exit_2(case, synthetic_pair, capfd):
     """Found after the target loaded: its progress bar has been drawn and must not be left around the message."""
     target, _, bad_hidden, bad_vocab = synthetic_pair
     args, needles = {
@@ -179,7 +256,7 @@ def test_mismatched_drafter_and_long_prompt_exit_2(case, synthetic_pair):
         "drafter_vocab": (["--drafter", bad_vocab, "--prompt-ids", "1,2"], ("vocab_size (2048)", "(4096)")),
         "prompt_too_long": (["--mode", "ar", "--prompt-ids", ",".join(["7"] * 300)], ("300 tokens", "context")),
     }[case]
-    assert_one_line_error(run_cli("--checkpoint", target, *args, check=False), *needles)
+    assert_one_line_error(run_cli(capfd, "--checkpoint", target, *args, check=False), *needles)
 
 
 def test_error_erases_a_progress_bar_left_open(monkeypatch, capfd):
@@ -203,8 +280,8 @@ def test_error_erases_a_progress_bar_left_open(monkeypatch, capfd):
     assert screen_lines(err) == ["error: INT4 scale shape (2, 3) does not match packed shape (4, 4)"]
 
 
-def test_help_lists_every_flag_with_its_default():
-    proc = run_cli("--help")
+def test_help_lists_every_flag_with_its_default(capfd):
+    proc = run_cli(capfd, "--help")
     entries = {}  # flag -> its help text, whitespace collapsed (argparse wraps at the terminal width)
     for block in re.split(r"\n(?=  -)", proc.stdout.split("options:", 1)[1]):
         head = re.split(r"\s{2,}", block.strip())[0]  # "--mode {ddtree,chain,ar}, --speculative-algorithm ..."
@@ -223,7 +300,8 @@ def test_help_lists_every_flag_with_its_default():
     assert "default: one device" in entries["--mesh"]
 
 
-def test_default_budget_runs_the_profiles_choice(synthetic_pair, tmp_path):
+@pytest.mark.heavy
+def test_default_budget_runs_the_profiles_choice(synthetic_pair, tmp_path, capfd):
     """No --budget: the B of a budget profile that applies (here one written for this CPU and this pair)."""
     target, drafter, *_ = synthetic_pair
     want = 4
@@ -233,7 +311,7 @@ def test_default_budget_runs_the_profiles_choice(synthetic_pair, tmp_path):
                                        target=budget_mod.checkpoint_name(target),
                                        drafter=budget_mod.checkpoint_name(drafter), batches={1: table})
     path = budget_mod.save_profile(profile, tmp_path / "profile.json")
-    proc = run_cli("--checkpoint", target, "--drafter", drafter, "--budget-profile", str(path), "--json",
+    proc = run_cli(capfd, "--checkpoint", target, "--drafter", drafter, "--budget-profile", str(path), "--json",
                    "--prompt-ids", "5,6,7", "--max-new-tokens", "4")
     out = parse_json_lines(proc.stdout)
     assert len(out) == 1 and out[0]["stats"]["budget"] == want and out[0]["stats"]["budget_source"] == "auto"
@@ -243,17 +321,18 @@ def test_default_budget_runs_the_profiles_choice(synthetic_pair, tmp_path):
 def test_no_arguments_runs_the_default_checkpoint():
     """`python -m kdtree_jax.generate` and nothing else: the shipped pair, the default prompt, 128 new tokens. On
     this CPU no budget profile applies, so the default budget is the fixed 32, and that is no warning."""
-    proc = run_cli()
+    proc = run_cli_process()
     assert proc.stdout.startswith("def fibonacci(n):\n") and proc.stdout[len("def fibonacci(n):\n"):].strip()
     lines = screen_lines(proc.stderr)
     assert len(lines) == 1 and STATS.match(lines[0]) and lines[0].startswith("[ddtree]"), lines
     assert "budget=32 (fixed)" in lines[0]
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not os.path.isdir(DEFAULT_TARGET), reason="no shipped default checkpoint")
-def test_default_checkpoint_ddtree_equals_ar():
-    proc = run_cli("--max-new-tokens", "16", "--json", "--mode", "ddtree")
+def test_default_checkpoint_ddtree_equals_ar(capfd):
+    proc = run_cli(capfd, "--max-new-tokens", "16", "--json", "--mode", "ddtree")
     out = parse_json_lines(proc.stdout)
-    ar = parse_json_lines(run_cli("--max-new-tokens", "16", "--json", "--mode", "ar").stdout)
+    ar = parse_json_lines(run_cli(capfd, "--max-new-tokens", "16", "--json", "--mode", "ar").stdout)
     assert len(out) == 1 and out[0]["token_ids"] == ar[0]["token_ids"]
     assert out[0]["stats"]["mean_acceptance_length"] > 1.5  # the shipped drafter is trained

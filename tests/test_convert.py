@@ -52,6 +52,7 @@ def converted(tmp_path_factory):
     return src, dst
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_convert_round_trip_exact(fmt, tmp_path, rng):
     src = str(tmp_path / "hf")
@@ -61,6 +62,7 @@ def test_convert_round_trip_exact(fmt, tmp_path, rng):
     np.testing.assert_array_equal(logits(load_target_any(src), tokens), logits(load_target_any(dst), tokens))
 
 
+@pytest.mark.heavy
 def test_int4_experts_stay_packed_and_match(converted, rng):
     src, dst = converted
     model = load_converted(dst)

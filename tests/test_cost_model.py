@@ -47,6 +47,7 @@ def test_exact_data_recovers_the_coefficients(rng):
     assert "fit_ms" not in rows[-1]
 
 
+@pytest.mark.heavy
 def test_noisy_data_error_is_what_the_fit_reports(rng):
     rows = synthetic_rows(rng, noise=0.1)
     fit = bench.fit_cost_model(rows, CFG)

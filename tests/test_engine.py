@@ -3,6 +3,7 @@ and a whole generation as one compiled computation."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -18,84 +19,144 @@ BLOCK = 4  # drafter block L: depth D = 3
 BUDGETS = (1, 4, 16, 64)
 
 
-@pytest.fixture(scope="module", params=sorted(TARGET_CONFIGS))
-def pair_engine(request):
-    seed = int(np.random.default_rng().integers(1 << 30))
-    target, drafter = random_pair(request.param, seed, block_size=BLOCK)
-    return Engine(target, drafter, None, use_pallas=True)
+@dataclasses.dataclass
+class Shared:
+    engine: Engine
+    seed: int  # random_pair's: the same weights again
+
+
+@pytest.fixture(scope="module")
+def shared_pairs():
+    """One engine per target config for the whole module, so each program compiles once; tests that change an
+    engine's settings do it through monkeypatch."""
+    built = {}
+
+    def get(name: str) -> Shared:
+        if name not in built:
+            seed = int.from_bytes(os.urandom(4), "little") >> 2
+            print(f"{name} pair seed={seed}")
+            built[name] = Shared(Engine(*random_pair(name, seed, block_size=BLOCK), None, use_pallas=True), seed)
+        return built[name]
+
+    return get
+
+
+# "grouped" in the fast tier; the other configs' programs are the full tier's (compiling them takes minutes on CPU)
+@pytest.fixture(scope="module", params=[name if name == "grouped" else pytest.param(name, marks=pytest.mark.heavy)
+                                        for name in sorted(TARGET_CONFIGS)])
+def pair_engine(request, shared_pairs):
+    return shared_pairs(request.param).engine
+
+
+@pytest.fixture
+def grouped(shared_pairs) -> Engine:
+    """The "grouped" pair's shared engine."""
+    return shared_pairs("grouped").engine
+
+
+# test_greedy_modes_equal_ar's runs (batch 4, prompt lengths (7, 3, 5, 8), 10 tokens): tests that reuse its modes
+# and shapes run on the shared engine's programs without compiling
+GREEDY_MODES = {"ar": {}, "chain": {}, "ddtree": {"budget": 4}}
+
+
+def compile_calls(eng: Engine, monkeypatch) -> list:
+    """The keys of every program `eng` fetches or compiles from now on (`Engine.compile` does both)."""
+    calls = []
+    real = eng.compile
+
+    def recording(fn, args, key, **kw):
+        calls.append(key)
+        return real(fn, args, key, **kw)
+
+    monkeypatch.setattr(eng, "compile", recording)
+    return calls
 
 
 def _prompts(rng, vocab, n, lengths=(7, 3, 5, 8)):
     return [rng.integers(0, vocab - 1, size=lengths[i % len(lengths)]).tolist() for i in range(n)]
 
 
+def _assert_tree_equals_ar(tree, ar, budget):
+    assert tree.token_ids == ar.token_ids, f"budget {budget}"
+    for out in tree.outputs:
+        assert all(1 <= a <= BLOCK for a in out.accept_lengths)
+        assert 1 + sum(out.accept_lengths) >= len(out.token_ids)
+
+
 def test_greedy_modes_equal_ar(pair_engine, rng):
-    """ddtree (every budget) and chain give the AR tokens, batch 4 with ragged prompts and each prompt alone."""
+    """chain and ddtree (budget 4) give the AR tokens, batch 4 with ragged prompts."""
     eng = pair_engine
     prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
     ar = eng.generate(prompts, 10, mode="ar")
-    chain = eng.generate(prompts, 10, mode="chain")
-    assert chain.token_ids == ar.token_ids
+    assert eng.generate(prompts, 10, mode="chain").token_ids == ar.token_ids
+    _assert_tree_equals_ar(eng.generate(prompts, 10, mode="ddtree", **GREEDY_MODES["ddtree"]), ar, 4)
+
+
+@pytest.mark.heavy
+def test_greedy_ddtree_equals_ar_at_every_budget_and_alone(pair_engine, rng):
+    """ddtree at every budget gives the AR tokens, batch 4 with ragged prompts, and so does each prompt alone."""
+    eng = pair_engine
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
+    ar = eng.generate(prompts, 10, mode="ar")
     for budget in BUDGETS:
-        tree = eng.generate(prompts, 10, mode="ddtree", budget=budget)
-        assert tree.token_ids == ar.token_ids, f"budget {budget}"
-        for out in tree.outputs:
-            assert all(1 <= a <= BLOCK for a in out.accept_lengths)
-            assert 1 + sum(out.accept_lengths) >= len(out.token_ids)
+        _assert_tree_equals_ar(eng.generate(prompts, 10, mode="ddtree", budget=budget), ar, budget)
     for i, p in enumerate(prompts):  # same prompt alone: same tokens as inside the batch
         alone = eng.generate([p], 10, mode="ddtree", budget=4)
         assert alone.token_ids[0] == ar.token_ids[i]
 
 
 def test_accept_lengths_count_emitted_tokens(pair_engine, rng):
-    eng = pair_engine
-    out = eng.generate(_prompts(rng, eng.target.cfg.vocab_size, 2), 12, mode="ddtree", budget=16)
+    eng, n = pair_engine, 10  # test_greedy_modes_equal_ar's ddtree program
+    out = eng.generate(_prompts(rng, eng.target.cfg.vocab_size, 4), n, mode="ddtree", **GREEDY_MODES["ddtree"])
     for o in out.outputs:
-        assert o.finish_reason == "length" and len(o.token_ids) == 12
-        # every round commits its acceptance length; the last may be cut at max_new_tokens
-        assert sum(o.accept_lengths[:-1]) < 11 <= sum(o.accept_lengths)
+        assert o.finish_reason == "length" and len(o.token_ids) == n
+        # the prefill gives the first token; every round commits its acceptance length, the last one may be cut
+        assert sum(o.accept_lengths[:-1]) < n - 1 <= sum(o.accept_lengths)
 
 
-def test_stop_token_ends_request_identically(rng):
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    base = Engine(target, drafter, None)
-    prompts = _prompts(rng, target.cfg.vocab_size, 2)
-    ar = base.generate(prompts, 12, mode="ar")
+def test_stop_token_ends_request_identically_without_recompiling(grouped, rng, monkeypatch):
+    """A stop id ends every mode's request at the same token as ar. Stop ids are data of a run: the programs
+    compiled without one serve it unchanged."""
+    eng = grouped
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
+    runs = list(GREEDY_MODES.items())
+    ar = eng.generate(prompts, 10, mode="ar")
+    for mode, kw in runs[1:]:  # compiled here unless an earlier test did
+        eng.generate(prompts, 10, mode=mode, **kw)
+    compiled = set(eng._compiled)
     stop = ar.token_ids[0][5]  # a token the first request emits
-    target.cfg = dataclasses.replace(target.cfg, eos_token_id=(stop,))
-    eng = Engine(target, drafter, None)
-    for mode, budget in (("ar", 0), ("chain", 0), ("ddtree", 16)):
-        res = eng.generate(prompts, 12, mode=mode, budget=budget)
-        first = ar.token_ids[0].index(stop)
-        assert res.token_ids[0] == ar.token_ids[0][: first + 1], mode
+    monkeypatch.setattr(eng.target, "cfg", dataclasses.replace(eng.target.cfg, eos_token_id=(stop,)))
+    assert eng.stop_ids == (stop,)
+    for mode, kw in runs:
+        res = eng.generate(prompts, 10, mode=mode, **kw)
+        for b, (out, ref) in enumerate(zip(res.outputs, ar.token_ids)):
+            cut = ref.index(stop) + 1 if stop in ref else len(ref)
+            assert (out.token_ids, out.finish_reason) == (ref[:cut], "stop" if stop in ref else "length"), (mode, b)
         assert res.outputs[0].finish_reason == "stop"
-        other = ar.token_ids[1]
-        cut = other.index(stop) + 1 if stop in other else len(other)
-        assert res.token_ids[1] == other[:cut]
+    assert set(eng._compiled) == compiled
 
 
-def test_streaming_equals_one_shot(rng):
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    eng = Engine(target, drafter, None)
-    prompts = _prompts(rng, target.cfg.vocab_size, 2)
-    full = eng.generate(prompts, 9, mode="ddtree", budget=8)
-    stream = eng.generate_stream(prompts, 9, mode="ddtree", budget=8, stream_every=2)
-    pieces = [[], []]
+@pytest.mark.heavy  # in the fast tier, tests/test_cli.py streams through the engine
+def test_streaming_equals_one_shot(grouped, rng):
+    eng = grouped  # test_greedy_modes_equal_ar's ddtree program for the one-shot run
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
+    full = eng.generate(prompts, 10, mode="ddtree", budget=4)
+    stream = eng.generate_stream(prompts, 10, mode="ddtree", budget=4, stream_every=2)
+    pieces = [[], [], [], []]
     n_yields = 0
     for new in stream:
         assert stream.result is None  # set once the stream ends
         n_yields += 1
-        for b in range(2):
+        for b in range(4):
             pieces[b].extend(new[b])
     assert pieces == full.token_ids == stream.result.token_ids
     assert n_yields >= 2  # tokens came back before the end
 
 
-def test_one_compiled_computation_without_host_callbacks(rng):
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    eng = Engine(target, drafter, None)
-    prompts = _prompts(rng, target.cfg.vocab_size, 2)
-    run = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=6, budget=8))
+def test_one_compiled_computation_without_host_callbacks(grouped, rng, monkeypatch):
+    eng = grouped  # test_greedy_modes_equal_ar's ddtree program
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
+    run = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=10, budget=4))
     spec = run.spec
 
     def fn(t_state, d_state, *inputs):
@@ -108,38 +169,37 @@ def test_one_compiled_computation_without_host_callbacks(rng):
         assert bad not in text
     hlo = jax.jit(fn).lower(*eng.weights, *run.inputs).as_text()
     assert "custom_call_target=\"xla_python" not in hlo
-    eng.generate(prompts, 6, mode="ddtree", budget=8)
-    assert len(eng._compiled) == 1  # the whole generation is one executable
+    calls = compile_calls(eng, monkeypatch)
+    eng.generate(prompts, 10, mode="ddtree", budget=4)
+    assert calls == [(spec, "generate")]  # the whole generation runs one executable
 
 
-def test_context_too_long_rejected_before_compute(rng):
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    eng = Engine(target, drafter, None)
-    limit = target.cfg.max_position_embeddings
+def test_context_too_long_rejected_before_compute(grouped, monkeypatch):
+    eng = grouped
+    calls = compile_calls(eng, monkeypatch)
+    limit = eng.target.cfg.max_position_embeddings
     with pytest.raises(ContextTooLongError, match="prompt 0 has"):
         eng.generate([[1] * (limit - 3)], 8)
     with pytest.raises(ValueError, match="budget"):
         eng.generate([[1, 2]], 4, budget=-1)
     with pytest.raises(ValueError, match="temperature"):
         eng.generate([[1, 2]], 4, temperature=-0.5)
-    assert not eng._compiled
+    assert calls == []  # refused before any program was compiled or fetched
 
 
-def test_nonfinite_logits_reported_not_emitted(rng):
+@pytest.mark.heavy  # in the fast tier, tests/test_reliability.py puts an inf mid-generation
+def test_nonfinite_logits_reported_not_emitted(shared_pairs, rng):
     """A NaN reaching one request's logits stops that request with finish 'nonfinite' and no token from it.
 
     In ar mode the other request is untouched. In chain and ddtree modes its drafter may propose the poisoned token
     as a node, whose NaN latent then reaches the request's own verify rows (masked keys still enter p @ V with
     weight 0), so it may stop early too: never with a wrong token, only a prefix of its clean output.
     """
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
+    shared = shared_pairs("grouped")  # the clean runs reuse test_greedy_modes_equal_ar's programs
+    target, drafter = random_pair("grouped", shared.seed, block_size=BLOCK)  # the same weights, poisoned below
     vocab = target.cfg.vocab_size
-    # test_greedy_modes_equal_ar's shapes (batch 4, prompt lengths (7, 3, 5, 8), 10 tokens, budget 4): the compiled
-    # programs come from the persistent cache when the file runs as a whole
     prompts = _prompts(rng, vocab, 4)
-    modes = ("ar", "chain", "ddtree")
-    clean_engine = Engine(target, drafter, None)
-    clean = {m: clean_engine.generate(prompts, 10, mode=m, budget=4) for m in modes}
+    clean = {m: shared.engine.generate(prompts, 10, mode=m, **kw) for m, kw in GREEDY_MODES.items()}
     # the poisoned token appears only in request 0: never in another request's prompt nor in what it generates (their
     # tokens do not depend on request 0's prompt, so changing that prompt leaves `clean` valid for them); not the pad
     # token 0 nor the drafter's mask token, which every request uses
@@ -151,8 +211,8 @@ def test_nonfinite_logits_reported_not_emitted(rng):
     table[poison] = np.nan
     target.embed[...] = jnp.asarray(table)
     eng = Engine(target, drafter, None)
-    for mode in modes:
-        bad = eng.generate(prompts, 10, mode=mode, budget=4)
+    for mode, kw in GREEDY_MODES.items():
+        bad = eng.generate(prompts, 10, mode=mode, **kw)
         assert bad.outputs[0].finish_reason == "nonfinite" and bad.outputs[0].token_ids == [], mode
         for b in range(1, 4):
             other, ref = bad.outputs[b], clean[mode].outputs[b].token_ids
@@ -162,22 +222,22 @@ def test_nonfinite_logits_reported_not_emitted(rng):
                 assert ref[: len(other.token_ids)] == other.token_ids, (mode, b)
 
 
-def test_same_seed_same_samples(rng):
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    eng = Engine(target, drafter, None)
-    prompts = _prompts(rng, target.cfg.vocab_size, 3)
-    a = eng.generate(prompts, 8, mode="ddtree", budget=8, temperature=1.0, seed=7)
-    b = eng.generate(prompts, 8, mode="ddtree", budget=8, temperature=1.0, seed=7)
-    c = eng.generate(prompts, 8, mode="ddtree", budget=8, temperature=1.0, seed=8)
+def test_same_seed_same_samples(grouped, rng):
+    eng = grouped  # test_greedy_modes_equal_ar's program: the temperature is data of a run
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
+    kw = {"mode": "ddtree", "budget": 4, "temperature": 1.0}
+    a = eng.generate(prompts, 10, seed=7, **kw)
+    b = eng.generate(prompts, 10, seed=7, **kw)
+    c = eng.generate(prompts, 10, seed=8, **kw)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
-    # a seed per request: the same draws at any batch position (same prompt length keeps one compiled shape)
-    batch = eng.generate([prompts[1], prompts[2], prompts[0]], 8, mode="ddtree", budget=8, temperature=1.0,
-                         seed=[11, 12, 13])
-    alone = eng.generate([prompts[0]] * 3, 8, mode="ddtree", budget=8, temperature=1.0, seed=[13, 14, 15])
+    # a seed per request: the same draws at any batch position (the longest prompt keeps one compiled shape)
+    batch = eng.generate([prompts[1], prompts[2], prompts[0], prompts[3]], 10, seed=[11, 12, 13, 14], **kw)
+    alone = eng.generate([prompts[0]] * 4, 10, seed=[13, 15, 16, 17], **kw)
     assert batch.token_ids[2] == alone.token_ids[0]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["ddtree", "chain"])
 def test_sampling_matches_target_distribution(mode, rng):
     """Chi-square: (t2, t3) emitted by the speculative engine ~ the target's own sampling distribution."""
@@ -207,29 +267,30 @@ def test_sampling_matches_target_distribution(mode, rng):
     assert p > 1e-3, f"chi2={chi2:.1f} p={p:.2e}"
 
 
-def test_generation_that_does_not_fit_is_refused_up_front(rng):
+def test_generation_that_does_not_fit_is_refused_up_front(grouped, rng, monkeypatch):
     from kdtree_jax.engine import ResourceLimitError, estimate_bytes
 
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    eng = Engine(target, drafter, None)
-    prompts = _prompts(rng, target.cfg.vocab_size, 4)
-    spec = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=8, budget=64)).spec
-    need = estimate_bytes(spec, target, drafter)
-    cfg = target.cfg
+    eng = grouped  # test_greedy_modes_equal_ar's ddtree program
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
+    spec = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=10, budget=4)).spec
+    need = estimate_bytes(spec, eng.target, eng.drafter)
+    cfg = eng.target.cfg
     assert need["latent cache"] == cfg.num_hidden_layers * 4 * spec.capacity * cfg.latent_dim * 4
-    eng.memory_limit_bytes = sum(need.values()) - 1
+    calls = compile_calls(eng, monkeypatch)
+    monkeypatch.setattr(eng, "memory_limit_bytes", sum(need.values()) - 1)
     with pytest.raises(ResourceLimitError, match=rf"batch 4 x {spec.capacity} cache rows needs about "
                                                  rf"{sum(need.values())} bytes"):
-        eng.generate(prompts, 8, mode="ddtree", budget=64)
-    assert not eng._compiled
-    eng.memory_limit_bytes = sum(need.values())
-    assert len(eng.generate(prompts, 8, mode="ddtree", budget=64).token_ids) == 4
+        eng.generate(prompts, 10, mode="ddtree", budget=4)
+    assert calls == []  # refused before any program was compiled or fetched
+    monkeypatch.setattr(eng, "memory_limit_bytes", sum(need.values()))
+    assert len(eng.generate(prompts, 10, mode="ddtree", budget=4).token_ids) == 4
+    assert calls == [(spec, "generate")]
 
 
-def _refusal(eng, prompts, small, big, set_limit=None):
+def _refusal(eng, monkeypatch, prompts, small, big, set_limit=None):
     """Generate with `big` (kwargs) under a limit that `small` exactly fits (set by `set_limit(bytes)`, default
-    memory_limit_bytes); return big's spec and estimate, the limit and the ResourceLimitError message. Nothing may
-    compile."""
+    memory_limit_bytes); return big's spec and estimate, the limit and the ResourceLimitError message. No program
+    may be compiled or fetched."""
     from kdtree_jax.engine import ResourceLimitError, estimate_bytes
 
     specs = {}
@@ -239,14 +300,15 @@ def _refusal(eng, prompts, small, big, set_limit=None):
     fits = sum(need["small"].values())
     assert sum(need["big"].values()) > fits
     if set_limit is None:
-        eng.memory_limit_bytes = fits
+        monkeypatch.setattr(eng, "memory_limit_bytes", fits)
     else:
         set_limit(fits)
     eng._check_fits(specs["small"])  # exactly at the limit: allowed
+    calls = compile_calls(eng, monkeypatch)
     with pytest.raises(ResourceLimitError) as info:
         eng.generate(prompts, big["max_new_tokens"], mode=big["mode"], budget=big["budget"])
     assert isinstance(info.value, ValueError)
-    assert not eng._compiled
+    assert calls == []
     return specs["big"], need["big"], fits, str(info.value)
 
 
@@ -258,27 +320,25 @@ def _assert_names_the_bytes(msg, need, limit):
     assert "0.00 GiB" not in msg and "MiB" in msg  # a tiny model's human unit is not rounded away
 
 
-def test_budget_alone_over_the_memory_limit_is_refused_naming_the_budget(rng):
+def test_budget_alone_over_the_memory_limit_is_refused_naming_the_budget(grouped, rng, monkeypatch):
     """Same batch and context; only the budget grows past what fits: the message names the bytes and the budget."""
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    eng = Engine(target, drafter, None)
-    prompts = _prompts(rng, target.cfg.vocab_size, 4)
-    spec, need, limit, msg = _refusal(eng, prompts, dict(mode="ddtree", budget=4, max_new_tokens=8),
-                                      dict(mode="ddtree", budget=64, max_new_tokens=8))
+    eng = grouped
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
+    _, need, limit, msg = _refusal(eng, monkeypatch, prompts, {"mode": "ddtree", "budget": 4, "max_new_tokens": 8},
+                                   {"mode": "ddtree", "budget": 64, "max_new_tokens": 8})
     _assert_names_the_bytes(msg, need, limit)
     assert f"memory_limit_bytes is {limit} bytes" in msg
     remedy = msg.split("; lower ")[1]
     assert "the budget (64" in remedy and "batch size (4)" in remedy and "max_new_tokens 8" in remedy, remedy
 
 
-def test_context_alone_over_the_memory_limit_is_refused_naming_the_context(rng):
+def test_context_alone_over_the_memory_limit_is_refused_naming_the_context(grouped, rng, monkeypatch):
     """ar (no budget): same batch, only max_new_tokens grows past what fits; the caches grow, and the message gives
     their bytes and names the context, not a budget ar does not have."""
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    eng = Engine(target, drafter, None)
-    prompts = _prompts(rng, target.cfg.vocab_size, 2)
-    spec, need, limit, msg = _refusal(eng, prompts, dict(mode="ar", budget=0, max_new_tokens=8),
-                                      dict(mode="ar", budget=0, max_new_tokens=400))
+    eng = grouped
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 2)
+    spec, need, limit, msg = _refusal(eng, monkeypatch, prompts, {"mode": "ar", "budget": 0, "max_new_tokens": 8},
+                                      {"mode": "ar", "budget": 0, "max_new_tokens": 400})
     _assert_names_the_bytes(msg, need, limit)
     assert list(need) == ["latent cache", "activations"]  # ar: no drafter cache
     remedy = msg.split("; lower ")[1]
@@ -286,10 +346,10 @@ def test_context_alone_over_the_memory_limit_is_refused_naming_the_context(rng):
     assert f"max_new_tokens 400: {spec.capacity} cache rows" in remedy, remedy
 
 
-def test_free_device_memory_is_the_default_limit(rng, monkeypatch):
+def test_free_device_memory_is_the_default_limit(grouped, rng, monkeypatch):
     """No memory_limit_bytes: the limit is the device's free memory (allocator limit minus use on GPU)."""
-    target, drafter = random_pair("grouped", int(rng.integers(1 << 30)), block_size=BLOCK)
-    prompts = _prompts(rng, target.cfg.vocab_size, 2)
+    eng = grouped
+    prompts = _prompts(rng, eng.target.cfg.vocab_size, 2)
 
     class FakeGpu:
         in_use = 1_000_000
@@ -306,10 +366,9 @@ def test_free_device_memory_is_the_default_limit(rng, monkeypatch):
     monkeypatch.setattr(engine_mod.jax, "devices", lambda *a, **k: [FakeGpu()])
     FakeGpu.free = 1 << 40  # room for _refusal's specs; it then lowers this to what the smaller one needs
     assert engine_mod.free_device_bytes() == (1 << 40, "cuda:0")
-    eng = Engine(target, drafter, None)
-    spec, need, limit, msg = _refusal(eng, prompts, dict(mode="ddtree", budget=1, max_new_tokens=8),
-                                      dict(mode="ddtree", budget=64, max_new_tokens=8),
-                                      set_limit=lambda n: setattr(FakeGpu, "free", n))
+    _, need, limit, msg = _refusal(eng, monkeypatch, prompts, {"mode": "ddtree", "budget": 1, "max_new_tokens": 8},
+                                   {"mode": "ddtree", "budget": 64, "max_new_tokens": 8},
+                                   set_limit=lambda n: setattr(FakeGpu, "free", n))
     assert eng.memory_limit_bytes is None
     _assert_names_the_bytes(msg, need, limit)
     assert f"cuda:0 has {limit} bytes (" in msg, msg
@@ -318,13 +377,22 @@ def test_free_device_memory_is_the_default_limit(rng, monkeypatch):
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
 
 
-def test_trained_pair_is_lossless_with_long_acceptances():
-    """The shipped drafter agrees with its target often: rounds accept > 2 tokens, and output still equals ar."""
-    import json
+@pytest.fixture(scope="module")
+def shipped() -> Engine:
+    """The shipped trained pair, loaded once for the module."""
+    return Engine.load(os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter"))
 
-    eng = Engine.load(os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter"))
+
+def heldout_texts(n: int) -> list[str]:
     with open(os.path.join(SHIPPED, "heldout_prompts.jsonl")) as f:
-        texts = [json.loads(line)["text"] for line in f][:4]
+        return [json.loads(line)["text"] for line in f][:n]
+
+
+@pytest.mark.heavy
+def test_trained_pair_is_lossless_with_long_acceptances(shipped):
+    """The shipped drafter agrees with its target often: rounds accept > 2 tokens, and output still equals ar."""
+    eng = shipped
+    texts = heldout_texts(4)
     prompts = [eng.tokenizer.encode(t)[:n] for t, n in zip(texts, (40, 25, 33, 40))]
     ar = eng.generate(prompts, 24, mode="ar")
     assert eng.generate(prompts, 24, mode="chain").token_ids == ar.token_ids
@@ -339,17 +407,15 @@ def test_trained_pair_is_lossless_with_long_acceptances():
     assert alone.token_ids[0] == ar.token_ids[0]
 
 
-def test_chain_rounds_equal_the_offline_drafter_walk():
+@pytest.mark.heavy
+def test_chain_rounds_equal_the_offline_drafter_walk(shipped):
     """The engine's chain rounds are exactly what the training code's drafter evaluation predicts: the drafter's
     block at every anchor of the target's greedy continuation (features strictly before the anchor, as trained),
     walked one round per block. Ties the engine's drafter context, positions and target features to training's."""
-    import json
-
     from kdtree_jax import train as T
 
-    eng = Engine.load(os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter"))
-    with open(os.path.join(SHIPPED, "heldout_prompts.jsonl")) as f:
-        texts = [json.loads(line)["text"] for line in f][:4]
+    eng = shipped
+    texts = heldout_texts(4)
     p, new, L = 40, 48, eng.drafter.cfg.block_size
     prompts = np.array([eng.tokenizer.encode(t)[:p] for t in texts], np.int32)
     # the walk's last round starts before generated token `new`, whose block needs L - 1 labels after it
@@ -363,6 +429,7 @@ def test_chain_rounds_equal_the_offline_drafter_walk():
     assert max(rounds) > 2 and agree["chain_tau_mean"] != pytest.approx(agree["chain_tau_per_round"])
 
 
+@pytest.mark.heavy
 def test_prefill_through_the_verify_kernel_equals_plain_mla(rng):
     """Prompt chunks through the verify path (absorbed MLA, causal mask, Pallas kernel) fill the same cache rows,
     drafter context and first token as plain-MLA prefill, over several chunks and ragged prompts."""

@@ -67,6 +67,7 @@ def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
     assert calls and all(f"tensor<{latent}>" in line for line in calls), calls[:1]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("use_pallas", [False, True])
 def test_decode_loop_never_copies_the_cache(use_pallas):
     """No `copy` of the whole latent cache in the compiled decode loop: each would read and write the entire cache

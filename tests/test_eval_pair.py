@@ -4,6 +4,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 from engine_utils import random_pair
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
@@ -18,6 +19,7 @@ def _module():
     return mod
 
 
+@pytest.mark.heavy
 def test_engine_table_covers_every_prompt_at_every_batch_size(rng):
     mod = _module()
     target, drafter = random_pair("grouped", int(rng.integers(1 << 30)))

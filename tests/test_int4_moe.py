@@ -119,6 +119,7 @@ def test_ffn_matches_reference(rng, interpret, dtype, tokens, d, inter):
     assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[dtype], f"ffn tokens {tokens}")
 
 
+@pytest.mark.heavy
 def test_ffn_all_tokens_one_expert_and_idle_experts(rng, interpret):
     """Every token's first expert is 3 (20 rows: two blocks), the second comes from {1, 6}; 5 experts idle."""
     d, inter, m = 128, 64, 20
@@ -131,6 +132,7 @@ def test_ffn_all_tokens_one_expert_and_idle_experts(rng, interpret):
     assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[np.float32], "one expert")
 
 
+@pytest.mark.heavy
 def test_xla_baselines_match_reference(rng):
     """The benchmark's baselines compute the same FFN (so their timings compare like with like)."""
     d, inter, m = 64, 32, 6
@@ -213,6 +215,7 @@ def test_bf16x2_bit_recipe_decodes_every_nibble(rng):
         np.testing.assert_array_equal(hi - bias, ((w1 >> (4 * k)) & 0xF).astype(np.float32) - 8, f"plane {k} high")
 
 
+@pytest.mark.heavy
 def test_unpack_variants_agree_bitwise_and_match_reference(rng, interpret):
     """bf16 activations: both unpack paths give the same output bits (same bf16 weights), close to float64."""
     packed, scale = random_int4(rng, E, 128, 256)
@@ -226,6 +229,7 @@ def test_unpack_variants_agree_bitwise_and_match_reference(rng, interpret):
     assert_close(outs["bf16x2"], int4_expert_matmul_ref(x, packed, scale, ids), TOL[jnp.bfloat16], "bf16x2")
 
 
+@pytest.mark.heavy
 def test_ffn_bf16x2_matches_reference(rng, interpret):
     w = make_ffn(rng, 256, 128)
     idx, weights = random_routing(rng, 7)
@@ -327,6 +331,7 @@ def test_pairwise_route_equals_sorted_route(rng, p, e, block_m, absent):
         np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)), f)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("m,k,e", [(1, 8, 384), (5, 2, 8), (80, 8, 384)])  # 80 x 8 > PAIRWISE_ROUTE_MAX_PAIRS
 def test_gather_token_rows_equals_scatter_of_repeated_rows(rng, m, k, e):
     """One row gather of the nibble-major tokens = the old repeat + scatter + reorder, bit for bit."""
@@ -356,6 +361,7 @@ def ffn_scatter_path(x, idx, weights, gate_packed, gate_scale, up_packed, up_sca
 
 @pytest.mark.parametrize("tokens,d,inter,e,k,dtype", [(1, 64, 32, 8, 2, jnp.bfloat16), (5, 256, 128, 8, 2, np.float32),
                                                      (6, 160, 96, 16, 4, jnp.bfloat16)])
+@pytest.mark.heavy
 def test_ffn_bitwise_equals_scatter_path_and_matches_reference(rng, interpret, tokens, d, inter, e, k, dtype):
     """The decode glue changes no output bit (absent pairs included) and the FFN still matches float64."""
     w = make_ffn(rng, d, inter, e)
@@ -368,6 +374,7 @@ def test_ffn_bitwise_equals_scatter_path_and_matches_reference(rng, interpret, t
     assert_close(got, int4_moe_ffn_ref(x, *present_only(idx, weights, e), *w), TOL[dtype], f"ffn tokens {tokens}")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("split_k,dtype", [(2, np.float32), (4, jnp.bfloat16), (8, np.float32)])
 def test_ffn_split_k_matches_reference(rng, interpret, split_k, dtype):
     """Split-K gate/up (fp32 partials added before SwiGLU): within the usual tolerance of float64 and of the unsplit

@@ -40,6 +40,7 @@ ENGINE_SIZES = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("which", list(ENGINE_SIZES))
 def test_default_tiles_fit_and_spill_little(which):
     _, fn, specs = ENGINE_SIZES[which]()

@@ -63,6 +63,7 @@ def routed_ids(moe: MoE, x: np.ndarray) -> np.ndarray:
 # ---- one MoE layer ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lead,dtype", [((1,), jnp.float32), ((3,), jnp.float32), ((2, 20), jnp.float32),
                                         ((3,), jnp.bfloat16)])
+@pytest.mark.heavy
 def test_kernel_layer_matches_gather_dense_and_reference(rng, hf_weights, lead, dtype):
     moes = {impl: build(hf_weights, impl).layers[LAYER].mlp for impl in ("kernel", "gather", "dense")}
     x = np.asarray(jnp.asarray(rng.standard_normal((*lead, D)), dtype).astype(jnp.float32))  # as the layer sees it

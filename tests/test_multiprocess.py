@@ -45,6 +45,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.heavy
 @pytest.mark.multidevice
 def test_two_processes_match_one(rng, tmp_path):
     from test_sharding import CFG, make_inputs, run_forward

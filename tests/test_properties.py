@@ -13,6 +13,7 @@ import math
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from engine_utils import drafter_config, random_drafter
 from hypothesis import HealthCheck, Phase, example, given, note, settings
 from test_int4_moe import TOL as INT4_TOL
@@ -169,6 +170,7 @@ def _check_verify_attn(interpret, backend, bt, n, h, r, dr, s, splits, dtype, ma
        dr=st.sampled_from([4, 8]), s=st.integers(8, 150), splits=st.sampled_from([None, 1, 2, 3]),
        dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
        mask=st.sampled_from(["ancestor", "causal", "padded"]), seed=SEEDS)
+@pytest.mark.heavy
 def test_verify_attn_matches_float64(interpret, bt, n, h, r, dr, s, splits, dtype, mask, seed):
     """Triton kernel: random (batch, nodes, heads, latent widths incl. non-powers of two, cache rows, prefixes, splits,
     dtype)."""
@@ -180,6 +182,7 @@ def test_verify_attn_matches_float64(interpret, bt, n, h, r, dr, s, splits, dtyp
        s=st.integers(1, 24).map(lambda rows: rows * SEQ_ALIGN), splits=st.sampled_from([None, 1, 2, 3]),
        dtype=st.sampled_from(["bfloat16", "float16"]), mask=st.sampled_from(["ancestor", "causal", "padded"]),
        seed=SEEDS)
+@pytest.mark.heavy
 def test_verify_attn_mosaic_matches_float64(interpret, bt, n, h, r, s, splits, dtype, mask, seed):
     """Mosaic GPU (wgmma) kernel, in Mosaic GPU's interpreter on CPU: the widths and cache rows it supports (R a
     multiple of 128, rope 64, S a multiple of 8); query rows from 1 (one padded 64-row tile) to 5 whole tiles; prefixes
@@ -218,6 +221,7 @@ def _topk_logits(rng, shape, kind):
 @given(shape=topk_shapes(), bt=st.integers(1, 3), d=st.integers(1, 3),
        kind=st.sampled_from(["normal", "grid", "levels", "equal"]),
        dtype=st.sampled_from(["float32", "bfloat16", "float16"]), seed=SEEDS)
+@pytest.mark.heavy
 @example(shape=(129, 72, 16), bt=2, d=1, kind="equal", dtype="bfloat16", seed=0)  # all tied; k > chunk: 2 chunks
 def test_topk_matches_reference(interpret, shape, bt, d, kind, dtype, seed):
     """Ids exactly (equal values: lower vocab index first, the reference's and lax.top_k's rule) and lp to
@@ -248,6 +252,7 @@ def _int4(rng, e, n_out, n_in, group):
        groups=st.integers(1, 3), n_out=st.integers(1, 96), dtype_unpack=st.sampled_from(INT4_DTYPES),
        block_m=st.sampled_from([None, 16, 64]), block_n=st.sampled_from([None, 16]), one_expert=st.booleans(),
        seed=SEEDS)
+@pytest.mark.heavy
 def test_int4_expert_matmul_matches_float64(interpret, p, e, group, groups, n_out, dtype_unpack, block_m, block_n,
                                            one_expert, seed):
     """Any rows, experts (one included), group size, K (whole groups) and N (any, padded to the tile); rows spread over
@@ -282,6 +287,7 @@ def int4_ffn_shapes(draw):
 @INT4_SETTINGS
 @given(shape=int4_ffn_shapes(), m=st.integers(1, 40), dtype_unpack=st.sampled_from(INT4_DTYPES),
        block_m=st.sampled_from([None, 16, 64]), routing=st.sampled_from(["spread", "hot", "absent"]), seed=SEEDS)
+@pytest.mark.heavy
 @example(shape=(1, 1, 16, 16, 16, None, 1), m=1, dtype_unpack=INT4_DTYPES[0], block_m=None, routing="spread", seed=0)
 def test_int4_moe_ffn_matches_float64(interpret, shape, m, dtype_unpack, block_m, routing, seed):
     """Fused gate/up + down kernels with the routing glue: any tokens (one included), experts (one included), top-k,
@@ -344,6 +350,7 @@ def _check_greedy(cfg, weights, prompt, out):
 @settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(cfg=target_configs(), block=st.integers(2, 4), budget=st.integers(0, 24), batch=st.integers(1, 2),
        max_new=st.integers(3, 8), seed=SEEDS, data=st.data())
+@pytest.mark.heavy
 def test_greedy_ddtree_is_autoregressive_greedy(cfg, block, budget, batch, max_new, seed, data):
     """On random configs and prompts, every request's ddtree tokens are the golden model's AR greedy tokens."""
     target = init_random(cfg, seed=seed)

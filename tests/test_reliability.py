@@ -191,6 +191,7 @@ def test_inf_mid_generation_stops_only_that_request(small):
             assert (o.token_ids, o.finish_reason) == (clean, "length"), f"request {b}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
 def test_nan_mid_generation_in_a_tree_is_isolated_per_request(small, mode):
     """chain / ddtree: the poisoned request stops 'nonfinite' having emitted only clean tokens; every request gets
@@ -220,6 +221,7 @@ def test_nonfinite_pad_token_does_not_leak_into_shorter_prompts(small):
 
 
 # ---- determinism -----------------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_sampling_reproducible_across_engine_instances(small):
     """T > 0 ddtree: the same seed gives the same tokens from a second Engine over freshly built modules."""
     kw = dict(mode="ddtree", budget=BUDGET, **SAMPLED)
@@ -245,6 +247,7 @@ print(json.dumps(engine.generate(a["prompts"], a["n"], **a["kw"]).token_ids))
 """
 
 
+@pytest.mark.heavy
 def test_sampling_reproducible_across_processes(small, rng):
     """T > 0 ddtree with a fixed seed in two fresh interpreters (different hash seeds): the same tokens, and on CPU
     the tokens of this process. Run here first, so the children load the program from the compilation cache."""
@@ -265,6 +268,7 @@ def test_sampling_reproducible_across_processes(small, rng):
     assert here != small.ar.token_ids and all(len(t) == SAMPLED_NEW for t in here)  # it really sampled
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
 def test_greedy_request_alone_equals_inside_ragged_batch(small, mode):
     batch = small.batch(mode)
@@ -274,6 +278,7 @@ def test_greedy_request_alone_equals_inside_ragged_batch(small, mode):
         assert alone.token_ids[0] == batch.token_ids[b], f"{mode} request {b} (prompt length {len(prompt)})"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("budget", [1, 16, 64])
 def test_greedy_ddtree_alone_equals_ar_at_every_budget(small, rng, budget):
     """Batch 1: a fresh prompt gives the ar tokens at budgets {1, 16, 64} (4: test_engine.py, 8: above), up to the
@@ -287,6 +292,7 @@ def test_greedy_ddtree_alone_equals_ar_at_every_budget(small, rng, budget):
     assert out.finish_reason == "length" and all(1 <= a <= BLOCK for a in out.accept_lengths)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
 def test_top_k_draws_only_from_the_targets_top_k(small, rng, mode):
     """T > 0, top_k=k: every emitted token is among the k largest float64 reference logits for its emitted prefix

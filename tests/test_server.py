@@ -135,6 +135,7 @@ def _extra(obj, name):
 
 
 # ---- completions and chat ----------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_completion_greedy_matches_engine_generate(client, reference):
     for prompt in PROMPTS[:2]:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=REF_TOKENS, temperature=0,
@@ -144,6 +145,7 @@ def test_completion_greedy_matches_engine_generate(client, reference):
         assert c.finish_reason == reference.finish_reason(prompt)
 
 
+@pytest.mark.heavy
 def test_completion_stream_matches_engine_generate(client, reference):
     prompt = PROMPTS[2]
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=REF_TOKENS, temperature=0,
@@ -157,6 +159,7 @@ def test_completion_stream_matches_engine_generate(client, reference):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
 
 
+@pytest.mark.heavy
 def test_chat_greedy_matches_engine_generate(client, reference):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}],
                                        max_tokens=REF_TOKENS, temperature=0, extra_body={"return_token_ids": True})
@@ -165,6 +168,7 @@ def test_chat_greedy_matches_engine_generate(client, reference):
     assert c.message.role == "assistant" and c.finish_reason == reference.finish_reason("chat")
 
 
+@pytest.mark.heavy
 def test_chat_stream_matches_engine_generate(client, reference):
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}],
                                                  max_tokens=REF_TOKENS, temperature=0, stream=True))
@@ -174,6 +178,7 @@ def test_chat_stream_matches_engine_generate(client, reference):
     assert chunks[-1].choices[0].finish_reason == reference.finish_reason("chat")
 
 
+@pytest.mark.heavy
 def test_response_carries_usage_and_speculative_stats(client, engine):
     prompt, n = PROMPTS[0], REF_TOKENS // 2
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
@@ -186,6 +191,7 @@ def test_response_carries_usage_and_speculative_stats(client, engine):
     assert spec["mean_acceptance_length"] == pytest.approx((accepted + steps) / steps)
 
 
+@pytest.mark.heavy
 def test_stop_string_cuts_text_and_ends_request(client, reference):
     prompt = PROMPTS[0]
     full = reference.text(prompt)
@@ -211,6 +217,7 @@ def test_stop_string_spanning_tokens_is_found(engine):
 
 
 # ---- concurrency, queue, disconnect ------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_sixteen_concurrent_mixed_requests_over_four_slots_all_correct(base_url, reference):
     """Greedy requests (completion / chat, streamed or not, various lengths) equal Engine.generate; seeded sampled
     requests equal the same request sent alone."""
@@ -251,6 +258,7 @@ def test_sixteen_concurrent_mixed_requests_over_four_slots_all_correct(base_url,
     assert together[len(greedy) + 2 :] == alone
 
 
+@pytest.mark.heavy
 def test_full_queue_answers_503_and_the_rest_complete(base_url, reference):
     n_requests = 2 * (SERVE["max_slots"] + SERVE["max_queue"])
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": REF_TOKENS, "temperature": 0,
@@ -271,6 +279,7 @@ def test_full_queue_answers_503_and_the_rest_complete(base_url, reference):
         reference.check(PROMPTS[1], c["token_ids"], c["text"])
 
 
+@pytest.mark.heavy
 def test_disconnect_mid_stream_frees_the_slot(client, base_url):
     aborted = _metrics(base_url).get(("kdtree:request_success_total", (("finished_reason", "abort"),)), 0)
     assert _health(base_url)["running"] == 0
@@ -322,6 +331,7 @@ BAD_BODIES = {  # name: (path, body (bytes: sent as is), status, param the error
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", sorted(BAD_BODIES))
 def test_malformed_body_gets_4xx_and_server_still_answers(case, base_url, client, reference):
     path, body, status, param = BAD_BODIES[case]
@@ -337,23 +347,27 @@ def test_malformed_body_gets_4xx_and_server_still_answers(case, base_url, client
     assert after.choices[0].text == reference.text(PROMPTS[3], 4)
 
 
+@pytest.mark.heavy
 def test_unknown_fields_are_ignored(base_url, reference):
     r = httpx.post(base_url + COMPLETIONS, json={**OK, "temperature": 0, "frobnicate": [1, 2], "min_p": 0.1},
                    timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference.text(PROMPTS[0], 4)
 
 
+@pytest.mark.heavy
 def test_unknown_path_is_404_in_openai_shape(base_url):
     r = httpx.get(base_url + "/v1/engines")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 # ---- models, health, metrics -------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_models_lists_the_served_name(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL] and _extra(models[0], "max_model_len") == SERVE["max_context"]
 
 
+@pytest.mark.heavy
 def test_health_reports_running_waiting_and_free_slots(base_url):
     r = httpx.get(base_url + "/health")
     assert r.status_code == 200
@@ -361,6 +375,7 @@ def test_health_reports_running_waiting_and_free_slots(base_url):
                         "max_slots": SERVE["max_slots"]}
 
 
+@pytest.mark.heavy
 def test_metrics_count_tokens_speculation_and_latency(client, base_url):
     before = _metrics(base_url)
     r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0)
@@ -391,6 +406,7 @@ def test_cli_defaults_serve_the_shipped_pair_on_localhost_8000():
     assert (table.budget, table.max_context, table.max_slots) == ({1: 64, 4: "ar"}, 512, 8)
 
 
+@pytest.mark.heavy
 def test_sigterm_stops_accepting_cancels_within_the_bound_and_exits_zero(tmp_path):
     """A request still streaming at SIGTERM: the port closes at once, the request is cancelled after
     --shutdown-timeout and its stream still ends well-formed, and the process exits 0."""

@@ -110,6 +110,7 @@ def _run(core: ServingEngine, schedule: dict[int, list[tuple[list[int], RequestP
 
 
 # ---- exactness ---------------------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_greedy_requests_equal_generate_alone_while_others_join_leave_and_the_budget_changes(served, expected, pair):
     prompts, full = expected
     schedule = {0: [(prompts[0], RequestParams(max_new_tokens=11))],
@@ -129,6 +130,7 @@ def test_greedy_requests_equal_generate_alone_while_others_join_leave_and_the_bu
     assert {StepKind("ar"), StepKind("ddtree", 4), StepKind("ddtree", 8)} <= ran  # the budget followed the load
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["ar", "chain"])
 def test_ar_and_chain_tables_equal_generate_alone(pair, expected, mode):
     prompts, full = expected
@@ -175,6 +177,7 @@ def test_a_seed_reproduces_its_request_whoever_shares_the_steps(served, expected
     assert [r for r, *_ in c.values()][0].token_ids != a.token_ids  # the seed matters
 
 
+@pytest.mark.heavy
 def test_sampling_keeps_the_targets_distribution(rng):
     """Chi-square: (t2, t3) of served requests, many seeds, against the float64 reference's distribution."""
     cfg = config.tiny(vocab_size=6, eos_token_id=())
@@ -200,8 +203,8 @@ def test_sampling_keeps_the_targets_distribution(rng):
 
 # ---- compiled once -----------------------------------------------------------------------------------------------
 def test_nothing_compiles_after_warm_up(served, expected):
-    """24 requests with mixed decoding rules, seeds, stop ids, token limits and prompt lengths (every bucket),
-    joining at different steps, one cancelled mid-way: no trace and no compile after warm-up."""
+    """Every step program, cancels, then 24 requests with mixed decoding rules, seeds, stop ids, token limits and
+    prompt lengths (every bucket) joining at different steps: no trace and no compile after warm-up."""
     prompts, full = expected
     rng = np.random.default_rng(3)
     vocab = served.engine.target.cfg.vocab_size
@@ -209,19 +212,24 @@ def test_nothing_compiles_after_warm_up(served, expected):
     for i in range(24):
         n = int(rng.integers(1, MAX_CONTEXT - 8)) if i else MAX_CONTEXT - 9  # the longest bucket included
         prompt = rng.integers(0, vocab - 1, size=n).tolist()
-        params = RequestParams(max_new_tokens=int(rng.integers(1, min(12, MAX_CONTEXT - n + 1))), temperature=float(rng.choice([0, 0.5, 1.7])),
+        params = RequestParams(max_new_tokens=int(rng.integers(1, min(12, MAX_CONTEXT - n + 1))),
+                               temperature=float(rng.choice([0, 0.5, 1.7])),
                                top_k=int(rng.integers(0, 9)), top_p=float(rng.choice([1.0, 0.8, 0.3])),
                                seed=int(rng.integers(1 << 32)),
                                stop_token_ids=tuple(int(t) for t in rng.integers(0, vocab, size=rng.integers(0, 4))))
         schedule.setdefault(int(rng.integers(0, 10)), []).append((prompt, params))
     with COMPILES.count() as events:
-        served.submit(prompts[3], RequestParams(max_new_tokens=15))
-        served.step()
-        assert served.cancel(served.running_ids()[0]).finish_reason == "cancelled"
-        results, kinds = _run(served, schedule)
+        ramp = []  # 1, 2, then 3 active slots: every step program runs, then every slot is cancelled
+        for i in range(served.config.max_slots):
+            served.submit(prompts[i], RequestParams(max_new_tokens=MAX_CONTEXT - 20))  # outlives the ramp
+            ramp.append(served.step().kind)
+        for rid in served.running_ids():
+            assert served.cancel(rid).finish_reason == "cancelled"
+        results, _ = _run(served, schedule)
     assert events == []
+    assert ramp == [served.plan[a] for a in range(1, served.config.max_slots + 1)]
+    assert set(ramp) == set(served.kinds)
     assert len(results) == 24 and {r.finish_reason for r, *_ in results.values()} <= {"stop", "length"}
-    assert len({k for k in kinds if k is not None}) == 3
     assert {served.bucket_for(len(p)) for _, p, _ in results.values()} == set(served.buckets)
 
 
@@ -362,6 +370,7 @@ def test_queue_limit_and_shutdown_refuse_new_requests(pair):
 
 
 # ---- the async front ---------------------------------------------------------------------------------------------
+@pytest.mark.heavy
 def test_async_front_streams_deltas_then_the_record(pair, expected):
     prompts, full = expected
     core = ServingEngine(Engine(pair.target, None, None),

@@ -194,6 +194,7 @@ def test_shard_model_keeps_values_and_splits_them(rng):
     assert per < total / 3, (per, total)
 
 
+@pytest.mark.heavy
 @pytest.mark.multidevice
 @pytest.mark.parametrize("shape,fmt", MESHES)
 def test_sharded_forward_matches_single_device(rng, shape, fmt):

@@ -1,6 +1,7 @@
 """Pallas top-k log-probs (pallas_kernels/topk.py) vs the float64 reference and the XLA path, and Triton lowering."""
 import functools
 import os
+import re
 import sys
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels._pallas import lower_for_h200
-from pallas_kernels.topk import FASTER_MAX_K, MAX_K, plan, topk_logprobs_pallas
+from pallas_kernels.topk import FASTER_MAX_K, MAX_K, plan, preferred, topk_logprobs_pallas
 from pallas_kernels.tree_build import topk_logprobs, topk_logprobs_xla
 from pallas_kernels.tree_build_ref import topk_logprobs_ref
 
@@ -45,17 +46,45 @@ def check(x, k, lp, ids):
 
 @pytest.mark.parametrize("bt,d,v,k,chunk", CASES)
 def test_matches_reference_and_xla_with_ties(rng, interpret, bt, d, v, k, chunk):
-    kw = {} if chunk is None else dict(chunk=chunk)
+    kw = {} if chunk is None else {"chunk": chunk}
     for _ in range(TRIALS):
         x = tied_logits(rng, (bt, d, v))
         lp, ids = topk_logprobs_pallas(jnp.asarray(x), k, interpret=interpret, **kw)
         check(x, k, lp, ids)
 
 
-def test_public_function_uses_kernel_inside_jit(rng, interpret):
+def kernels_in(text: str) -> list[str]:
+    """Names of the top-k Pallas kernels a lowered program calls (Triton custom calls carry the kernel's name)."""
+    return re.findall(r'name = "(topk_\w+)"', text)
+
+
+def test_public_function_gives_the_reference_inside_jit(rng, interpret):
     x = tied_logits(rng, (2, 3, 300))
     lp, ids = jax.jit(functools.partial(topk_logprobs, interpret=interpret), static_argnames="k")(jnp.asarray(x), k=16)
     check(x, 16, lp, ids)
+
+
+@pytest.mark.parametrize("v,k,kernels", [
+    (300, 16, ["topk_single"]),  # one chunk: a single kernel
+    (20000, 16, ["topk_chunk", "topk_merge"]),  # two chunks: both stages
+    (163840, 256, ["topk_chunk", "topk_merge"]),  # k above FASTER_MAX_K, but the K2.6 vocabulary
+    (300, FASTER_MAX_K + 1, []),  # XLA's top_k is faster here
+    (20000, 256, []),
+])
+def test_public_function_uses_kernel_inside_jit(v, k, kernels):
+    """Compiled (the GPU path), the jitted public function calls the kernel exactly where `preferred` chooses it."""
+    assert preferred(v, k) == bool(kernels)
+    fn = jax.jit(functools.partial(topk_logprobs, k=k, interpret=False))
+    text = lower_for_h200(fn, jax.ShapeDtypeStruct((1, 2, v), jnp.float32)).as_text()
+    assert kernels_in(text) == kernels
+    assert ("__gpu$xla.gpu.triton" in text) == bool(kernels) and ("top_k" in text) == (not kernels)
+
+
+def test_interpreter_runs_xla_top_k():
+    """In the interpreter the public function is XLA's top_k (the kernel's k dependent steps only slow a CPU)."""
+    x = jax.ShapeDtypeStruct((1, 2, 300), jnp.float32)
+    assert "pallas_call" in str(jax.make_jaxpr(functools.partial(topk_logprobs_pallas, k=16, interpret=True))(x))
+    assert "pallas_call" not in str(jax.make_jaxpr(functools.partial(topk_logprobs, k=16, interpret=True))(x))
 
 
 def test_negative_zero_follows_xla(interpret):

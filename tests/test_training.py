@@ -81,6 +81,7 @@ def target_run(tmp_path_factory):
     return tt, cfg, result
 
 
+@pytest.mark.heavy
 def test_target_training_lowers_loss_on_a_fixed_batch(target_run):
     tt, cfg, result = target_run
     tok = KimiTokenizer.from_dir(TOKENIZER_DIR)
@@ -104,6 +105,7 @@ def test_target_training_lowers_loss_on_a_fixed_batch(target_run):
     assert curve[-1]["loss"] < curve[0]["loss"]
 
 
+@pytest.mark.heavy
 def test_target_hf_export_reloads_with_identical_logits(target_run, rng):
     _, cfg, result = target_run
     trained = result["model"]
@@ -173,6 +175,7 @@ def test_aux_free_bias_update_rule_and_balance(rng):
     assert imbalance() < start - 0.3, (start, imbalance())
 
 
+@pytest.mark.heavy
 def test_router_bias_moves_only_by_the_rule_during_training(target_run):
     """The bias starts at 0 and is frozen in AdamW (no step, no decay), so after n steps every entry must be an
     integer multiple of the rule's rate, at most n of them, and it must have moved."""
@@ -228,6 +231,7 @@ def test_chain_walk_starts_each_block_where_the_last_accepted_tokens_end():
             T.drafter_agreement(None, None, seqs, 9, stride, 1, walk_from=walk_from)
 
 
+@pytest.mark.heavy
 def test_drafter_training_lowers_loss_and_export_reloads(tmp_path, rng):
     td = _script("train_drafter")
     tcfg = tiny(num_hidden_layers=2)

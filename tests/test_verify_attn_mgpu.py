@@ -30,6 +30,7 @@ CASES = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("prefix,n,h,r,dr,s,splits", CASES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_matches_reference(rng, interpret, prefix, n, h, r, dr, s, splits, dtype):
@@ -166,6 +167,7 @@ def test_engine_refuses_a_backend_that_cannot_serve_the_target(rng):
         Engine(target, drafter, None, attn_backend="mosaic")
 
 
+@pytest.mark.heavy
 def test_model_forward_takes_the_chosen_backend(rng, interpret):
     """forward_verify's attn_backend reaches verify_attn: the 64-head model's logits agree on both backends (and
     a backend that does not exist is refused from inside the forward)."""
@@ -200,6 +202,7 @@ def test_engine_greedy_ddtree_equals_ar_on_the_wgmma_kernel(rng):
         assert engine.generate(prompts, 24, mode="ddtree", budget=budget).token_ids == ar
 
 
+@pytest.mark.heavy
 def test_split_layout_barely_moves_the_output(rng, interpret):
     """The AR call and a tree call split one prefix differently; greedy ddtree == ar needs their outputs to agree
     closely. Before the final cast, one prefix over 1 and over 5 splits agrees to <= 1.4e-3 relative: the rest is
