@@ -125,7 +125,8 @@ def test_greedy_requests_equal_generate_alone_while_others_join_leave_and_the_bu
         assert rec.token_ids == full[i][: params.max_new_tokens]
         alone = pair.generate([prompt], params.max_new_tokens, mode="ddtree", budget=8).outputs[0]
         assert rec.token_ids == alone.token_ids
-        assert sum(rec.accept_lengths) == len(rec.token_ids) - 1  # the prefill's token, then the rounds'
+        # the prefill's token, then the rounds' (the last round may accept past max_new_tokens: cut)
+        assert sum(rec.accept_lengths[:-1]) < len(rec.token_ids) - 1 <= sum(rec.accept_lengths)
     ran = {k for k in kinds if k is not None}
     assert {StepKind("ar"), StepKind("ddtree", 4), StepKind("ddtree", 8)} <= ran  # the budget followed the load
 
