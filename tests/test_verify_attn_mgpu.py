@@ -138,7 +138,7 @@ def test_lowers_for_h200(bt, n, h, s):
     assert text.count("custom_call @mosaic_gpu_v2") == 1 and "__gpu$xla.gpu.triton" not in text
 
 
-def _wide_pair(seed: int):
+def _wide_pair(seed: int, **overrides):
     """A tiny Kimi-shaped pair whose verify calls take the wgmma path: 64 heads, 128 + 64 latent, bf16 cache."""
     from engine_utils import drafter_config, random_drafter
 
@@ -146,7 +146,7 @@ def _wide_pair(seed: int):
     from kdtree_jax.weights import init_random
 
     cfg = config.tiny(eos_token_id=(), num_attention_heads=H, kv_lora_rank=128, qk_rope_head_dim=64,
-                      num_hidden_layers=2)
+                      num_hidden_layers=2, **overrides)
     return (init_random(cfg, seed=seed, cache_dtype=jnp.bfloat16),
             random_drafter(drafter_config(cfg, block_size=4), seed))
 
@@ -170,10 +170,12 @@ def test_engine_refuses_a_backend_that_cannot_serve_the_target(rng):
 @pytest.mark.heavy
 def test_model_forward_takes_the_chosen_backend(rng, interpret):
     """forward_verify's attn_backend reaches verify_attn: the 64-head model's logits agree on both backends (and
-    a backend that does not exist is refused from inside the forward)."""
+    a backend that does not exist is refused from inside the forward). Every layer is dense: the two backends
+    round differently in bf16, and a random router's near-tie then picks other experts (logits 27% apart for a
+    seed that CI drew), which says nothing about attention."""
     from kdtree_jax.model import LatentCache, forward_verify
 
-    target, _ = _wide_pair(int(rng.integers(1 << 30)))
+    target, _ = _wide_pair(int(rng.integers(1 << 30)), first_k_dense_replace=2)
     cfg, bt, n, s = target.cfg, 2, 3, 64
     cache = LatentCache(latent=jnp.asarray(rng.standard_normal((cfg.num_hidden_layers, bt, s, cfg.latent_dim)),
                                            jnp.bfloat16))
