@@ -16,6 +16,9 @@
 #   round           one round of the shipped pair part by part (benchmarks/bench_round.py)
 #   mesh            K2.6-width layers on 2 GPUs vs one, same tokens, ms per round (nvidia-h200-x2)
 #   kernel-tests    the kernel, lowering and engine-equality tests, compiled on the GPU
+#   serving         the serving engine in-process: ar / ddtree-16 / auto at concurrency 1-16 (scripts/bench_serving.py)
+#   serving-http    the OpenAI server, one per config (ar, ddtree-16, auto), at concurrency 1-32; against $SERVING_JSON
+#                   (default $OUT/serving.json, the serving target's) for the HTTP layer's cost
 #
 # Run from anywhere on the GPU machine; PYTHONPATH is set to the repository here.
 set -uo pipefail
@@ -24,6 +27,34 @@ OUT=${OUT:-out}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
+
+# one table for the in-process and HTTP runs: identical programs, so the compilation cache serves both
+SERVING_TABLE="--max-slots 16 --max-context 192 --min-prompt-bucket 64 --step-widths 1,4,8,16 --rounds-per-step 4"
+export KDTREE_COMPILATION_CACHE=${KDTREE_COMPILATION_CACHE:-$PWD/.xla-cache}
+
+serving_http() {
+    local name flags pid rc=0 port=8000
+    for cfg in "ar --mode ar" "ddtree --mode ddtree --budget 16" "auto --mode ddtree --budget auto"; do
+        read -r name flags <<<"$cfg"
+        "$PY" -m kdtree_jax.serve $flags $SERVING_TABLE --port $port >"$OUT/server-$name.log" 2>&1 &
+        pid=$!
+        "$PY" - "$port" <<'PY' || { echo "server $name did not come up"; kill "$pid"; rc=1; continue; }
+import sys, time, httpx
+for _ in range(600):
+    try:
+        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+sys.exit(1)
+PY
+        "$PY" scripts/bench_serving.py --url "http://127.0.0.1:$port" --label "$name" --concurrency 1,4,8,16,32 \
+            --compare "${SERVING_JSON:-$OUT/serving.json}" --out "$OUT/http-$name.json" || rc=1
+        kill -TERM "$pid" && wait "$pid" || rc=1
+    done
+    return $rc
+}
 
 target() {
     case "$1" in
@@ -45,6 +76,9 @@ target() {
     kernel-tests) "$PY" -m pytest -q -rf tests/test_verify_attn.py tests/test_verify_attn_mgpu.py \
         tests/test_tree_build.py tests/test_tree_accept.py tests/test_topk.py tests/test_int4_moe.py \
         tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
+    serving) "$PY" scripts/bench_serving.py --concurrency 1,4,8,16 --configs ar,ddtree,auto $SERVING_TABLE \
+        --out "$OUT/serving.json" ;;
+    serving-http) serving_http ;;
     *) echo "unknown target: $1 (see the list at the top of $0)" >&2; return 2 ;;
     esac
 }

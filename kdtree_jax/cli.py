@@ -47,6 +47,18 @@ def parse_budget(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, e.g. --step-widths 1,4,16."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, such as 1,4,16, got {text!r}") \
+            from None
+    if any(x < 1 for x in sizes):
+        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
+    return sizes
+
+
 def default_budget(engine, mode: str) -> int | str:
     """No --budget: "auto" where a budget profile measured on this device applies (the B the README's speedups were
     measured at), else the fixed budget. Unlike an explicit --budget auto, a missing, foreign or unreadable profile

@@ -31,6 +31,7 @@ from kdtree_jax.cli import (
     UsageError,
     default_budget,
     parse_budget,
+    parse_sizes,
     run_main,
 )
 from kdtree_jax.server import ServerSettings, build_app
@@ -100,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="prompt + completion tokens of one request; default: ServeConfig's")
     s.add_argument("--max-queue", "--max-queued-requests", dest="max_queue", type=int, default=None,
                    help="waiting requests beyond this are refused with 503; default: ServeConfig's")
+    s.add_argument("--step-widths", "--cuda-graph-sizes", dest="step_widths", type=parse_sizes, default=None,
+                   help="slot counts a step program is compiled for, e.g. 1,4,16 (must include --max-slots); a "
+                        "step runs over the narrowest that holds the running requests; default: powers of two")
+    s.add_argument("--min-prompt-bucket", type=int, default=None,
+                   help="shortest padded prompt length: one prefill program per power of two from here up to "
+                        "--max-context; default: ServeConfig's")
     h = p.add_argument_group("server")
     h.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     h.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
@@ -147,15 +154,15 @@ def load(args):
         raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; the OpenAI server needs them")
     n_params = sum(x.size for x in jax.tree.leaves(engine.weights))
     log.info("loaded %.1fM parameters in %.1f s", n_params / 1e6, time.perf_counter() - t0)
-    given = {k: getattr(args, k) for k in ("max_slots", "max_context", "rounds_per_step", "max_queue")
-             if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("max_slots", "max_context", "rounds_per_step", "max_queue", "step_widths",
+                                           "min_prompt_bucket") if getattr(args, k) is not None}
     budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
     core = ServingEngine(engine, ServeConfig(mode=args.mode, budget=budget, **given))
     cfg = core.config
     log.info("slot table: %d slots x %d tokens, %d rounds per step; step per active slots: %s", cfg.max_slots,
              cfg.max_context, cfg.rounds_per_step, ", ".join(f"{a}: {k.name}" for a, k in sorted(core.plan.items())))
-    log.info("compiling %d prefill programs (prompt buckets %s) and %d step programs", len(core.buckets),
-             core.buckets, len(core.kinds))
+    log.info("compiling %d prefill programs (prompt buckets %s) and %d step programs (widths %s)",
+             len(core.buckets), core.buckets, len(core.step_keys), core.widths)
     t0 = time.perf_counter()
     seconds = core.warm_up()
     log.info("compiled in %.1f s: %s", time.perf_counter() - t0, ", ".join(f"{k} {v:.1f}s" for k, v in

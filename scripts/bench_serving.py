@@ -44,6 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine's
 
 from bench_engine import DEFAULT_DIR, load_prompts
 
+from kdtree_jax.cli import parse_sizes
+
 PERCENTILES = (50, 99)
 REQUESTS_PER_SLOT = 4  # default requests per load point: this many per concurrent request ...
 MIN_REQUESTS = 16  # ... and at least this many
@@ -218,7 +220,7 @@ def serve_config(args, setup: ServingSetup, max_slots: int):
     extra = {} if setup.budget is None else {"budget": setup.budget}
     return ServeConfig(max_slots=max_slots, max_context=args.max_context or args.prompt_tokens + args.max_new_tokens,
                        mode=setup.mode, rounds_per_step=args.rounds_per_step, min_prompt_bucket=args.min_prompt_bucket,
-                       **extra)
+                       step_widths=args.step_widths, **extra)
 
 
 def request_params(args, i: int):
@@ -307,6 +309,7 @@ async def run_setup(engine, setup: ServingSetup, points: list[LoadPoint], prompt
     warmup_s = time.perf_counter() - t0
     info = {"config": setup.name, "mode": setup.mode, "budget": _jsonable(setup.budget),
             "plan": plan_summary(core.plan), "kind_at_one_slot": core.plan[1].name, "max_slots": max_slots,
+            "step_widths": core.widths,
             "max_context": core.config.max_context, "rounds_per_step": core.config.rounds_per_step,
             "warmup_s": warmup_s, "warmup_programs_s": programs}
     print(f"{setup.name}: plan {info['plan']}; warm-up {warmup_s:.1f} s ({len(programs)} programs)", flush=True)
@@ -712,6 +715,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng.add_argument("--max-slots", type=int, default=None, help="default: the largest concurrency")
     eng.add_argument("--max-context", type=int, default=None, help="default: prompt tokens + max new tokens")
     eng.add_argument("--rounds-per-step", type=int, default=4)
+    eng.add_argument("--step-widths", type=parse_sizes, default=None,
+                     help="slot counts the step programs are compiled for, e.g. 1,4,8,16 (default: powers of two)")
     eng.add_argument("--min-prompt-bucket", type=int, default=ServeConfig.min_prompt_bucket,
                      help="the shortest padded prompt length; prefill programs for each power of two from here "
                           "up to --max-context are compiled at warm-up")

@@ -96,12 +96,14 @@ def _want(full: list[int], max_new: int, stop: tuple[int, ...]) -> list[int]:
 
 
 def _run(core: ServingEngine, schedule: dict[int, list[tuple[list[int], RequestParams]]]):
-    """Step until idle, submitting schedule[i] before step i; returns ({rid: record}, step kinds in order)."""
+    """Step until idle, submitting schedule[i] before step i; returns ({rid: record}, step kinds in order). Every
+    step runs over the narrowest width that holds its running requests."""
     records, kinds, ids, i = {}, [], {}, 0
     while core.has_work or any(k >= i for k in schedule):
         for prompt, params in schedule.get(i, []):
             ids[core.submit(prompt, params)] = (prompt, params)
         report = core.step()
+        assert report.width == (core.width_for(report.active) if report.active else 0)
         kinds.append(report.kind)
         records.update({e.request_id: e for e in report.events if isinstance(e, RequestRecord)})
         i += 1
@@ -118,7 +120,9 @@ def test_greedy_requests_equal_generate_alone_while_others_join_leave_and_the_bu
                 2: [(prompts[3], RequestParams(max_new_tokens=5))],
                 4: [(prompts[1], RequestParams(max_new_tokens=13)), (prompts[0], RequestParams(max_new_tokens=3))],
                 9: [(prompts[2], RequestParams(max_new_tokens=9))]}
+    moves = served.n_moves
     results, kinds = _run(served, schedule)
+    assert served.n_moves > moves  # requests ended below others: rows moved down, and their tokens stayed exact
     for rec, prompt, params in results.values():
         i = prompts.index(prompt)
         assert rec.finish_reason == "length"
@@ -132,11 +136,13 @@ def test_greedy_requests_equal_generate_alone_while_others_join_leave_and_the_bu
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mode", ["ar", "chain"])
-def test_ar_and_chain_tables_equal_generate_alone(pair, expected, mode):
+@pytest.mark.parametrize("mode,overlap", [("ar", True), ("chain", False)])
+def test_ar_and_chain_tables_equal_generate_alone(pair, expected, mode, overlap):
+    """Also without overlap: each step's tokens are read before the next step is queued."""
     prompts, full = expected
     core = ServingEngine(pair if mode == "chain" else Engine(pair.target, None, None),
-                         ServeConfig(max_slots=2, max_context=MAX_CONTEXT, mode=mode, rounds_per_step=3))
+                         ServeConfig(max_slots=2, max_context=MAX_CONTEXT, mode=mode, rounds_per_step=3,
+                                     overlap=overlap))
     schedule = {0: [(prompts[i], RequestParams(max_new_tokens=4 + 3 * i)) for i in range(4)],
                 3: [(prompts[2], RequestParams(max_new_tokens=10, stop_token_ids=(full[2][5],)))]}
     results, kinds = _run(core, schedule)
@@ -409,3 +415,37 @@ def test_async_front_streams_deltas_then_the_record(pair, expected):
         else:
             assert rec.finish_reason == "length" and got == full[i][: len(got)] and deltas >= 2
             assert rec.first_token_time <= rec.finish_time and rec.rounds == len(rec.accept_lengths) > 0
+
+
+# ---- row programs ------------------------------------------------------------------------------------------------
+def test_move_copies_a_whole_row_and_head_writes_back_only_its_rows(pair, rng):
+    from kdtree_jax.serving import programs
+    from kdtree_jax.speculative import FINISH_LENGTH
+
+    empty = programs.empty_table(pair.target, pair.drafter, slots=5, capacity=16, n_stop=3, depth=3, draft_k=4,
+                                 rounds=2)
+    leaves, tree = jax.tree.flatten(empty)
+    table = jax.tree.unflatten(tree, [np.asarray(rng.integers(1, 1000, size=x.shape)).astype(x.dtype)
+                                      for x in leaves])
+    axes = jax.tree.leaves(programs._slot_axes(table))
+    moved = programs.move(table, np.int32(3), np.int32(1))
+    for axis, before, after, name in zip(axes, jax.tree.leaves(table), jax.tree.leaves(moved),
+                                         [jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(table)]):
+        before, after = np.asarray(before), np.asarray(after)
+        if axis < 0:
+            np.testing.assert_array_equal(after, before, err_msg=name)
+            continue
+        rows = lambda x, i: np.take(x, i, axis=axis)  # noqa: E731
+        np.testing.assert_array_equal(rows(after, 1), rows(before, 3), err_msg=name)
+        for i in (0, 2, 4):
+            np.testing.assert_array_equal(rows(after, i), rows(before, i), err_msg=name)
+    assert int(moved.finish[3]) == FINISH_LENGTH  # the source is free
+    part = jax.tree.map(lambda x: x + 1, programs.head(table, 2))
+    back = programs.put_head(table, part)
+    for axis, before, after in zip(axes, jax.tree.leaves(table), jax.tree.leaves(back)):
+        before, after = np.asarray(before), np.asarray(after)
+        if axis < 0:
+            np.testing.assert_array_equal(after, before + 1)
+            continue
+        np.testing.assert_array_equal(np.take(after, [0, 1], axis=axis), np.take(before, [0, 1], axis=axis) + 1)
+        np.testing.assert_array_equal(np.take(after, [2, 3, 4], axis=axis), np.take(before, [2, 3, 4], axis=axis))

@@ -1,9 +1,14 @@
-"""The slot table's device programs: prefill one request into a slot, run k rounds for every slot, release a slot.
+"""The slot table's device programs: prefill one request into a slot, run k rounds for the first w slots, move a
+slot, release a slot.
 
 The table is one `DecodeState` whose batch rows are request slots, allocated once with a fixed context capacity.
 Every program takes the table and gives it back (donated), so a request joins or leaves between steps by writing
-its own row; nothing else moves. Per-request values (prompt length, sampling rule, token limit, stop ids, seed) are
-rows of the table, so no request compiles anything.
+its own row. Per-request values (prompt length, sampling rule, token limit, stop ids, seed) are rows of the table,
+so no request compiles anything.
+
+Widths. The host keeps the running requests in the lowest rows (`move` fills a hole left by a finished request),
+so a step runs over only the first w rows for the smallest compiled width w that holds them: one request pays for a
+batch of one, not for the whole table.
 
 Budgets. A table may be stepped by several programs (plain AR and DDTree at a few budgets) chosen per step. They
 share one state: the drafter's top-K lists keep the largest budget's K (`DecodeSpec.draft_k`; a smaller budget
@@ -117,17 +122,55 @@ def insert(table: DecodeState, one: DecodeState, slot: jax.Array) -> DecodeState
     )
 
 
+def _slot_axes(table: DecodeState) -> DecodeState:
+    """The slot (batch) axis of every leaf of the table; -1 for the one leaf without (the round counter)."""
+    axes = jax.tree.map(lambda _: 0, table)
+    dc = axes.draft_cache
+    if dc is not None:
+        dc = dc.replace(k=1, v=1)
+    return axes.replace(cache=LatentCache(latent=1), draft_cache=dc, round=-1)
+
+
+def head(table: DecodeState, width: int) -> DecodeState:
+    """Rows [0, width) of the table (static width)."""
+    return jax.tree.map(lambda axis, x: x if axis < 0 else jax.lax.slice_in_dim(x, 0, width, axis=axis),
+                        _slot_axes(table), table)
+
+
+def put_head(table: DecodeState, part: DecodeState) -> DecodeState:
+    """The table with rows [0, width) := `part` (a `head` of it after some rounds)."""
+    return jax.tree.map(lambda axis, x, p: p if axis < 0 else jax.lax.dynamic_update_slice_in_dim(x, p, 0, axis),
+                        _slot_axes(table), table, part)
+
+
+def move(table: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
+    """Row `dst` := row `src` (the whole request: tokens, caches, draft lists, rule, key), then `src` is free."""
+
+    def copy(axis, x):
+        if axis < 0:
+            return x
+        return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, axis), dst, axis)
+
+    return release(jax.tree.map(copy, _slot_axes(table), table), src)
+
+
 def release(table: DecodeState, slot: jax.Array) -> DecodeState:
     """Mark row `slot` finished, so that rounds carry it unchanged until another request is inserted there."""
     return table.replace(finish=table.finish.at[slot].set(FINISH_LENGTH))
 
 
 def step(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):
-    """Up to `rounds` rounds for every slot (fewer once every slot is done).
+    """Up to `rounds` rounds for the first `spec.batch` slots (fewer once all of them are done); the other rows are
+    not touched.
 
-    Returns (table, packed) with packed [slots, 2 + rounds + rounds * L] int32, one transfer for the host: per slot
-    the tokens committed this step, its finish code, each round's acceptance length (0: did not run) and the
+    Returns (table, packed) with packed [spec.batch, 2 + rounds + rounds * L] int32, one transfer for the host: per
+    slot the tokens committed this step, its finish code, each round's acceptance length (0: did not run) and the
     tokens themselves (L = the most tokens one round commits)."""
+    part, packed = _rounds(spec, target, drafter, head(table, spec.batch), rounds)
+    return put_head(table, part), packed
+
+
+def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):
     before = table.n_generated
     state = table.replace(round=jnp.int32(0), accept_len=jnp.zeros_like(table.accept_len))
 

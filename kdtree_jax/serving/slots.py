@@ -1,9 +1,11 @@
 """The serving engine's host side: a table of request slots stepped by a fixed set of compiled programs.
 
 Requests wait in a queue, are prefilled into free slots between steps, and leave when they finish or are
-cancelled. Each `step()` admits what fits, picks the step program for the number of active slots (the budget
-follows the load, `kdtree_jax/budget.py`), runs k rounds for every slot and hands back token deltas and final
-records. Everything a request asks for is runtime data, so after `warm_up()` nothing compiles.
+cancelled. Each `step()` admits what fits, keeps the running requests in the lowest slots, picks the step program
+for the number of active slots (the budget follows the load, `kdtree_jax/budget.py`) and the narrowest compiled
+width that holds them, runs k rounds and hands back token deltas and final records. With `overlap` the next step
+is queued on the device before the last one's tokens are read, so the device does not wait for the host.
+Everything a request asks for is runtime data, so after `warm_up()` nothing compiles.
 
 The interface follows JetStream's engine API (prefill / insert / generate over slots), with a DDTree round as the
 generate step. `kdtree_jax/serving/frontend.py` puts an async front on it.
@@ -65,11 +67,23 @@ class ServeConfig:
     max_stop_ids: int = 8  # stop-id table width per slot (the model's own stop ids included)
     min_prompt_bucket: int = 16  # prompt lengths pad to powers of two from here (then whole prefill chunks)
     max_queue: int = 1024  # waiting requests beyond this are refused
+    # step programs run over the first w slots, for each w here (None: powers of two, then max_slots); a step
+    # takes the narrowest that holds the running requests
+    step_widths: tuple[int, ...] | None = None
+    # queue step n+1 before reading step n's tokens: the device never idles on the host; tokens, finishes and
+    # freed slots reach the host one step later (a finished row rides that step at no cost)
+    overlap: bool = True
 
     def __post_init__(self):
         for name in ("max_slots", "max_context", "rounds_per_step", "max_stop_ids", "min_prompt_bucket"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.step_widths is not None:
+            w = self.step_widths
+            if not w or not all(isinstance(x, int) and 1 <= x <= self.max_slots for x in w) \
+                    or self.max_slots not in w:
+                raise ValueError(f"step_widths must be integers in [1, max_slots] including max_slots "
+                                 f"{self.max_slots}, got {w!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.top_k_cap < 0 or self.max_queue < 0:
@@ -157,6 +171,16 @@ class _Request:
     accept_lengths: list[int] = dataclasses.field(default_factory=list)
     num_draft_tokens: int = 0
     first_token_time: float | None = None
+    ended: bool = False  # its record was handed out: results of a step still in flight are dropped
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step queued on the device whose packed output the host has not read yet."""
+
+    packed: jax.Array
+    kind: StepKind
+    owners: list  # the request in each of its rows when it was queued (rows move; requests end meanwhile)
 
 
 @dataclasses.dataclass
@@ -164,9 +188,10 @@ class StepReport:
     """What one `step()` did: the host-side view a benchmark or a metrics endpoint reads."""
 
     events: list  # TokenDelta and RequestRecord, in order
-    kind: StepKind | None  # the step program that ran (None: nothing was running)
-    active: int  # slots that were running when the step started
+    kind: StepKind | None  # the step program this call ran (None: nothing was running)
+    active: int  # slots that were running when it started
     admitted: int  # requests prefilled into slots before it
+    width: int = 0  # the rows it ran over
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------
@@ -184,11 +209,15 @@ class ServingEngine:
                              f"{cfg.max_position_embeddings} tokens")
         self.plan = self._budget_plan()
         self.kinds = sorted(set(self.plan.values()))
+        self.widths = sorted(set(config.step_widths or _powers_of_two(config.max_slots)))
+        # the step programs: each width with the kinds its active counts (the ones it is the narrowest for) need
+        self.step_keys = sorted({(self.plan[a], self.width_for(a)) for a in range(1, config.max_slots + 1)},
+                                key=lambda kw: (kw[1], kw[0]))
         self.uses_drafter = engine.drafter is not None and config.mode != "ar"
         budgets = [k.budget for k in self.kinds if k.mode == "ddtree"]
         self._prefill_kind = (StepKind("ddtree", max(budgets)) if budgets
                               else StepKind(config.mode if config.mode != "ddtree" else "chain"))
-        self.specs = {k: self._spec(k) for k in self.kinds}
+        self.specs = {(k, w): self._spec(k, batch=w) for k, w in self.step_keys}
         prefill_spec = self._spec(self._prefill_kind)
         self.draft_k = prefill_spec.top_k
         self.buckets = self._buckets()
@@ -206,6 +235,8 @@ class ServingEngine:
         self._next_id = 0
         self._waiting: collections.deque[_Request] = collections.deque()
         self._slots: list[_Request | None] = [None] * config.max_slots
+        self._in_flight: _InFlight | None = None
+        self.n_moves = 0  # rows moved to keep the running requests in the lowest slots
         self._closed = False
         self.table = self._new_table()
         self.warmup_s: dict[str, float] = {}
@@ -236,11 +267,15 @@ class ServingEngine:
             return plan
         return {a: StepKind("ddtree", _budget_int(budget)) for a in range(1, n + 1)}
 
-    def _spec(self, kind: StepKind, prompt_len: int = 1):
+    def width_for(self, active: int) -> int:
+        """The narrowest compiled width that holds `active` running requests (they sit in the lowest slots)."""
+        return next(w for w in self.widths if w >= active)
+
+    def _spec(self, kind: StepKind, prompt_len: int = 1, batch: int | None = None):
         eng, cfg = self.engine, self.config
         budgets = [k.budget for k in self.plan.values() if k.mode == "ddtree"]
         draft_k = max((min(b, eng.target.cfg.vocab_size) for b in budgets), default=0) or 0
-        spec = eng.spec_for(mode=kind.mode, batch=cfg.max_slots, prompt_len=prompt_len, max_new_tokens=1,
+        spec = eng.spec_for(mode=kind.mode, batch=batch or cfg.max_slots, prompt_len=prompt_len, max_new_tokens=1,
                             budget=kind.budget, top_k_cap=cfg.top_k_cap, draft_k=max(draft_k, 1))
         if kind.mode == "ar" and self.uses_drafter:  # keeps the drafter's state: needs the target's features
             d = eng.drafter.cfg
@@ -272,7 +307,7 @@ class ServingEngine:
         return t, (d if self.uses_drafter else None)
 
     def _program(self, name: str, key):
-        """The compiled program `name` for `key` (a bucket or a StepKind), compiled on first use."""
+        """The compiled program `name` for `key` (a bucket, or a (StepKind, width)), compiled on first use."""
         if (name, key) in self._programs:
             return self._programs[(name, key)]
         eng, uses, weights = self.engine, self.uses_drafter, self._weights()
@@ -293,24 +328,31 @@ class ServingEngine:
                 return programs.step(spec, *eng.merged(t, d, uses), table, rounds)
 
             args = (*weights, self.table)
+        elif name == "move":
+            def fn(t, d, table, src, dst):
+                return programs.move(table, src, dst)
+
+            args = (*weights, self.table, np.int32(0), np.int32(0))
         else:
             def fn(t, d, table, slot):
                 return programs.release(table, slot)
 
             args = (*weights, self.table, np.int32(0))
-        desc = name if key is None else f"{name} {key.name if isinstance(key, StepKind) else key}"
+        desc = name if key is None else (f"{name} {key[0].name} x{key[1]}" if name == "step" else f"{name} {key}")
         compiled, seconds = eng.compile(fn, args, ("serve", self._uid, name, key), desc=desc, donate=(2,))
         self.warmup_s[desc] = seconds
         self._programs[(name, key)] = compiled
         return compiled
 
     def warm_up(self) -> dict[str, float]:
-        """Compile every program the table can run: one prefill per prompt bucket, one step per budget, release.
-        Returns the seconds each took (near zero where JAX's persistent compilation cache had it)."""
+        """Compile every program the table can run: one prefill per prompt bucket, one step per (budget, width),
+        move and release. Returns the seconds each took (near zero where JAX's persistent compilation cache had
+        it)."""
         for b in self.buckets:
             self._program("prefill", b)
-        for k in self.kinds:
-            self._program("step", k)
+        for key in self.step_keys:
+            self._program("step", key)
+        self._program("move", None)
         self._program("release", None)
         return dict(self.warmup_s)
 
@@ -385,7 +427,9 @@ class ServingEngine:
         """Refuse new requests and cancel every waiting and running one."""
         self._closed = True
         ids = [r.rid for r in self._waiting] + [r.rid for r in self._slots if r is not None]
-        return [rec for rec in map(self.cancel, ids) if rec is not None]
+        records = [rec for rec in map(self.cancel, ids) if rec is not None]
+        self._in_flight = None  # every request it ran has ended
+        return records
 
     @property
     def closed(self) -> bool:
@@ -401,7 +445,7 @@ class ServingEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting) or self.n_running > 0
+        return bool(self._waiting) or self.n_running > 0 or self._in_flight is not None
 
     def running_ids(self) -> list[int]:
         return [r.rid for r in self._slots if r is not None]
@@ -411,38 +455,71 @@ class ServingEngine:
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> StepReport:
-        """Admit waiting requests into free slots, then run one step (k rounds) for every slot."""
+        """Admit waiting requests into free slots, move the running ones into the lowest slots, run one step (k
+        rounds) over the narrowest width that holds them, and hand back what the host learnt: this step's tokens,
+        or with `overlap` the previous step's, read while this one runs."""
         events: list = []
         admitted = 0
         while self._waiting and None in self._slots:
             events += self._admit(self._waiting.popleft(), self._slots.index(None))
             admitted += 1
+        self._compact()
         active = self.n_running
-        if not active:
-            return StepReport(events, None, 0, admitted)
-        kind = self.plan[active]
+        kind = self.plan[active] if active else None
+        width = self.width_for(active) if active else 0
+        queued = None
+        if active:
+            try:
+                self.table, packed = self._program("step", (kind, width))(*self._weights(), self.table)
+            except Exception as e:  # the table was donated to the failed program: every running request fails
+                self._in_flight = None
+                return StepReport(events + self._fail_all(e), kind, active, admitted, width)
+            queued = _InFlight(packed, kind, self._slots[:width])
+        if self.config.overlap:
+            done, self._in_flight = self._in_flight, queued
+        else:
+            done = queued
+        if done is not None:
+            events += self._read(done)
+        return StepReport(events, kind, active, admitted, width)
+
+    def _read(self, step: _InFlight) -> list:
+        """Token deltas and final records from a step's packed output (waits for that step only)."""
         try:
-            self.table, packed = self._program("step", kind)(*self._weights(), self.table)
-            packed = np.asarray(jax.device_get(packed))
-        except Exception as e:  # the table was donated to the failed program: every running request fails
-            return StepReport(events + self._fail_all(e), kind, active, admitted)
+            packed = np.asarray(jax.device_get(step.packed))
+        except Exception as e:  # raised on the device: the table that step wrote is lost too
+            self._in_flight = None
+            return self._fail_all(e)
         now = time.perf_counter()
-        rounds, n_draft = self.config.rounds_per_step, self.specs[kind].n_slots - 1
-        for slot, r in enumerate(self._slots):
-            if r is None:
+        rounds, n_draft = self.config.rounds_per_step, self.specs[(step.kind, len(step.owners))].n_slots - 1
+        events = []
+        for row, r in enumerate(step.owners):
+            if r is None or r.ended:
                 continue
-            n_new, finish = int(packed[slot, 0]), int(packed[slot, 1])
-            acc = [int(a) for a in packed[slot, 2 : 2 + rounds] if a > 0]
+            n_new, finish = int(packed[row, 0]), int(packed[row, 1])
+            acc = [int(a) for a in packed[row, 2 : 2 + rounds] if a > 0]
             r.accept_lengths += acc
             r.num_draft_tokens += n_draft * len(acc)
             if n_new:
-                new = packed[slot, 2 + rounds : 2 + rounds + n_new].tolist()
+                new = packed[row, 2 + rounds : 2 + rounds + n_new].tolist()
                 r.tokens += new
                 events.append(TokenDelta(r.rid, new, now))
             if finish != RUNNING:
-                self._slots[slot] = None  # the row is finished on the device already
+                self._slots[self._slots.index(r)] = None  # its row is finished on the device already
                 events.append(self._record(r, FINISH_REASONS[finish]))
-        return StepReport(events, kind, active, admitted)
+        return events
+
+    def _compact(self) -> None:
+        """Move the highest running requests into the lowest free slots, so that they fill rows [0, n_running)."""
+        while True:
+            free = [i for i, r in enumerate(self._slots) if r is None]
+            used = [i for i, r in enumerate(self._slots) if r is not None]
+            if not free or not used or free[0] > used[-1]:
+                return
+            src, dst = used[-1], free[0]
+            self.table = self._program("move", None)(*self._weights(), self.table, np.int32(src), np.int32(dst))
+            self._slots[dst], self._slots[src] = self._slots[src], None
+            self.n_moves += 1
 
     def _admit(self, r: _Request, slot: int) -> list:
         bucket = self.bucket_for(len(r.prompt))
@@ -472,20 +549,27 @@ class ServingEngine:
         self.table = self._program("release", None)(*self._weights(), self.table, np.int32(slot))
 
     def _fail_all(self, error: Exception) -> list[RequestRecord]:
-        """A program raised: its donated table is gone. Every running request ends with "error" and the slots
-        start empty again; waiting requests stay queued."""
+        """A program raised: its donated table is gone, and so is any step queued after it. Every running request
+        ends with "error" and the slots start empty again; waiting requests stay queued."""
         log.error("serving step failed: %s: %s", type(error).__name__, error)
         records = [self._record(r, "error", error=f"{type(error).__name__}: {error}")
                    for r in self._slots if r is not None]
         self._slots = [None] * self.config.max_slots
+        self._in_flight = None
         self.table = self._new_table()
         return records
 
     def _record(self, r: _Request, reason: str, error: str | None = None) -> RequestRecord:
+        r.ended = True
         return RequestRecord(request_id=r.rid, token_ids=list(r.tokens), finish_reason=reason,
                              prompt_tokens=len(r.prompt), accept_lengths=list(r.accept_lengths),
                              num_draft_tokens=r.num_draft_tokens, error=error, submit_time=r.submit_time,
                              first_token_time=r.first_token_time, finish_time=time.perf_counter())
+
+
+def _powers_of_two(n: int) -> list[int]:
+    """1, 2, 4, ... below n, then n."""
+    return [*(1 << i for i in range(max(n - 1, 0).bit_length()) if 1 << i < n), n]
 
 
 def _budget_int(b) -> int:
