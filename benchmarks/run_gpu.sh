@@ -29,7 +29,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 
 # one table for the in-process and HTTP runs: identical programs, so the compilation cache serves both
-SERVING_TABLE="--max-slots 16 --max-context 192 --min-prompt-bucket 64 --step-widths 1,4,8,16 --rounds-per-step 4"
+SERVING_TABLE="--max-slots 16 --max-context 192 --min-prompt-bucket 64 --step-widths 1,4,8,16 --rounds-per-step 8"
 export KDTREE_COMPILATION_CACHE=${KDTREE_COMPILATION_CACHE:-$PWD/.xla-cache}
 
 serving_http() {

@@ -714,7 +714,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "measured budget profile)")
     eng.add_argument("--max-slots", type=int, default=None, help="default: the largest concurrency")
     eng.add_argument("--max-context", type=int, default=None, help="default: prompt tokens + max new tokens")
-    eng.add_argument("--rounds-per-step", type=int, default=4)
+    eng.add_argument("--rounds-per-step", type=int, default=ServeConfig.rounds_per_step)
     eng.add_argument("--step-widths", type=parse_sizes, default=None,
                      help="slot counts the step programs are compiled for, e.g. 1,4,8,16 (default: powers of two)")
     eng.add_argument("--min-prompt-bucket", type=int, default=ServeConfig.min_prompt_bucket,

@@ -13,7 +13,9 @@ generate step. `kdtree_jax/serving/frontend.py` puts an async front on it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -62,7 +64,7 @@ class ServeConfig:
     # ddtree: B, "auto" (per step, from the budget profile and the number of active slots), or a table
     # {active slots: B or "ar"} (missing counts take the nearest smaller entry)
     budget: int | str | Mapping[int, int | str] = "auto"
-    rounds_per_step: int = 4  # k: rounds per step; tokens come back to the host once per step
+    rounds_per_step: int = 8  # k: rounds per step; tokens come back to the host once per step
     top_k_cap: int = sampling.TOP_K_CAP  # the largest per-request top_k
     max_stop_ids: int = 8  # stop-id table width per slot (the model's own stop ids included)
     min_prompt_bucket: int = 16  # prompt lengths pad to powers of two from here (then whole prefill chunks)
@@ -70,8 +72,9 @@ class ServeConfig:
     # step programs run over the first w slots, for each w here (None: powers of two, then max_slots); a step
     # takes the narrowest that holds the running requests
     step_widths: tuple[int, ...] | None = None
-    # queue step n+1 before reading step n's tokens: the device never idles on the host; tokens, finishes and
-    # freed slots reach the host one step later (a finished row rides that step at no cost)
+    # run each step on a device thread and read the last step's tokens meanwhile, so the device waits only for
+    # admission and dispatch; tokens, finishes and faults reach the host one step later (a finished row rides
+    # that step at no cost)
     overlap: bool = True
 
     def __post_init__(self):
@@ -176,11 +179,12 @@ class _Request:
 
 @dataclasses.dataclass
 class _InFlight:
-    """A step queued on the device whose packed output the host has not read yet."""
+    """A step whose packed output the host has not read yet: running on the device thread (`future`), or done."""
 
-    packed: jax.Array
     kind: StepKind
     owners: list  # the request in each of its rows when it was queued (rows move; requests end meanwhile)
+    packed: jax.Array | None = None
+    future: concurrent.futures.Future | None = None  # -> (table, packed)
 
 
 @dataclasses.dataclass
@@ -236,9 +240,14 @@ class ServingEngine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._slots: list[_Request | None] = [None] * config.max_slots
         self._in_flight: _InFlight | None = None
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdtree-step") \
+            if config.overlap else None
+        self._faults: list[RequestRecord] = []  # records of a fault found outside step(), for its next report
         self.n_moves = 0  # rows moved to keep the running requests in the lowest slots
         self._closed = False
         self.table = self._new_table()
+        # the weights as one flat list: a plain list of arrays is the cheapest argument to pass on every call
+        self._weight_leaves, self._weight_def = jax.tree.flatten(self._weights())
         self.warmup_s: dict[str, float] = {}
 
     # ---- programs -------------------------------------------------------------------------------------------
@@ -310,36 +319,40 @@ class ServingEngine:
         """The compiled program `name` for `key` (a bucket, or a (StepKind, width)), compiled on first use."""
         if (name, key) in self._programs:
             return self._programs[(name, key)]
-        eng, uses, weights = self.engine, self.uses_drafter, self._weights()
+        eng, uses = self.engine, self.uses_drafter
         rows1 = _rows([RequestParams()], [self.stop_ids], self.config.max_stop_ids)
+
+        def modules(w):
+            return eng.merged(*jax.tree.unflatten(self._weight_def, w), uses)
+
         if name == "prefill":
             spec = self.prefill_specs[key]
 
-            def fn(t, d, table, prompt, prompt_len, seed, rows, slot):
-                return programs.prefill_into_slot(spec, *eng.merged(t, d, uses), table, prompt, prompt_len, seed,
-                                                  rows, slot)
+            def fn(w, table, prompt, prompt_len, seed, rows, slot):
+                return programs.prefill_into_slot(spec, *modules(w), table, prompt, prompt_len, seed, rows, slot)
 
-            args = (*weights, self.table, np.zeros((1, key), np.int32), np.ones((1,), np.int32),
-                    np.zeros((1,), np.uint32), rows1, np.int32(0))
+            args = (np.zeros((1, key), np.int32), np.ones((1,), np.int32), np.zeros((1,), np.uint32), rows1,
+                    np.int32(0))
         elif name == "step":
             spec, rounds = self.specs[key], self.config.rounds_per_step
 
-            def fn(t, d, table):
-                return programs.step(spec, *eng.merged(t, d, uses), table, rounds)
+            def fn(w, table):
+                return programs.step(spec, *modules(w), table, rounds)
 
-            args = (*weights, self.table)
+            args = ()
         elif name == "move":
-            def fn(t, d, table, src, dst):
+            def fn(w, table, src, dst):
                 return programs.move(table, src, dst)
 
-            args = (*weights, self.table, np.int32(0), np.int32(0))
+            args = (np.int32(0), np.int32(0))
         else:
-            def fn(t, d, table, slot):
+            def fn(w, table, slot):
                 return programs.release(table, slot)
 
-            args = (*weights, self.table, np.int32(0))
+            args = (np.int32(0),)
         desc = name if key is None else (f"{name} {key[0].name} x{key[1]}" if name == "step" else f"{name} {key}")
-        compiled, seconds = eng.compile(fn, args, ("serve", self._uid, name, key), desc=desc, donate=(2,))
+        compiled, seconds = eng.compile(fn, (self._weight_leaves, self.table, *args), ("serve", self._uid, name, key),
+                                        desc=desc, donate=(1,))
         self.warmup_s[desc] = seconds
         self._programs[(name, key)] = compiled
         return compiled
@@ -412,7 +425,12 @@ class ServingEngine:
         return rid
 
     def cancel(self, request_id: int) -> RequestRecord | None:
-        """Drop a waiting or running request; its slot is free for the next step. None if it is not here."""
+        """Drop a waiting or running request; its slot is free for the next step. Returns its record: "cancelled",
+        or "error" where the step it was in had failed; None if it is not here."""
+        self._faults += self._settle()  # the table is back from the device thread
+        for i, rec in enumerate(self._faults):
+            if rec.request_id == request_id:
+                return self._faults.pop(i)
         for r in self._waiting:
             if r.rid == request_id:
                 self._waiting.remove(r)
@@ -458,7 +476,7 @@ class ServingEngine:
         """Admit waiting requests into free slots, move the running ones into the lowest slots, run one step (k
         rounds) over the narrowest width that holds them, and hand back what the host learnt: this step's tokens,
         or with `overlap` the previous step's, read while this one runs."""
-        events: list = []
+        events = self._settle()
         admitted = 0
         while self._waiting and None in self._slots:
             events += self._admit(self._waiting.popleft(), self._slots.index(None))
@@ -467,21 +485,39 @@ class ServingEngine:
         active = self.n_running
         kind = self.plan[active] if active else None
         width = self.width_for(active) if active else 0
-        queued = None
+        done, queued = self._in_flight, None
+        self._in_flight = None
         if active:
-            try:
-                self.table, packed = self._program("step", (kind, width))(*self._weights(), self.table)
-            except Exception as e:  # the table was donated to the failed program: every running request fails
-                self._in_flight = None
-                return StepReport(events + self._fail_all(e), kind, active, admitted, width)
-            queued = _InFlight(packed, kind, self._slots[:width])
-        if self.config.overlap:
-            done, self._in_flight = self._in_flight, queued
+            queued = _InFlight(kind, self._slots[:width])
+            run = functools.partial(self._program("step", (kind, width)), self._weight_leaves, self.table)
+            if self._device is not None:
+                self.table = None  # donated to the device thread until _settle
+                queued.future = self._device.submit(run)
+            else:
+                try:
+                    self.table, queued.packed = run()
+                except Exception as e:  # the table was donated to the failed program: every running request fails
+                    return StepReport(events + self._fail_all(e), kind, active, admitted, width)
+        if self._device is not None:
+            self._in_flight = queued
         else:
             done = queued
         if done is not None:
             events += self._read(done)
         return StepReport(events, kind, active, admitted, width)
+
+    def _settle(self) -> list:
+        """Wait for the step on the device thread and take its table back (its tokens are read later); returns
+        the records of a fault found now or earlier outside step()."""
+        step = self._in_flight
+        if step is not None and step.future is not None:
+            future, step.future = step.future, None
+            try:
+                self.table, step.packed = future.result()
+            except Exception as e:  # the table was donated to the failed program: every running request fails
+                self._faults += self._fail_all(e)
+        events, self._faults = self._faults, []
+        return events
 
     def _read(self, step: _InFlight) -> list:
         """Token deltas and final records from a step's packed output (waits for that step only)."""
@@ -517,7 +553,7 @@ class ServingEngine:
             if not free or not used or free[0] > used[-1]:
                 return
             src, dst = used[-1], free[0]
-            self.table = self._program("move", None)(*self._weights(), self.table, np.int32(src), np.int32(dst))
+            self.table = self._program("move", None)(self._weight_leaves, self.table, np.int32(src), np.int32(dst))
             self._slots[dst], self._slots[src] = self._slots[src], None
             self.n_moves += 1
 
@@ -528,7 +564,7 @@ class ServingEngine:
         rows = _rows([r.params], [r.stop_ids], self.config.max_stop_ids)
         try:
             self.table, out = self._program("prefill", bucket)(
-                *self._weights(), self.table, prompt, np.array([len(r.prompt)], np.int32),
+                self._weight_leaves, self.table, prompt, np.array([len(r.prompt)], np.int32),
                 np.array([r.seed], np.uint32), rows, np.int32(slot))
             first, finish = (int(x) for x in jax.device_get(out))
         except Exception as e:
@@ -546,7 +582,7 @@ class ServingEngine:
 
     def _free(self, slot: int) -> None:
         self._slots[slot] = None
-        self.table = self._program("release", None)(*self._weights(), self.table, np.int32(slot))
+        self.table = self._program("release", None)(self._weight_leaves, self.table, np.int32(slot))
 
     def _fail_all(self, error: Exception) -> list[RequestRecord]:
         """A program raised: its donated table is gone, and so is any step queued after it. Every running request
