@@ -21,6 +21,14 @@ import numpy as np
 TOP_K_CAP = 64  # the largest per-request top_k a compiled program accepts unless it is built with another cap
 
 
+class ParamError(ValueError):
+    """A decoding parameter out of range; `field` names it, `detail` says what is wrong with it."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"{field} {detail}")
+        self.field, self.detail = field, detail
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """One request's decoding rule as the user gives it; temperature 0 means greedy."""
@@ -32,11 +40,11 @@ class SamplingParams:
     def __post_init__(self):
         if not (_real(self.temperature) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ParamError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+            raise ParamError("top_k", f"must be an integer >= 0 (0: off), got {self.top_k!r}")
         if not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):  # also refuses NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -44,7 +52,7 @@ class SamplingParams:
 
     def check_cap(self, top_k_cap: int) -> None:
         if self.top_k > top_k_cap:
-            raise ValueError(f"top_k must be <= {top_k_cap} (the compiled cap), got {self.top_k}")
+            raise ParamError("top_k", f"must be <= {top_k_cap} (the compiled cap), got {self.top_k}")
 
 
 def _real(x) -> bool:

@@ -359,6 +359,15 @@ def build_app(front: AsyncServingEngine, tokenizer, settings: ServerSettings) ->
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
 
+    async def respond(job: Job, body, request: Request, events, complete):
+        """SSE chunks as the job runs, or one JSON body once it has ended."""
+        if body.stream:
+            return JobEventStream(job, events(job, body))
+        text = await server.run_to_end(job, request)
+        if job.failed:
+            return JSONResponse(job.error(), status_code=500)
+        return JSONResponse(complete(job, text, body))
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.perf_counter()
@@ -366,12 +375,7 @@ def build_app(front: AsyncServingEngine, tokenizer, settings: ServerSettings) ->
         prompt = body.prompt if body.prompt is not None else ""
         ids = list(prompt) if isinstance(prompt, list) else await server.encode_text(prompt, "prompt", special=True)
         job = server.start(ids, body, COMPLETIONS, arrival)
-        if body.stream:
-            return JobEventStream(job, server.completion_events(job, body))
-        text = await server.run_to_end(job, request)
-        if job.failed:
-            return JSONResponse(job.error(), status_code=500)
-        return JSONResponse(server.completion(job, text, body))
+        return await respond(job, body, request, server.completion_events, server.completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -379,12 +383,7 @@ def build_app(front: AsyncServingEngine, tokenizer, settings: ServerSettings) ->
         server.check_model(body.model)
         ids = await server.chat_prompt(body)
         job = server.start(ids, body, CHAT, arrival)
-        if body.stream:
-            return JobEventStream(job, server.chat_events(job, body))
-        text = await server.run_to_end(job, request)
-        if job.failed:
-            return JSONResponse(job.error(), status_code=500)
-        return JSONResponse(server.chat_completion(job, text, body))
+        return await respond(job, body, request, server.chat_events, server.chat_completion)
 
     @app.get("/v1/models")
     async def models():

@@ -391,9 +391,8 @@ class ServingEngine:
                 f"the prompt's {len(prompt)} tokens plus max_new_tokens {n} exceed max_context {cfg.max_context}")
         try:
             sampling.SamplingParams(params.temperature, params.top_k, params.top_p).check_cap(cfg.top_k_cap)
-        except ValueError as e:
-            field = str(e).split(" ", 1)[0]
-            raise RequestError(field, str(e).split(" ", 1)[1]) from None
+        except sampling.ParamError as e:
+            raise RequestError(e.field, e.detail) from None
         extra = tuple(params.stop_token_ids)
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in extra):
             raise RequestError("stop_token_ids", f"must be integer token ids, got {extra!r}")
@@ -447,6 +446,8 @@ class ServingEngine:
         ids = [r.rid for r in self._waiting] + [r.rid for r in self._slots if r is not None]
         records = [rec for rec in map(self.cancel, ids) if rec is not None]
         self._in_flight = None  # every request it ran has ended
+        if self._device is not None:
+            self._device.shutdown()  # idle: cancel settled its last step
         return records
 
     @property
