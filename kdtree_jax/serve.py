@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--step-widths", "--cuda-graph-sizes", dest="step_widths", type=parse_sizes, default=None,
                    help="slot counts a step program is compiled for, e.g. 1,4,16 (must include --max-slots); a "
                         "step runs over the narrowest that holds the running requests; default: powers of two")
+    s.add_argument("--prefill-batch", type=int, default=None,
+                   help="requests of one prompt bucket that join together prefill in one program of this many rows; "
+                        "default: ServeConfig's")
     s.add_argument("--min-prompt-bucket", type=int, default=None,
                    help="shortest padded prompt length: one prefill program per power of two from here up to "
                         "--max-context; default: ServeConfig's")
@@ -155,14 +158,14 @@ def load(args):
     n_params = sum(x.size for x in jax.tree.leaves(engine.weights))
     log.info("loaded %.1fM parameters in %.1f s", n_params / 1e6, time.perf_counter() - t0)
     given = {k: getattr(args, k) for k in ("max_slots", "max_context", "rounds_per_step", "max_queue", "step_widths",
-                                           "min_prompt_bucket") if getattr(args, k) is not None}
+                                           "min_prompt_bucket", "prefill_batch") if getattr(args, k) is not None}
     budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
     core = ServingEngine(engine, ServeConfig(mode=args.mode, budget=budget, **given))
     cfg = core.config
     log.info("slot table: %d slots x %d tokens, %d rounds per step; step per active slots: %s", cfg.max_slots,
              cfg.max_context, cfg.rounds_per_step, ", ".join(f"{a}: {k.name}" for a, k in sorted(core.plan.items())))
-    log.info("compiling %d prefill programs (prompt buckets %s) and %d step programs (widths %s)",
-             len(core.buckets), core.buckets, len(core.step_keys), core.widths)
+    log.info("compiling %d prefill programs (prompt buckets %s, %s requests at once) and %d step programs "
+             "(widths %s)", len(core.prefill_specs), core.buckets, core.prefill_sizes, len(core.step_keys), core.widths)
     t0 = time.perf_counter()
     seconds = core.warm_up()
     log.info("compiled in %.1f s: %s", time.perf_counter() - t0, ", ".join(f"{k} {v:.1f}s" for k, v in

@@ -220,7 +220,7 @@ def serve_config(args, setup: ServingSetup, max_slots: int):
     extra = {} if setup.budget is None else {"budget": setup.budget}
     return ServeConfig(max_slots=max_slots, max_context=args.max_context or args.prompt_tokens + args.max_new_tokens,
                        mode=setup.mode, rounds_per_step=args.rounds_per_step, min_prompt_bucket=args.min_prompt_bucket,
-                       step_widths=args.step_widths, **extra)
+                       step_widths=args.step_widths, prefill_batch=args.prefill_batch, **extra)
 
 
 def request_params(args, i: int):
@@ -715,6 +715,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng.add_argument("--max-slots", type=int, default=None, help="default: the largest concurrency")
     eng.add_argument("--max-context", type=int, default=None, help="default: prompt tokens + max new tokens")
     eng.add_argument("--rounds-per-step", type=int, default=ServeConfig.rounds_per_step)
+    eng.add_argument("--prefill-batch", type=int, default=ServeConfig.prefill_batch,
+                     help="requests of one prompt bucket prefilled in one program (1: one at a time)")
     eng.add_argument("--step-widths", type=parse_sizes, default=None,
                      help="slot counts the step programs are compiled for, e.g. 1,4,8,16 (default: powers of two)")
     eng.add_argument("--min-prompt-bucket", type=int, default=ServeConfig.min_prompt_bucket,

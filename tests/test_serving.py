@@ -119,10 +119,12 @@ def test_greedy_requests_equal_generate_alone_while_others_join_leave_and_the_bu
                 1: [(prompts[1], RequestParams(max_new_tokens=7)), (prompts[2], RequestParams(max_new_tokens=16))],
                 2: [(prompts[3], RequestParams(max_new_tokens=5))],
                 4: [(prompts[1], RequestParams(max_new_tokens=13)), (prompts[0], RequestParams(max_new_tokens=3))],
-                9: [(prompts[2], RequestParams(max_new_tokens=9))]}
-    moves = served.n_moves
+                9: [(prompts[2], RequestParams(max_new_tokens=9))],
+                40: [(prompts[0], RequestParams(max_new_tokens=6)), (prompts[1], RequestParams(max_new_tokens=4))]}
+    moves, batched = served.n_moves, sum(c for n, c in served.prefill_calls.items() if n > 1)
     results, kinds = _run(served, schedule)
     assert served.n_moves > moves  # requests ended below others: rows moved down, and their tokens stayed exact
+    assert sum(c for n, c in served.prefill_calls.items() if n > 1) > batched  # two joined in one prefill
     for rec, prompt, params in results.values():
         i = prompts.index(prompt)
         assert rec.finish_reason == "length"

@@ -1,5 +1,5 @@
-"""The slot table's device programs: prefill one request into a slot, run k rounds for the first w slots, move a
-slot, release a slot.
+"""The slot table's device programs: prefill requests into slots, run k rounds for the first w slots, move a slot,
+release a slot.
 
 The table is one `DecodeState` whose batch rows are request slots, allocated once with a fixed context capacity.
 Every program takes the table and gives it back (donated), so a request joins or leaves between steps by writing
@@ -80,14 +80,23 @@ def empty_table(target, drafter, *, slots: int, capacity: int, n_stop: int, dept
     )
 
 
-def prefill_into_slot(spec: DecodeSpec, target, drafter, table: DecodeState, prompt: jax.Array,
-                      prompt_len: jax.Array, seed: jax.Array, params: RequestRows, slot: jax.Array):
-    """Prefill one request (prompt [1, prompt_cap], prompt_len [1], seed [1] uint32) and write it into row `slot`.
+def prefill_into_slots(spec: DecodeSpec, target, drafter, table: DecodeState, prompts: jax.Array,
+                       prompt_len: jax.Array, seeds: jax.Array, params: RequestRows, slots: jax.Array):
+    """Prefill n requests together (prompts [n, prompt_cap], prompt_len [n], seeds [n] uint32) and write request i
+    into row slots[i].
 
-    Returns (table, [first token, finish]) int32: the request's first token comes back with the prefill."""
-    keys = jax.random.key_data(jax.vmap(jax.random.key)(seed))
-    one = prefill(spec, target, drafter, prompt, prompt_len, keys, params)
-    return insert(table, one, slot), jnp.stack([one.bonus[0], one.finish[0]])
+    Returns (table, [n, 2] int32 of first token and finish): the first tokens come back with the prefill."""
+    keys = jax.random.key_data(jax.vmap(jax.random.key)(seeds))
+    many = prefill(spec, target, drafter, prompts, prompt_len, keys, params)
+    for i in range(prompts.shape[0]):
+        table = insert(table, _row(many, i), slots[i])
+    return table, jnp.stack([many.bonus, many.finish], axis=1)
+
+
+def _row(state: DecodeState, i: int) -> DecodeState:
+    """Request i of a batched state, as a state of one."""
+    return jax.tree.map(lambda axis, x: x if axis < 0 else jax.lax.slice_in_dim(x, i, i + 1, axis=axis),
+                        _slot_axes(state), state)
 
 
 def insert(table: DecodeState, one: DecodeState, slot: jax.Array) -> DecodeState:

@@ -65,6 +65,9 @@ class ServeConfig:
     # {active slots: B or "ar"} (missing counts take the nearest smaller entry)
     budget: int | str | Mapping[int, int | str] = "auto"
     rounds_per_step: int = 8  # k: rounds per step; tokens come back to the host once per step
+    # requests of one prompt bucket admitted together prefill in one program of up to this many rows (a program per
+    # power of two up to it; no padding): one launch instead of one per request when many join at once
+    prefill_batch: int = 4
     top_k_cap: int = sampling.TOP_K_CAP  # the largest per-request top_k
     max_stop_ids: int = 8  # stop-id table width per slot (the model's own stop ids included)
     min_prompt_bucket: int = 16  # prompt lengths pad to powers of two from here (then whole prefill chunks)
@@ -78,7 +81,8 @@ class ServeConfig:
     overlap: bool = True
 
     def __post_init__(self):
-        for name in ("max_slots", "max_context", "rounds_per_step", "max_stop_ids", "min_prompt_bucket"):
+        for name in ("max_slots", "max_context", "rounds_per_step", "max_stop_ids", "min_prompt_bucket",
+                     "prefill_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.step_widths is not None:
@@ -225,8 +229,9 @@ class ServingEngine:
         prefill_spec = self._spec(self._prefill_kind)
         self.draft_k = prefill_spec.top_k
         self.buckets = self._buckets()
-        self.prefill_specs = {b: dataclasses.replace(self._spec(self._prefill_kind, prompt_len=b), batch=1)
-                              for b in self.buckets}
+        self.prefill_sizes = _powers_of_two(min(config.prefill_batch, config.max_slots))
+        self.prefill_specs = {(b, n): dataclasses.replace(self._spec(self._prefill_kind, prompt_len=b), batch=n)
+                              for b in self.buckets for n in self.prefill_sizes}
         slack = max(s.slack for s in [*self.specs.values(), prefill_spec])
         self.capacity = max(aligned_rows(config.max_context + slack),
                             *(s.capacity for s in self.prefill_specs.values()))
@@ -244,6 +249,7 @@ class ServingEngine:
             if config.overlap else None
         self._faults: list[RequestRecord] = []  # records of a fault found outside step(), for its next report
         self.n_moves = 0  # rows moved to keep the running requests in the lowest slots
+        self.prefill_calls: collections.Counter[int] = collections.Counter()  # prefill programs run, by rows
         self._closed = False
         self.table = self._new_table()
         # the weights as one flat list: a plain list of arrays is the cheapest argument to pass on every call
@@ -316,23 +322,23 @@ class ServingEngine:
         return t, (d if self.uses_drafter else None)
 
     def _program(self, name: str, key):
-        """The compiled program `name` for `key` (a bucket, or a (StepKind, width)), compiled on first use."""
+        """The compiled program `name` for `key` ((bucket, rows) or (StepKind, width)), compiled on first use."""
         if (name, key) in self._programs:
             return self._programs[(name, key)]
         eng, uses = self.engine, self.uses_drafter
-        rows1 = _rows([RequestParams()], [self.stop_ids], self.config.max_stop_ids)
 
         def modules(w):
             return eng.merged(*jax.tree.unflatten(self._weight_def, w), uses)
 
         if name == "prefill":
-            spec = self.prefill_specs[key]
+            spec, (bucket, n) = self.prefill_specs[key], key
 
-            def fn(w, table, prompt, prompt_len, seed, rows, slot):
-                return programs.prefill_into_slot(spec, *modules(w), table, prompt, prompt_len, seed, rows, slot)
+            def fn(w, table, prompts, prompt_len, seeds, rows, slots):
+                return programs.prefill_into_slots(spec, *modules(w), table, prompts, prompt_len, seeds, rows, slots)
 
-            args = (np.zeros((1, key), np.int32), np.ones((1,), np.int32), np.zeros((1,), np.uint32), rows1,
-                    np.int32(0))
+            rows = _rows([RequestParams()] * n, [self.stop_ids] * n, self.config.max_stop_ids)
+            args = (np.zeros((n, bucket), np.int32), np.ones((n,), np.int32), np.zeros((n,), np.uint32), rows,
+                    np.zeros((n,), np.int32))
         elif name == "step":
             spec, rounds = self.specs[key], self.config.rounds_per_step
 
@@ -350,7 +356,8 @@ class ServingEngine:
                 return programs.release(table, slot)
 
             args = (np.int32(0),)
-        desc = name if key is None else (f"{name} {key[0].name} x{key[1]}" if name == "step" else f"{name} {key}")
+        desc = {"step": lambda: f"step {key[0].name} x{key[1]}", "prefill": lambda: f"prefill {key[0]} x{key[1]}"}.get(
+            name, lambda: name)()
         compiled, seconds = eng.compile(fn, (self._weight_leaves, self.table, *args), ("serve", self._uid, name, key),
                                         desc=desc, donate=(1,))
         self.warmup_s[desc] = seconds
@@ -361,8 +368,8 @@ class ServingEngine:
         """Compile every program the table can run: one prefill per prompt bucket, one step per (budget, width),
         move and release. Returns the seconds each took (near zero where JAX's persistent compilation cache had
         it)."""
-        for b in self.buckets:
-            self._program("prefill", b)
+        for key in self.prefill_specs:
+            self._program("prefill", key)
         for key in self.step_keys:
             self._program("step", key)
         self._program("move", None)
@@ -478,10 +485,17 @@ class ServingEngine:
         rounds) over the narrowest width that holds them, and hand back what the host learnt: this step's tokens,
         or with `overlap` the previous step's, read while this one runs."""
         events = self._settle()
-        admitted = 0
-        while self._waiting and None in self._slots:
-            events += self._admit(self._waiting.popleft(), self._slots.index(None))
-            admitted += 1
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        joining = [(self._waiting.popleft(), slot) for slot in free[: len(self._waiting)]]
+        admitted = len(joining)
+        by_bucket: dict[int, list] = {}
+        for r, slot in joining:
+            by_bucket.setdefault(self.bucket_for(len(r.prompt)), []).append((r, slot))
+        for bucket, group in by_bucket.items():
+            while group:
+                n = max(k for k in self.prefill_sizes if k <= len(group))
+                events += self._admit(bucket, group[:n])
+                group = group[n:]
         self._compact()
         active = self.n_running
         kind = self.plan[active] if active else None
@@ -558,27 +572,33 @@ class ServingEngine:
             self._slots[dst], self._slots[src] = self._slots[src], None
             self.n_moves += 1
 
-    def _admit(self, r: _Request, slot: int) -> list:
-        bucket = self.bucket_for(len(r.prompt))
-        prompt = np.zeros((1, bucket), np.int32)
-        prompt[0, : len(r.prompt)] = r.prompt
-        rows = _rows([r.params], [r.stop_ids], self.config.max_stop_ids)
+    def _admit(self, bucket: int, group: list[tuple[_Request, int]]) -> list:
+        """Prefill a group of requests of one bucket into their slots, in one program of len(group) rows."""
+        n = len(group)
+        prompts = np.zeros((n, bucket), np.int32)
+        for i, (r, _) in enumerate(group):
+            prompts[i, : len(r.prompt)] = r.prompt
+        rows = _rows([r.params for r, _ in group], [r.stop_ids for r, _ in group], self.config.max_stop_ids)
+        self.prefill_calls[n] += 1
         try:
-            self.table, out = self._program("prefill", bucket)(
-                self._weight_leaves, self.table, prompt, np.array([len(r.prompt)], np.int32),
-                np.array([r.seed], np.uint32), rows, np.int32(slot))
-            first, finish = (int(x) for x in jax.device_get(out))
+            self.table, out = self._program("prefill", (bucket, n))(
+                self._weight_leaves, self.table, prompts, np.array([len(r.prompt) for r, _ in group], np.int32),
+                np.array([r.seed for r, _ in group], np.uint32), rows, np.array([s for _, s in group], np.int32))
+            out = np.asarray(jax.device_get(out))
         except Exception as e:
-            return [*self._fail_all(e), self._record(r, "error", error=f"{type(e).__name__}: {e}")]
-        r.first_token_time = time.perf_counter()
+            error = f"{type(e).__name__}: {e}"
+            return [*self._fail_all(e), *(self._record(r, "error", error=error) for r, _ in group)]
+        now = time.perf_counter()
         events = []
-        if finish != FINISH_NONFINITE:
-            r.tokens.append(first)
-            events.append(TokenDelta(r.rid, [first], r.first_token_time))
-        if finish == RUNNING:
-            self._slots[slot] = r
-        else:
-            events.append(self._record(r, FINISH_REASONS[finish]))
+        for (r, slot), (first, finish) in zip(group, out.tolist()):
+            r.first_token_time = now
+            if finish != FINISH_NONFINITE:
+                r.tokens.append(first)
+                events.append(TokenDelta(r.rid, [first], now))
+            if finish == RUNNING:
+                self._slots[slot] = r
+            else:
+                events.append(self._record(r, FINISH_REASONS[finish]))
         return events
 
     def _free(self, slot: int) -> None:
