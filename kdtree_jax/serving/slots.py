@@ -3,8 +3,8 @@
 Requests wait in a queue, are prefilled into free slots between steps, and leave when they finish or are
 cancelled. Each `step()` admits what fits, keeps the running requests in the lowest slots, picks the step program
 for the number of active slots (the budget follows the load, `kdtree_jax/budget.py`) and the narrowest compiled
-width that holds them, runs k rounds and hands back token deltas and final records. With `overlap` the next step
-is queued on the device before the last one's tokens are read, so the device does not wait for the host.
+width that holds them, runs k rounds and hands back token deltas and final records. With `overlap` the step runs
+on a device thread while the host reads the previous step's tokens, so the device waits little for the host.
 Everything a request asks for is runtime data, so after `warm_up()` nothing compiles.
 
 The interface follows JetStream's engine API (prefill / insert / generate over slots), with a DDTree round as the
@@ -356,8 +356,10 @@ class ServingEngine:
                 return programs.release(table, slot)
 
             args = (np.int32(0),)
-        desc = {"step": lambda: f"step {key[0].name} x{key[1]}", "prefill": lambda: f"prefill {key[0]} x{key[1]}"}.get(
-            name, lambda: name)()
+        if key is None:
+            desc = name
+        else:
+            desc = f"{name} {key[0].name if name == 'step' else key[0]} x{key[1]}"
         compiled, seconds = eng.compile(fn, (self._weight_leaves, self.table, *args), ("serve", self._uid, name, key),
                                         desc=desc, donate=(1,))
         self.warmup_s[desc] = seconds
@@ -365,8 +367,8 @@ class ServingEngine:
         return compiled
 
     def warm_up(self) -> dict[str, float]:
-        """Compile every program the table can run: one prefill per prompt bucket, one step per (budget, width),
-        move and release. Returns the seconds each took (near zero where JAX's persistent compilation cache had
+        """Compile every program the table can run: one prefill per (prompt bucket, rows), one step per (budget,
+        width), move and release. Returns the seconds each took (near zero where JAX's persistent compilation cache had
         it)."""
         for key in self.prefill_specs:
             self._program("prefill", key)
