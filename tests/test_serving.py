@@ -428,7 +428,7 @@ def test_async_front_streams_deltas_then_the_record(pair, expected):
 
 
 # ---- row programs ------------------------------------------------------------------------------------------------
-def test_move_copies_a_whole_row_and_head_writes_back_only_its_rows(pair, rng):
+def test_move_copies_a_whole_row_and_put_rows_writes_back_only_its_rows(pair, rng):
     from kdtree_jax.serving import programs
     from kdtree_jax.speculative import FINISH_LENGTH
 
@@ -448,8 +448,8 @@ def test_move_copies_a_whole_row_and_head_writes_back_only_its_rows(pair, rng):
         np.testing.assert_array_equal(np.take(after, 1, axis), np.take(before, 3, axis), err_msg=name)
         np.testing.assert_array_equal(np.take(after, [0, 2, 4], axis), np.take(before, [0, 2, 4], axis), err_msg=name)
     assert int(moved.finish[3]) == FINISH_LENGTH  # the source is free
-    part = jax.tree.map(lambda x: x + 1, programs.head(table, 2))
-    back = programs.put_head(table, part)
+    part = jax.tree.map(lambda x: x + 1, programs.slice_rows(table, 0, 2))
+    back = programs.put_rows(table, part, 0)
     for axis, before, after in zip(axes, jax.tree.leaves(table), jax.tree.leaves(back)):
         before, after = np.asarray(before), np.asarray(after)
         if axis < 0:

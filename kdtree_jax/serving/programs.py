@@ -89,46 +89,17 @@ def prefill_into_slots(spec: DecodeSpec, target, drafter, table: DecodeState, pr
     keys = jax.random.key_data(jax.vmap(jax.random.key)(seeds))
     many = prefill(spec, target, drafter, prompts, prompt_len, keys, params)
     for i in range(prompts.shape[0]):
-        table = insert(table, _row(many, i), slots[i])
+        table = insert(table, slice_rows(many, i, 1), slots[i])
     return table, jnp.stack([many.bonus, many.finish], axis=1)
-
-
-def _row(state: DecodeState, i: int) -> DecodeState:
-    """Request i of a batched state, as a state of one."""
-    return jax.tree.map(lambda axis, x: x if axis < 0 else jax.lax.slice_in_dim(x, i, i + 1, axis=axis),
-                        _slot_axes(state), state)
 
 
 def insert(table: DecodeState, one: DecodeState, slot: jax.Array) -> DecodeState:
     """Row `slot` of the table := the one-request state `one`, whose cache rows may be fewer (a shorter bucket):
-    rows past them keep what an earlier request left, which no round reads (every read stops at `length`)."""
-
-    def at_row(big, small, axis):
-        start = [jnp.int32(0)] * big.ndim
-        start[axis] = slot
-        return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), start)
-
-    def row(big, small):
-        return big.at[slot].set(small[0])
-
-    dc = table.draft_cache
-    if dc is not None:
-        dc = DrafterCache(k=at_row(dc.k, one.draft_cache.k, 1), v=at_row(dc.v, one.draft_cache.v, 1),
-                          length=row(dc.length, one.draft_cache.length))
-    return table.replace(
-        tokens=at_row(table.tokens, one.tokens, 0),
-        length=row(table.length, one.length),
-        prompt_len=row(table.prompt_len, one.prompt_len),
-        n_generated=row(table.n_generated, one.n_generated),
-        finish=row(table.finish, one.finish),
-        cache=LatentCache(latent=at_row(table.cache.latent, one.cache.latent, 1)),
-        draft_cache=dc,
-        draft_lp=row(table.draft_lp, one.draft_lp),
-        draft_ids=row(table.draft_ids, one.draft_ids),
-        keys=row(table.keys, one.keys),
-        params=jax.tree.map(row, table.params, one.params),
-        accept_len=table.accept_len.at[slot].set(0),
-    )
+    rows past them keep what an earlier request left, which no round reads (every read stops at `length`). The
+    table keeps its round counter, and the row's acceptance lengths start empty."""
+    one = one.replace(accept_len=jnp.zeros((1, *table.accept_len.shape[1:]), table.accept_len.dtype),
+                      round=table.round)
+    return put_rows(table, one, slot)
 
 
 def _slot_axes(table: DecodeState) -> DecodeState:
@@ -140,16 +111,20 @@ def _slot_axes(table: DecodeState) -> DecodeState:
     return axes.replace(cache=LatentCache(latent=1), draft_cache=dc, round=-1)
 
 
-def head(table: DecodeState, width: int) -> DecodeState:
-    """Rows [0, width) of the table (static width)."""
-    return jax.tree.map(lambda axis, x: x if axis < 0 else jax.lax.slice_in_dim(x, 0, width, axis=axis),
-                        _slot_axes(table), table)
+def slice_rows(state: DecodeState, start: int, size: int) -> DecodeState:
+    """Rows [start, start + size) of a state (static bounds), as a state of `size` requests."""
+    return jax.tree.map(lambda axis, x: x if axis < 0 else jax.lax.slice_in_dim(x, start, start + size, axis=axis),
+                        _slot_axes(state), state)
 
 
-def put_head(table: DecodeState, part: DecodeState) -> DecodeState:
-    """The table with rows [0, width) := `part` (a `head` of it after some rounds)."""
-    return jax.tree.map(lambda axis, x, p: p if axis < 0 else jax.lax.dynamic_update_slice_in_dim(x, p, 0, axis),
-                        _slot_axes(table), table, part)
+def put_rows(table: DecodeState, part: DecodeState, start) -> DecodeState:
+    """The table with rows [start, start + n) := `part`, a state of n requests (cast to the table's dtypes; its
+    leaves may be shorter along other axes, e.g. fewer cache rows); the round counter is part's."""
+
+    def put(axis, big, small):
+        return small if axis < 0 else jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), start, axis)
+
+    return jax.tree.map(put, _slot_axes(table), table, part)
 
 
 def move(table: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
@@ -175,8 +150,8 @@ def step(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):
     Returns (table, packed) with packed [spec.batch, 2 + rounds + rounds * L] int32, one transfer for the host: per
     slot the tokens committed this step, its finish code, each round's acceptance length (0: did not run) and the
     tokens themselves (L = the most tokens one round commits)."""
-    part, packed = _rounds(spec, target, drafter, head(table, spec.batch), rounds)
-    return put_head(table, part), packed
+    part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch), rounds)
+    return put_rows(table, part, 0), packed
 
 
 def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):
