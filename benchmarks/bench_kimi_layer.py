@@ -558,6 +558,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, nargs="+", default=[VERIFY_CALLS],
                         help="verify steps per jitted call; two lengths (e.g. 8 32) report the slope per step, apart "
                              "from the fixed cost per call")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8)")
+    parser.add_argument("--nodes", type=int, nargs="+", default=None,
+                        help="tokens per request per step N = 1 (AR) or 1 + B (default 1 17 65 257)")
     parser.add_argument("--refit", metavar="JSON", help="refit the cost model of a saved --out file (no GPU needed)")
     args = parser.parse_args(argv)
     if len(args.steps) not in (1, 2) or min(args.steps) < 1 or len(set(args.steps)) != len(args.steps):
@@ -573,6 +576,8 @@ def main(argv=None):
     else:
         print(f"warning: backend {jax.default_backend()}: tiny-config smoke sweep", file=sys.stderr)
         cfg, sweep, dtype = dataclasses.replace(tiny(), num_hidden_layers=args.layers), CPU_SMOKE, jnp.float32
+    sweep = dataclasses.replace(sweep, **{k: tuple(v) for k, v in (("batches", args.batches), ("nodes", args.nodes))
+                                          if v})
     if args.layers <= cfg.first_k_dense_replace:
         print(f"note: --layers {args.layers} gives no MoE layer (first_k_dense_replace {cfg.first_k_dense_replace})")
     t0 = time.perf_counter()

@@ -20,7 +20,6 @@ import time
 import jax
 import uvicorn
 
-from kdtree_jax.engine import Engine
 from kdtree_jax.cli import (
     ATTENTION_BACKENDS,
     DEFAULT_DIR,
@@ -34,8 +33,15 @@ from kdtree_jax.cli import (
     parse_sizes,
     run_main,
 )
+from kdtree_jax.engine import Engine
 from kdtree_jax.server import ServerSettings, build_app
-from kdtree_jax.serving import AsyncServingEngine, ServeConfig, ServingEngine, enable_compilation_cache
+from kdtree_jax.serving import (
+    AsyncServingEngine,
+    ServeConfig,
+    ServingEngine,
+    enable_compilation_cache,
+    enable_loop_graphs,
+)
 from kdtree_jax.sharding import parse_mesh
 
 log = logging.getLogger("kdtree_jax.serve")
@@ -82,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mesh", default=None, help="device layout as data x tensor x expert, e.g. 1x8x1; default: one "
                                                 "device")
     m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="verify_attn kernel")
+    m.add_argument("--loop-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPU: XLA captures the step's round loop in its CUDA graphs, so a step call returns before "
+                        "the step ends and the host prepares the next one meanwhile (no effect when XLA_FLAGS sets "
+                        "--xla_gpu_enable_command_buffer)")
     d = p.add_argument_group("decoding")
     d.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower,
                    choices=("ddtree", "chain", "ar"), default="ddtree",
@@ -204,6 +214,9 @@ def run(argv: list[str] | None = None) -> int:
     logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
     cache = enable_compilation_cache()
     log.info("compilation cache: %s", cache or "off")
+    if args.loop_graphs:
+        enable_loop_graphs()
+    log.info("XLA_FLAGS: %s", os.environ.get("XLA_FLAGS", "") or "(none)")
     front, tokenizer, settings = load(args)
     app = build_app(front, tokenizer, settings)
     server = make_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,

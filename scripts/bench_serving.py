@@ -403,38 +403,60 @@ async def run_inprocess(args) -> dict:
 
 
 # ---- HTTP: an OpenAI-compatible server --------------------------------------------------------------------------
-def http_sender(client, model: str, prompts: list[list[int]], args, tokenizer):
+def http_sender(client, url: str, model: str, prompts: list[list[int]], args, tokenizer):
     """send(i) for `drive`: stream /v1/completions for request i (token-id prompt), timing each chunk on arrival.
 
-    Tokens per chunk: the chunk's `token_ids` where the server sends them (vLLM's return_token_ids), else its text
-    encoded again (approximate at token boundaries); output tokens from `usage` when the server reports it."""
+    The client is httpx reading the SSE lines itself, as vLLM's serving benchmark reads them with aiohttp, so the
+    load generator's own Python stays small next to the server's; `--client openai` sends through the openai SDK
+    instead. Tokens per chunk: the chunk's `token_ids` where the server sends them (vLLM's return_token_ids), else its
+    text encoded again (approximate at token boundaries); output tokens from `usage` when the server reports it."""
     import httpx
     import openai
 
     extra = json.loads(args.extra_body) if args.extra_body else {}
+    fields = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "stream": True,
+              "stream_options": {"include_usage": True}}
+
+    async def chunks_raw(i: int, ids: list[int]):
+        body = {"model": model, "prompt": ids, "seed": args.seed + i, **fields, **extra}
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise httpx.HTTPStatusError(f"HTTP {response.status_code}: {response.text[:200]}",
+                                            request=response.request, response=response)
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    if line == "data: [DONE]":
+                        return
+                    yield json.loads(line[len("data: "):])
+
+    async def chunks_sdk(i: int, ids: list[int]):
+        stream = await client.completions.create(model=model, prompt=ids, seed=args.seed + i, extra_body=extra,
+                                                 **fields)
+        async for chunk in stream:
+            yield chunk.model_dump()
+
+    chunks = chunks_sdk if isinstance(client, openai.AsyncOpenAI) else chunks_raw
 
     async def send(i: int) -> RequestResult:
         ids = prompts[request_prompt(prompts, i)]
         times, counts, usage, stats, reason = [], [], None, {}, None
         t0 = time.perf_counter()
         try:
-            stream = await client.completions.create(
-                model=model, prompt=ids, max_tokens=args.max_new_tokens, temperature=args.temperature,
-                seed=args.seed + i, stream=True, stream_options={"include_usage": True}, extra_body=extra)
-            async for chunk in stream:
+            async for chunk in chunks(i, ids):
                 now = time.perf_counter()
-                for choice in chunk.choices:
+                for choice in chunk.get("choices") or ():
                     n = chunk_token_count(choice, tokenizer)
                     if n:
                         times.append(now)
                         counts.append(n)
-                    reason = choice.finish_reason or reason
-                usage = chunk.usage or usage
+                    reason = choice.get("finish_reason") or reason
+                usage = chunk.get("usage") or usage
                 stats.update(spec_stats(chunk))
-        except (openai.OpenAIError, httpx.HTTPError) as e:  # a failed request is counted; the point goes on
+        except (openai.OpenAIError, httpx.HTTPError, json.JSONDecodeError) as e:  # counted; the point goes on
             return RequestResult(t0, None, times, counts, sum(counts), len(ids), False,
                                  error=f"{type(e).__name__}: {e}")
-        out = usage.completion_tokens if usage is not None else sum(counts)
+        out = usage["completion_tokens"] if usage is not None else sum(counts)
         rounds = stats.get("num_spec_steps")
         mal = stats.get("mean_acceptance_length")
         return RequestResult(t0, None, times, counts, out, len(ids), ok=reason in FINISHED_OK,
@@ -444,38 +466,48 @@ def http_sender(client, model: str, prompts: list[list[int]], args, tokenizer):
     return send
 
 
-def chunk_token_count(choice, tokenizer) -> int:
-    ids = getattr(choice, "token_ids", None)
+def chunk_token_count(choice: dict, tokenizer) -> int:
+    ids = choice.get("token_ids")
     if ids is not None:
         return len(ids)
-    return len(tokenizer.encode(choice.text)) if choice.text else 0
+    return len(tokenizer.encode(choice["text"])) if choice.get("text") else 0
 
 
-def spec_stats(chunk) -> dict:
-    """The speculative statistics a server attaches to a chunk (top level, usage or choice), by vLLM's names."""
-    names = ("mean_acceptance_length", "num_spec_steps", "num_draft_tokens", "num_accepted_tokens")
+SPEC_NAMES = ("mean_acceptance_length", "num_spec_steps", "num_draft_tokens", "num_accepted_tokens")
+
+
+def spec_stats(chunk: dict) -> dict:
+    """The speculative statistics a server attaches to a chunk, by vLLM's names: at its top level, in a
+    `spec_decode` object, in `usage` or in a choice."""
     found = {}
-    for obj in (chunk, chunk.usage, *chunk.choices):
-        for where in (obj, getattr(obj, "model_extra", None) or {}):
-            for name in names:
-                value = where.get(name) if isinstance(where, dict) else getattr(where, name, None)
-                if isinstance(value, (int, float)):
-                    found[name] = value
+    for where in (chunk, chunk.get("spec_decode"), chunk.get("usage"), *(chunk.get("choices") or ())):
+        if isinstance(where, dict):
+            found |= {n: where[n] for n in SPEC_NAMES if isinstance(where.get(n), (int, float))}
     return found
 
 
 async def run_http(args) -> dict:
+    import httpx
     from openai import AsyncOpenAI
 
     from kdtree_jax.checkpoint_io import load_tokenizer_any
 
     tokenizer = load_tokenizer_any(args.checkpoint)
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts, args.prompt_tokens)
-    client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                         timeout=HTTP_TIMEOUT_S, max_retries=0)
-    model = args.model or (await client.models.list()).data[0].id
+    url = args.url.rstrip("/")
+    key = os.environ.get("OPENAI_API_KEY", "EMPTY")
+    if args.client == "openai":
+        client = AsyncOpenAI(base_url=url + "/v1", api_key=key, timeout=HTTP_TIMEOUT_S, max_retries=0)
+    else:
+        client = httpx.AsyncClient(timeout=HTTP_TIMEOUT_S, headers={"Authorization": f"Bearer {key}"},
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    if args.model:
+        model = args.model
+    else:
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as probe:
+            model = (await probe.get(url + "/v1/models")).raise_for_status().json()["data"][0]["id"]
     points = load_points(args, 1)
-    send = http_sender(client, model, prompts, args, tokenizer)
+    send = http_sender(client, url, model, prompts, args, tokenizer)
     widest = max(p.concurrency or p.num_requests for p in points)
     await drive(send, LoadPoint(widest, math.inf, widest), args.seed)  # warm-up pass: connections, first steps
     rows = []
@@ -485,7 +517,7 @@ async def run_http(args) -> dict:
         row = {"config": args.label, **point_fields(point), **summarize(results, wall)}
         rows.append(row)
         print(row_line(row), flush=True)
-    await client.close()
+    await (client.close() if args.client == "openai" else client.aclose())
     if args.compare:
         compare_rows(rows, args.compare)
     return {"mode": "http", "url": args.url, "model": model, "device": None, "configs": [{"config": args.label}],
@@ -662,7 +694,7 @@ def provenance() -> dict:
     return {"jax_version": jax.__version__, "git_commit": git("rev-parse", "HEAD"),
             "git_dirty": bool(git("status", "--porcelain")),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": " ".join(shlex.quote(a) for a in sys.argv)}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "command": " ".join(shlex.quote(a) for a in sys.argv)}
 
 
 def _jsonable(x):
@@ -722,6 +754,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     eng.add_argument("--min-prompt-bucket", type=int, default=ServeConfig.min_prompt_bucket,
                      help="the shortest padded prompt length; prefill programs for each power of two from here "
                           "up to --max-context are compiled at warm-up")
+    eng.add_argument("--loop-graphs", action=argparse.BooleanOptionalAction, default=True,
+                     help="GPU: XLA captures while loops in its CUDA graphs, as `python -m kdtree_jax.serve` does by "
+                          "default (kdtree_jax.serving.enable_loop_graphs); Engine.generate runs under the same flags")
     eng.add_argument("--startup", action="store_true",
                      help="instead of the load points: time start-up (load + warm-up) per config in fresh "
                           "processes, with an empty compilation cache (cold), then the same cache (warm)")
@@ -729,6 +764,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     http = p.add_argument_group("HTTP server (OpenAI-compatible /v1/completions)")
     http.add_argument("--url", default=None, help="e.g. http://127.0.0.1:8000; --configs does not apply")
     http.add_argument("--model", default=None, help="default: the server's first model")
+    http.add_argument("--client", choices=("httpx", "openai"), default="httpx",
+                      help="httpx reading the SSE lines (as vLLM's benchmark does), or the openai SDK")
     http.add_argument("--label", default="server", help="the config name of the HTTP rows")
     http.add_argument("--extra-body", default=None,
                       help='JSON merged into each request, e.g. {"return_token_ids": true}')
@@ -746,9 +783,11 @@ def main(argv=None) -> dict:
         return {}
     if args.url and args.startup:
         raise SystemExit("--startup measures the in-process engine; it does not apply with --url")
-    from kdtree_jax.serving import enable_compilation_cache
+    from kdtree_jax.serving import enable_compilation_cache, enable_loop_graphs
     from kdtree_jax.serving.slots import CACHE_ENV
 
+    if args.loop_graphs and not args.url:
+        enable_loop_graphs()
     cache = enable_compilation_cache() if os.environ.get(CACHE_ENV) else None  # default: warm-up compiles, cold
     if args.startup:
         startup = measure_startup(args)

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -78,29 +77,55 @@ def test_arrivals_and_concurrency_cap():
     assert mod.parse_budget_table("1:32,4:16,8:ar") == {1: 32, 4: 16, 8: "ar"}
 
 
-def test_http_sender_reads_token_counts_usage_and_spec_stats():
+def _sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+# a stream as kdtree_jax.serve sends it: text chunks with token ids, the finish chunk with the speculative statistics
+# in `spec_decode`, the usage chunk, then [DONE]
+_STREAM = _sse(
+    {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "a", "token_ids": [5],
+                                                          "finish_reason": None}]},
+    {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "bc", "token_ids": [6, 7],
+                                                          "finish_reason": None}]},
+    {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+     "spec_decode": {"num_spec_steps": 2, "num_draft_tokens": 32, "num_accepted_tokens": 1,
+                     "mean_acceptance_length": 1.5}},
+    {"id": "c", "object": "text_completion", "choices": [],
+     "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}},
+    b"[DONE]")
+
+
+@pytest.mark.parametrize("client_kind", ["httpx", "openai"])
+def test_http_sender_reads_token_counts_usage_and_spec_stats(client_kind):
+    import httpx
+    import openai
+
     mod = _module()
+    seen = []
 
-    def chunk(text=None, ids=None, finish=None, usage=None):
-        choices = [] if text is None else [SimpleNamespace(text=text, token_ids=ids, finish_reason=finish)]
-        return SimpleNamespace(choices=choices, usage=usage)
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if body["prompt"] == [9]:
+            return httpx.Response(400, json={"error": {"message": "bad", "param": "prompt"}})
+        return httpx.Response(200, content=_STREAM, headers={"content-type": "text/event-stream"})
 
-    chunks = [chunk("a", [5]), chunk("bc", [6, 7]), chunk("", None, "length"),
-              chunk(usage=SimpleNamespace(completion_tokens=3, mean_acceptance_length=1.5, num_spec_steps=2))]
+    async def run():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        client = (openai.AsyncOpenAI(base_url="http://x/v1", api_key="k", http_client=http, max_retries=0)
+                  if client_kind == "openai" else http)
+        args = mod.parse_args(["--url", "http://x", "--max-new-tokens", "3", "--client", client_kind])
+        send = mod.http_sender(client, "http://x", "m", [[1, 2, 3], [9]], args, tokenizer=None)
+        return await send(0), await send(1)
 
-    async def stream():
-        for c in chunks:
-            yield c
-
-    async def create(**body):
-        assert body["prompt"] == [1, 2, 3] and body["stream"] and body["stream_options"] == {"include_usage": True}
-        return stream()
-
-    client = SimpleNamespace(completions=SimpleNamespace(create=create))
-    args = mod.parse_args(["--url", "http://x", "--max-new-tokens", "3"])
-    r = asyncio.run(mod.http_sender(client, "m", [[1, 2, 3]], args, tokenizer=None)(0))
-    assert r.ok and r.chunk_tokens == [1, 2] and r.output_tokens == 3 and len(r.chunk_times) == 2
-    assert (r.spec_rounds, r.spec_committed) == (2, 3.0)
+    good, bad = asyncio.run(run())
+    assert good.ok and good.chunk_tokens == [1, 2] and good.output_tokens == 3 and len(good.chunk_times) == 2
+    assert (good.spec_rounds, good.spec_committed) == (2, 3.0)
+    assert not bad.ok and "400" in bad.error
+    path, body = seen[0]
+    assert path == "/v1/completions" and body["model"] == "m" and body["prompt"] == [1, 2, 3]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 3
 
 
 @pytest.mark.heavy

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -457,3 +461,38 @@ def test_move_copies_a_whole_row_and_put_rows_writes_back_only_its_rows(pair, rn
             continue
         np.testing.assert_array_equal(np.take(after, [0, 1], axis=axis), np.take(before, [0, 1], axis=axis) + 1)
         np.testing.assert_array_equal(np.take(after, [2, 3, 4], axis=axis), np.take(before, [2, 3, 4], axis=axis))
+
+
+_LOOP_GRAPHS_PROBE = """
+import json, os, sys
+import jax
+from kdtree_jax.serving import enable_loop_graphs
+first = enable_loop_graphs()
+flags = os.environ.get("XLA_FLAGS", "")
+x = float(jax.numpy.arange(3.0).sum())  # XLA parses the flags here: a bad one aborts the process
+os.environ["XLA_FLAGS"] = ""
+late = enable_loop_graphs()  # the backend is up: the flag would do nothing now, so it is not set
+print(json.dumps({"first": first, "flags": flags, "x": x, "late": late, "late_flags": os.environ["XLA_FLAGS"]}))
+"""
+
+
+@pytest.mark.parametrize("given_flags, expect_set", [
+    ("", True),
+    ("--xla_force_host_platform_device_count=2", True),
+    ("--xla_gpu_enable_command_buffer=", False),  # the user's choice stays
+])
+def test_loop_graphs_flag_is_added_before_the_backend_starts_and_never_overrides(given_flags, expect_set):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if given_flags:
+        env["XLA_FLAGS"] = given_flags
+    out = subprocess.run([sys.executable, "-c", _LOOP_GRAPHS_PROBE], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["x"] == 3.0
+    assert got["first"] is expect_set
+    assert got["late"] is False and got["late_flags"] == ""
+    if expect_set:
+        assert got["flags"].split() == [*given_flags.split(), "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"]
+    else:
+        assert got["flags"] == given_flags

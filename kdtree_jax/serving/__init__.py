@@ -17,10 +17,11 @@ from kdtree_jax.serving.slots import (
     StepReport,
     TokenDelta,
     enable_compilation_cache,
+    enable_loop_graphs,
 )
 
 __all__ = [
     "AsyncServingEngine", "EngineClosedError", "PromptTooLongError", "QueueFullError", "RequestError",
     "RequestParams", "RequestRecord", "RequestStream", "ServeConfig", "ServingEngine", "StepReport", "TokenDelta",
-    "enable_compilation_cache",
+    "enable_compilation_cache", "enable_loop_graphs",
 ]

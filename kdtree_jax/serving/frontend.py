@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class RequestStream:
     """Token deltas of one request as they are committed; `record` once the iteration ends."""
 
-    def __init__(self, engine: "AsyncServingEngine", request_id: int, prompt_tokens: int):
+    def __init__(self, engine: AsyncServingEngine, request_id: int, prompt_tokens: int):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.record: RequestRecord | None = None
@@ -38,7 +38,7 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = asyncio.Event()
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> TokenDelta:

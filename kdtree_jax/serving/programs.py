@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kdtree_jax import sampling
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.engine import prefill
 from kdtree_jax.model import LatentCache
@@ -38,7 +39,6 @@ from kdtree_jax.speculative import (
     speculative_round,
     verify_and_commit,
 )
-from kdtree_jax import sampling
 
 
 @dataclasses.dataclass(frozen=True, order=True)
