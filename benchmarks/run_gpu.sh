@@ -36,7 +36,8 @@ serving_http() {
     local name flags pid rc=0 port=8000
     for cfg in "ar --mode ar" "ddtree --mode ddtree --budget 16" "auto --mode ddtree --budget auto"; do
         read -r name flags <<<"$cfg"
-        "$PY" -m kdtree_jax.serve $flags $SERVING_TABLE --port $port >"$OUT/server-$name.log" 2>&1 &
+        echo "== server $name" >>"$OUT/servers.log"  # one log for every server
+        "$PY" -m kdtree_jax.serve $flags $SERVING_TABLE --port $port >>"$OUT/servers.log" 2>&1 &
         pid=$!
         "$PY" - "$port" <<'PY' || { echo "server $name did not come up"; kill "$pid"; rc=1; continue; }
 import sys, time, httpx
