@@ -44,6 +44,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from trace_parts import COMMAND_BUFFERS_OFF, gpu_kernels, hlo_scopes, part_times  # (no jax inside)
+
+if __name__ == "__main__" and "--trace" in sys.argv[1:]:  # before jax reads XLA_FLAGS: kernels must name their op
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFERS_OFF).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -64,6 +68,11 @@ N_SETS = 2  # prefill: token sets cycled per timing (different routing each call
 VERIFY_CALLS = 8  # verify steps per jitted call, each on its own token set (different routing each step)
 PREFILL_CHUNK = 256  # the engine's prefill chunk (Engine.prefill_chunk)
 ROUTED = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
+# the model's named scopes (kdtree_jax/model.py, moe.py) -> the parts of a step a --trace profile reports, matched
+# in this order against the scope path's segments; kernels under none of them are "other" (small kernels, glue)
+LAYER_PARTS = (("head", "head"), ("attn", "attention"), ("experts", "experts"), ("shared", "shared_expert"),
+               ("router", "router"), ("ffn", "dense_mlp"))
+LAYER_PALLAS_PARTS = {"verify_attn": "attention", "int4": "experts"}  # pallas_call names -> part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +284,12 @@ def ancestor_mask(rng, bt: int, n: int) -> np.ndarray:
     return vis
 
 
+def layer_part(op_name: str) -> str | None:
+    """The step part an HLO op_name (its named-scope path) belongs to, or None."""
+    segments = set(op_name.split("/"))
+    return next((part for scope, part in LAYER_PARTS if scope in segments), None)
+
+
 def per_step_ms(steps: tuple[int, ...], seconds: list[float]) -> dict:
     """Row fields from the seconds of jitted calls running `steps` steps each. One length: ms = time / steps, which
     still carries the call's fixed cost (host launch of the first step: ~0.6 ms at K2.6 width on an H200, against
@@ -335,14 +350,15 @@ class Runner:
         cfg, rng = self.cfg, np.random.default_rng(bt * 1000 + n)
         try:
             t_c = time.perf_counter()
-            fn = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret,
-                             self.attn_backend)
+            jitted = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret,
+                                 self.attn_backend)
             cache = LatentCache(latent=jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, bt, capacity,
                                                                              cfg.latent_dim), self.dtype))
             mask = ancestor_mask(rng, bt, n)
             depth = mask.sum(-1) - 1  # [bt, n]
             sets = {k: jnp.asarray(rng.integers(0, cfg.vocab_size, (k, bt, n)), jnp.int32) for k in self.args.steps}
             holder = {"cache": cache}
+            compiled = {}  # one program per loop length (the prefix is runtime data); its HLO names the parts
             first = True
             for prefix in self.sweep.prefixes:
                 row = dict(base, prefix=prefix, calls_per_jit=list(self.args.steps))
@@ -353,18 +369,22 @@ class Runner:
 
                 def steps_of(k):
                     def call():
-                        acc, holder["cache"], d = fn(self.state, sets[k], pos, start, m, holder["cache"])
+                        acc, holder["cache"], d = compiled[k](self.state, sets[k], pos, start, m, holder["cache"])
                         distinct.append(d)
                         return acc
                     return call
 
                 if first:
-                    for k in self.args.steps:  # one compile per loop length
+                    for k in self.args.steps:
+                        compiled[k] = jitted.lower(self.state, sets[k], pos, start, m, holder["cache"]).compile()
                         jax.block_until_ready(steps_of(k)())
                     row["first_call_s"] = time.perf_counter() - t_c
                     first = False
                 row.update(per_step_ms(self.args.steps, [median_s(steps_of(k), min_reps=3, max_reps=10,
                                                                   min_total_s=0.1) for k in self.args.steps]))
+                if self.args.trace:
+                    row["parts_us_per_step"] = self.trace_parts(f"{mode}_b{bt}_n{n}_p{prefix}", compiled,
+                                                                steps_of)
                 self.bytes_of(row, np.mean(np.stack([np.asarray(d) for d in distinct]), axis=0), bt * prefix)
                 if mode == "skip":  # routed experts not read
                     row["bytes"] -= row["expert_bytes"]
@@ -372,6 +392,16 @@ class Runner:
                 self.record(row)
         except Exception as e:  # noqa: BLE001  (OOM / compile failure: record and go on)
             self.record({**base, "error": short_error(e), "oom": is_oom(e)})
+
+    def trace_parts(self, tag: str, compiled: dict, steps_of) -> dict[str, float]:
+        """µs of GPU kernel time per step by part (attention, experts, shared expert, router, dense MLP, head, other),
+        from a profiler trace of one call of the longest loop."""
+        k = max(compiled)
+        scopes = hlo_scopes(compiled[k].as_text(), layer_part)
+        trace_dir = os.path.join(self.args.trace, tag)
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(steps_of(k)())
+        return part_times(gpu_kernels(trace_dir), scopes, layer_part, LAYER_PALLAS_PARTS, "other", k)
 
     def ar_breakdown(self):
         """The AR step (N = 1) side by side with the same step without the routed experts and with the head alone:
@@ -524,6 +554,15 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
         lines.append(f"| {r['kind']} | {r['moe']} | {r['batch']} | {n} | {r.get('prefix', 0)} | {r['ms']:.2f} | "
                      f"{dist} | {r['bytes'] / 1e9:.2f} | {roof * 1e3:.2f} | {r['ms'] / 1e3 / roof:.2f} | {fit} | "
                      f"{'compute' if 'flops' in r and r['flops'] / peak > r['bytes'] / copy_bw else ''} |")
+    traced = [r for r in rows if "parts_us_per_step" in r]
+    if traced:
+        parts = sorted({p for r in traced for p in r["parts_us_per_step"]})
+        lines += ["", "GPU kernel µs per step by part (--trace):", "",
+                  "| MoE | batch | N | prefix | " + " | ".join(parts) + " | sum |", "|---" * (len(parts) + 5) + "|"]
+        for r in traced:
+            got = r["parts_us_per_step"]
+            lines.append(f"| {r['moe']} | {r['batch']} | {r['nodes']} | {r['prefix']} | "
+                         + " | ".join(f"{got.get(p, 0.0):.1f}" for p in parts) + f" | {sum(got.values()):.1f} |")
     return "\n".join(lines)
 
 
@@ -561,6 +600,9 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8)")
     parser.add_argument("--nodes", type=int, nargs="+", default=None,
                         help="tokens per request per step N = 1 (AR) or 1 + B (default 1 17 65 257)")
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="also profile each verify point into DIR and report its kernel time per step by part "
+                             "(XLA command buffers off, so that kernels name their HLO op)")
     parser.add_argument("--refit", metavar="JSON", help="refit the cost model of a saved --out file (no GPU needed)")
     args = parser.parse_args(argv)
     if len(args.steps) not in (1, 2) or min(args.steps) < 1 or len(set(args.steps)) != len(args.steps):

@@ -28,10 +28,7 @@ either way (K2.6 x 6 layers, batch 1, B = 16). Kernels no HLO op matches count a
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import glob
-import gzip
 import json
 import os
 import re
@@ -40,9 +37,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-if __name__ == "__main__" and "--command-buffers" not in sys.argv[1:]:  # before jax reads XLA_FLAGS
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from trace_parts import COMMAND_BUFFERS_OFF, gpu_kernels, hlo_scopes, part_times  # (no jax inside)
+
+if __name__ == "__main__" and "--command-buffers" not in sys.argv[1:]:  # before jax reads XLA_FLAGS
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFERS_OFF).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -90,88 +89,11 @@ def drafter_config(cfg, num_layers: int, sliding_window: int = 0) -> DrafterConf
 
 
 # ---- attribution ----------------------------------------------------------------------------------------------
-def _norm(name: str) -> str:
-    return re.sub(r"[^0-9A-Za-z]", "_", name)
-
-
-def hlo_scopes(hlo_text: str) -> dict[str, str]:
-    """Normalised HLO instruction name -> the op_name (jax.named_scope path) it carries. Fusions often carry none
-    of their own: they take their computation's ROOT op_name, else the op_name most of its instructions carry (a
-    fusion may also hold a constant broadcast that another part's code created)."""
-    inside: dict[str, list[str]] = collections.defaultdict(list)  # computation -> op_names inside
-    root: dict[str, str] = {}
-    own: dict[str, str] = {}
-    calls: dict[str, str] = {}
-    comp = ""
-    for line in hlo_text.splitlines():
-        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->.*\{\s*$", line)
-        if head:
-            comp = head.group(1)
-            continue
-        inst = re.match(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=", line)
-        if not inst:
-            continue
-        name = _norm(inst.group(2))
-        op = re.search(r"op_name=\"([^\"]*)\"", line)
-        if op:
-            own[name] = op.group(1)
-            inside[comp].append(op.group(1))
-            if inst.group(1):
-                root[comp] = op.group(1)
-        callee = re.search(r"calls=%?([\w.\-]+)", line)
-        if callee:
-            calls[name] = callee.group(1)
-    out = dict(own)
-    for name, callee in calls.items():
-        if name in out or not inside.get(callee):
-            continue
-        if callee in root:
-            out[name] = root[callee]
-        else:
-            votes = collections.Counter(part_of(op) for op in inside[callee])
-            best = votes.most_common(1)[0][0]
-            out[name] = next(op for op in inside[callee] if part_of(op) == best)
-    return out
-
-
 def part_of(op_name: str) -> str | None:
     if "round/draft" in op_name and "topk" in op_name:
         return "topk"
     m = re.search(r"round/(\w+)", op_name)
     return m.group(1) if m and m.group(1) in PARTS else None
-
-
-def attribute(event: dict, scopes: dict[str, str]) -> str:
-    """The round part one GPU kernel belongs to, or "unattributed"."""
-    hlo_op = event.get("args", {}).get("hlo_op", "")
-    for key in (hlo_op, event["name"], re.sub(r"__\d+$", "", event["name"])):
-        if key and not key.startswith("command_buffer") and _norm(key) in scopes:
-            return part_of(scopes[_norm(key)]) or "outside the round"
-    for prefix, part in PALLAS_PARTS.items():
-        if event["name"].startswith(prefix):
-            return part
-    return "unattributed"
-
-
-def gpu_kernels(trace_dir: str) -> list[dict]:
-    """The GPU kernel events ('X' on a /device:GPU process) of the newest perfetto trace under trace_dir."""
-    paths = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")))
-    if not paths:
-        raise FileNotFoundError(f"{trace_dir}: no plugins/profile/*/perfetto_trace.json.gz")
-    with gzip.open(paths[-1]) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    gpu = {e["pid"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"].get("name", "")}
-    return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in gpu), key=lambda e: e["ts"])
-
-
-def part_times(kernels: list[dict], scopes: dict[str, str], rounds: int) -> dict[str, float]:
-    """µs of kernel time per round, by part."""
-    acc: dict[str, float] = collections.defaultdict(float)
-    for e in kernels:
-        acc[attribute(e, scopes)] += e["dur"] / rounds
-    return dict(acc)
 
 
 # ---- run --------------------------------------------------------------------------------------------------------
@@ -232,7 +154,7 @@ def main(argv=None):
         tag = f"{mode}_b{args.batch}" + (f"_B{budget}" if mode == "ddtree" else "")
         with open(os.path.join(args.out, f"{tag}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
-        scopes = hlo_scopes(compiled.as_text())
+        scopes = hlo_scopes(compiled.as_text(), part_of)
 
         def run(rounds):
             return compiled(t_state, d_state, state, jnp.int32(rounds))
@@ -246,7 +168,8 @@ def main(argv=None):
         jax.block_until_ready(run(args.trace_rounds))
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             final = jax.block_until_ready(run(args.trace_rounds))
-        parts = part_times(gpu_kernels(trace_dir), scopes, args.trace_rounds)
+        parts = part_times(gpu_kernels(trace_dir), scopes, part_of, PALLAS_PARTS, "outside the round",
+                           args.trace_rounds)
         kernel_us = sum(parts.values())
         book = sum(parts.get(p, 0.0) for p in BOOKKEEPING)
         accept = np.asarray(final.accept_len)[:, :args.trace_rounds]

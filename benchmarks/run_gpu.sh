@@ -12,6 +12,8 @@
 #   int4-moe        the INT4 grouped expert FFN vs dequantize-then-matmul vs bf16 experts (benchmarks/bench_int4_moe.py)
 #   k26-layer       full-width K2.6 layers against the HBM roofline (benchmarks/bench_kimi_layer.py)
 #   k26-ar-step     the K2.6 AR step inside a compiled loop, per step from two loop lengths (bench_kimi_layer.py)
+#   k26-batches     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, per step from two loop
+#                   lengths, each part by part from a profiler trace (bench_kimi_layer.py --trace)
 #   k26-round       one K2.6-width round part by part, from a profiler trace (benchmarks/profile_round.py)
 #   round           one round of the shipped pair part by part (benchmarks/bench_round.py)
 #   mesh            K2.6-width layers on 2 GPUs vs one, same tokens, ms per round (nvidia-h200-x2)
@@ -70,6 +72,10 @@ target() {
     k26-layer) "$PY" benchmarks/bench_kimi_layer.py --budget-s 250 --out "$OUT/k26_layer.json" ;;
     k26-ar-step) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --budget-s 120 \
         --out "$OUT/k26_ar_step.json" ;;
+    k26-batches) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --batches 1 8 32 64 \
+        --trace /tmp/k26_trace --budget-s 240 --out "$OUT/k26_ar_batches.json" &&
+        "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
+        --trace /tmp/k26_trace --budget-s 120 --out "$OUT/k26_verify_b8.json" ;;
     k26-round) "$PY" benchmarks/profile_round.py --batch 1 --budgets 16 --ar --out "$OUT/k26_round" ;;
     round) "$PY" benchmarks/bench_round.py --time-limit 200 --out "$OUT/round.json" ;;
     mesh) "$PY" benchmarks/bench_mesh_scaling.py --layers 4 --batch 1 --modes ar ddtree --meshes 1x1x2 \

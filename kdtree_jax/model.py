@@ -108,19 +108,24 @@ def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: Laten
         h = jnp.where(valid[..., None], h, 0)
     latent, tapped = cache.latent, {}
     for i, layer in enumerate(model.layers):
-        with jax.named_scope(f"layer{i}"):
-            a, rows = attend(layer.attn, rms_norm(h, layer.input_norm[...], cfg.rms_norm_eps), cos, sin, latent, i)
-            # the new rows do not depend on the attention output, so without this the write could run before the
-            # attention's reads of the cache and XLA keeps the old cache alive with a whole-cache copy per layer
-            a, rows = jax.lax.optimization_barrier((a, rows))
-            latent = write(latent, i, rows)
+        with jax.named_scope(f"layer{i}"):  # the scopes name each kernel's part in a profile
+            with jax.named_scope("attn"):
+                a, rows = attend(layer.attn, rms_norm(h, layer.input_norm[...], cfg.rms_norm_eps), cos, sin,
+                                 latent, i)
+                # the new rows do not depend on the attention output, so without this the write could run before
+                # the attention's reads of the cache and XLA keeps the old cache alive with a whole-cache copy per
+                # layer
+                a, rows = jax.lax.optimization_barrier((a, rows))
+                latent = write(latent, i, rows)
             h = h + a
-            h = h + layer.mlp(rms_norm(h, layer.post_norm[...], cfg.rms_norm_eps))
+            with jax.named_scope("ffn"):
+                h = h + layer.mlp(rms_norm(h, layer.post_norm[...], cfg.rms_norm_eps))
         if i in taps:
             tapped[i] = h
     hidden = jnp.concatenate([tapped[t] for t in taps], axis=-1) if taps else jnp.zeros(h.shape[:2] + (0,), dt)
-    logits = jnp.einsum("btd,dv->btv", rms_norm(h, model.norm[...], cfg.rms_norm_eps),
-                        model.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
+    with jax.named_scope("head"):
+        logits = jnp.einsum("btd,dv->btv", rms_norm(h, model.norm[...], cfg.rms_norm_eps),
+                            model.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
     return ForwardOut(logits=logits, hidden=hidden, cache=LatentCache(latent=latent))
 
 

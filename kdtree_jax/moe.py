@@ -82,20 +82,24 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., D] -> [..., D]."""
         if self.impl == "ep":  # each device runs its own experts, one psum (`moe_expert_parallel` below)
-            return moe_expert_parallel(self, x)
+            with jax.named_scope("experts"):
+                return moe_expert_parallel(self, x)
         flat = x.reshape(-1, x.shape[-1])  # [M, D]
-        logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [M, E]
-        bias = self.bias[...] if self.cfg.topk_method == "noaux_tc" else None
-        weights, idx = route(logits, bias, self.cfg)  # [M, k]
+        with jax.named_scope("router"):
+            logits = flat.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [M, E]
+            bias = self.bias[...] if self.cfg.topk_method == "noaux_tc" else None
+            weights, idx = route(logits, bias, self.cfg)  # [M, k]
         impl = resolve_impl(self, flat.shape[0])
-        if impl == "kernel":
-            y = experts_int4_kernel(flat, weights, idx, {n: getattr(self, n)[...] for n in INT4_ARRAYS})
-        elif impl == "gather":
-            y = _experts_gather(self, flat, weights, idx)
-        else:
-            y = _experts_dense(self, flat, weights, idx)
+        with jax.named_scope("experts"):
+            if impl == "kernel":
+                y = experts_int4_kernel(flat, weights, idx, {n: getattr(self, n)[...] for n in INT4_ARRAYS})
+            elif impl == "gather":
+                y = _experts_gather(self, flat, weights, idx)
+            else:
+                y = _experts_dense(self, flat, weights, idx)
         if self.cfg.n_shared_experts:
-            y = y + self.shared(flat)
+            with jax.named_scope("shared"):
+                y = y + self.shared(flat)
         return y.reshape(x.shape)
 
 

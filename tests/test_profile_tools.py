@@ -1,6 +1,7 @@
-"""The profiling benchmarks' bookkeeping: kernel -> round part attribution (profile_round), the per-step slope
-(bench_kimi_layer) and kernel time per call from trace events (bench_kernels), on synthetic traces with fresh random
-durations."""
+"""The profiling benchmarks' bookkeeping: kernel -> part attribution (trace_parts, for profile_round's round parts
+and bench_kimi_layer's step parts), the per-step slope (bench_kimi_layer) and kernel time per call from trace events
+(bench_kernels), on synthetic traces with fresh random durations."""
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -22,6 +23,7 @@ def _load(name):
 
 profile_round = _load("profile_round")
 bench_kimi_layer = _load("bench_kimi_layer")
+trace_parts = _load("trace_parts")
 
 HLO = """\
 HloModule jit_loop
@@ -58,25 +60,64 @@ ENTRY %main.5 (p: bf16[4]) -> bf16[8] {
 
 
 def test_kernels_attribute_to_round_parts(rng):
-    scopes = profile_round.hlo_scopes(HLO)
+    part_of = profile_round.part_of
+    scopes = trace_parts.hlo_scopes(HLO, part_of)
     assert scopes["loop_pad_fusion_3"].endswith("round/draft/pad")  # from the fused computation it calls
     assert scopes["loop_add_fusion_4"].endswith("round/verify/add")  # its ROOT's, not a shared broadcast's
-    assert profile_round.part_of(scopes["loop_select_fusion_5"]) == "accept"  # no ROOT op_name: the majority
+    assert part_of(scopes["loop_select_fusion_5"]) == "accept"  # no ROOT op_name: the majority
     cases = [("loop_pad_fusion_3", "loop_pad_fusion.3", "draft"), ("topk_chunk", "custom-call.2", "topk"),
              ("nvjet_sm90_tst", "gemm.1", "verify"), ("tree_build", "command_buffer_3", "tree"),
              ("copy", "copy.7", "outside the round"), ("mystery_kernel", "", "unattributed")]
+    _check_attribution(rng, cases, scopes, part_of, profile_round.PALLAS_PARTS, "outside the round")
+
+
+def _check_attribution(rng, cases, scopes, part_of, pallas_parts, outside):
+    """Events of fresh random durations for each (kernel name, hlo_op, part): each one attributes to its part, and
+    part_times sums them per part over a random number of steps."""
     events, want = [], {}
-    rounds = int(rng.integers(1, 6))
+    steps = int(rng.integers(1, 6))
     for name, hlo_op, part in cases:
         for _ in range(int(rng.integers(1, 4))):
             dur = float(rng.uniform(0.5, 50.0))
             events.append({"name": name, "args": {"hlo_op": hlo_op}, "dur": dur, "ts": 0.0})
-            want[part] = want.get(part, 0.0) + dur / rounds
-        assert profile_round.attribute(events[-1], scopes) == part, name
-    got = profile_round.part_times(events, scopes, rounds)
+            want[part] = want.get(part, 0.0) + dur / steps
+        assert trace_parts.attribute(events[-1], scopes, part_of, pallas_parts, outside) == part, name
+    got = trace_parts.part_times(events, scopes, part_of, pallas_parts, outside, steps)
     assert got.keys() == want.keys()
-    for part in want:
-        assert got[part] == pytest.approx(want[part], rel=1e-12)
+    for part, us in want.items():
+        assert got[part] == pytest.approx(us, rel=1e-12)
+
+
+def test_layer_kernels_attribute_to_step_parts(rng):
+    """bench_kimi_layer --trace: the model's named scopes survive compilation, so the compiled step's instructions
+    name every part (attention, routed experts, shared expert, router, dense MLP, head), and kernels sum per part."""
+    import jax.numpy as jnp
+
+    from kdtree_jax.config import tiny
+    from kdtree_jax.model import LatentCache
+
+    cfg = dataclasses.replace(tiny(), num_hidden_layers=2)  # layer 0 dense, layer 1 MoE with a shared expert
+    graphdef, state = bench_kimi_layer.build_model(cfg, jnp.float32)
+    fn = bench_kimi_layer.make_verify(graphdef, cfg, "as_is", use_pallas=False, interpret=True)
+    bt, n, steps = 2, 3, 2
+    mask = bench_kimi_layer.ancestor_mask(rng, bt, n)
+    cache = LatentCache(latent=jnp.asarray(rng.normal(size=(2, bt, 32, cfg.latent_dim)), jnp.float32))
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, bt, n)), jnp.int32)
+    start = jnp.full((bt,), 4, jnp.int32)
+    hlo = fn.lower(state, tokens, start[:, None] + jnp.asarray(mask.sum(-1) - 1), start, jnp.asarray(mask),
+                   cache).compile().as_text()
+    scopes = trace_parts.hlo_scopes(hlo, bench_kimi_layer.layer_part)
+    by_part = {}
+    for inst, op in sorted(scopes.items()):
+        by_part.setdefault(bench_kimi_layer.layer_part(op), inst)
+    parts = {part for _, part in bench_kimi_layer.LAYER_PARTS}
+    assert parts <= by_part.keys(), sorted(parts - by_part.keys())
+    cases = [(inst, inst, part) for part, inst in by_part.items() if part is not None]
+    cases += [("verify_attn_mgpu_kernel", "", "attention"), ("int4_swiglu", "", "experts"),
+              ("mystery_kernel", "", "unattributed")]
+    if None in by_part:
+        cases.append((by_part[None], by_part[None], "other"))
+    _check_attribution(rng, cases, scopes, bench_kimi_layer.layer_part, bench_kimi_layer.LAYER_PALLAS_PARTS, "other")
 
 
 def test_per_step_slope_drops_the_fixed_cost(rng):
