@@ -546,7 +546,7 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
             empty = " — |" * 7
             lines.append(f"| {r['kind']} | {r['moe']} | {r['batch']} | {n} |{empty} {note} |")
             continue
-        roof = r["bytes"] / copy_bw
+        roof = r["bytes"] / (r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw)
         if "flops" in r:
             roof = max(roof, r["flops"] / peak)
         fit = f"{r['fit_ms']:.2f} ({100 * r['fit_rel_err']:+.0f}%)" if "fit_ms" in r else "—"
@@ -566,11 +566,21 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
     return "\n".join(lines)
 
 
-def refit(path: str, out: str | None) -> dict:
-    """The cost model and table of a saved K2.6-width run (always K2.6 shapes: only a GPU run measures them)."""
-    with open(path) as f:
-        result = json.load(f)
-    cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=result["layers"])
+def refit(paths: list[str], out: str | None) -> dict:
+    """The cost model and table of saved K2.6-width runs (always K2.6 shapes: only a GPU run measures them). Several
+    runs of the same layer count fit as one (e.g. the AR step at batch 1-64 and the verify step at batch 8), each row
+    keeping the copy rate of its own run for its roofline."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    layers = {r["layers"] for r in runs}
+    if len(layers) != 1:
+        raise SystemExit(f"--refit: runs of different layer counts {sorted(layers)} cannot share one cost model")
+    result = dict(runs[0], sources=list(paths), rows=[dict(row, copy_gbps=run["copy_gbps"]) for run in runs
+                                                     for row in run["rows"]])
+    result["copy_gbps"] = min(run["copy_gbps"] for run in runs)
+    cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=layers.pop())
     result["fit"] = fit_cost_model(result["rows"], cfg)
     print(markdown(result["rows"], result["copy_gbps"] * 1e9, result["matmul_tflops"] * 1e12))
     print(f"\ncost model (kernel-MoE verify points): {json.dumps(result['fit'])}")
@@ -603,7 +613,8 @@ def main(argv=None):
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="also profile each verify point into DIR and report its kernel time per step by part "
                              "(XLA command buffers off, so that kernels name their HLO op)")
-    parser.add_argument("--refit", metavar="JSON", help="refit the cost model of a saved --out file (no GPU needed)")
+    parser.add_argument("--refit", metavar="JSON", nargs="+",
+                        help="refit the cost model of saved --out files, as one (no GPU needed)")
     args = parser.parse_args(argv)
     if len(args.steps) not in (1, 2) or min(args.steps) < 1 or len(set(args.steps)) != len(args.steps):
         parser.error(f"--steps takes one length or two different lengths >= 1, got {args.steps}")

@@ -83,13 +83,17 @@ def experts_per_gpu(rng, tokens: int, cfg, mesh) -> float:
     return min(cfg.n_routed_experts, tokens * cfg.num_experts_per_tok)
 
 
+def cache_bytes(cfg, bt: int, prefix: int) -> float:
+    """Latent cache bytes one step reads over all layers (bf16), as `bench_kimi_layer` counts them per run."""
+    return bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers
+
+
 def step_model(cfg, w: dict, mesh, *, bt: int, n: int, prefix: int, bandwidth: float, allreduce_s: float,
                drafter_bytes: float, rng) -> dict:
     n_gpus = mesh.size
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     experts = experts_per_gpu(rng, bt * n, cfg, mesh)
-    cache = cfg.num_hidden_layers * bt * prefix * cfg.latent_dim * 2  # bf16, whole batch (replicated over heads)
-    nbytes = w["other"] + n_moe * experts * w["expert_bytes"] + cache
+    nbytes = w["other"] + n_moe * experts * w["expert_bytes"] + cache_bytes(cfg, bt, prefix)  # cache: on every GPU
     active = w["other_params"] + n_moe * cfg.num_experts_per_tok * w["expert_params"]  # params one token uses
     flops = (2 * active * bt * n + attn_flops(cfg, bt, n, prefix)) / n_gpus
     t_mem, t_mma = nbytes / bandwidth, flops / MATMUL_PEAK
@@ -101,18 +105,20 @@ def measured_step(cfg, w: dict, mesh, fit: dict, nonrouted_bytes_fit: float, *, 
                   allreduce_s: float, drafter_bytes: float, bandwidth: float, rng) -> dict:
     """t_step on the mesh from the terms measured on one GPU (`bench_kimi_layer.py`'s cost model, 2 layers):
     the fixed cost scales with the non-routed bytes each GPU reads (the fit's effective bandwidth for them), the
-    attention and per-token terms with layers / model-parallel ways, the expert term with the busiest GPU's experts."""
+    attention and per-token terms with layers / model-parallel ways, the expert term with the busiest GPU's experts,
+    the cache term with the whole cache of all layers / data-parallel ways (absorbed MLA's one latent head: every
+    tensor-parallel GPU reads its requests' whole cache)."""
     terms = fit["terms"]
     ways = mesh.size // mesh.shape["data"]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     layers = cfg.num_hidden_layers
     experts = experts_per_gpu(rng, bt * n, cfg, mesh)
-    fixed_bw = nonrouted_bytes_fit / terms.get("intercept", float("inf"))  # bytes/s the fixed cost stands for
-    parts = dict(
-        fixed=w["other"] / fixed_bw,
+    parts = dict(  # fixed: each GPU's non-routed weights at the rate the fit's fixed cost read the fit's
+        fixed=terms.get("intercept", 0.0) * w["other"] / nonrouted_bytes_fit,
         attention=terms.get("attn_flops", 0.0) * attn_flops(cfg, bt, n, prefix) / ways,
         experts=terms.get("expert_bytes", 0.0) * experts * w["expert_bytes"] * n_moe,
         tokens=terms.get("tokens", 0.0) * bt * n * layers / 2 / ways,  # the fit's 2 layers -> per layer
+        cache=terms.get("cache_bytes", 0.0) * cache_bytes(cfg, bt, prefix) / mesh.shape["data"],
         collectives=2 * layers * allreduce_s,
         drafter=drafter_bytes / mesh.size / bandwidth,
     )
@@ -148,14 +154,14 @@ def print_measured(args, cfg, w, mesh, rng):
     bw = max(args.bandwidth) * 1e9
     print(f"### from the measured layer ({args.layer_fit}: worst fit error {100 * fit['max_abs_rel_err']:.1f}%, "
           f"leave-one-out {100 * fit['loo_max_abs_rel_err']:.1f}%), all-reduce {args.allreduce_us:.0f} µs\n")
-    parts = ("fixed", "attention", "experts", "tokens", "collectives", "drafter")
+    parts = ("fixed", "attention", "experts", "tokens", "cache", "collectives", "drafter")
 
     def step(bt, n, prefix, drafter_bytes):
         return measured_step(cfg, w, mesh, fit, nonrouted, bt=bt, n=n, prefix=prefix, bandwidth=bw, rng=rng,
                              allreduce_s=args.allreduce_us * 1e-6, drafter_bytes=drafter_bytes)
 
-    print_modes(args, step, "busiest-GPU experts/layer | fixed | attention | experts | per-token | collectives | "
-                "drafter | t_step ms",
+    print_modes(args, step, "busiest-GPU experts/layer | fixed | attention | experts | per-token | cache | "
+                "collectives | drafter | t_step ms",
                 lambda r: f"{r['experts']:.1f} | " + " | ".join(f"{r['parts'][k] * 1e3:.2f}" for k in parts)
                 + f" | {r['t'] * 1e3:.2f}")
 
@@ -167,7 +173,7 @@ def main(argv=None):
     p.add_argument("--allreduce-us", type=float, default=15.0, help="latency of one small all-reduce (assumed)")
     p.add_argument("--drafter-gb", type=float, default=2.0, help="drafter weights read per round (assumed)")
     p.add_argument("--prefixes", type=int, nargs="+", default=[4096, 32768])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="concurrent requests")
     p.add_argument("--layer-fit", metavar="JSON", help="also predict from a bench_kimi_layer.py run's cost model")
     args = p.parse_args(argv)
     mesh = sh.make_mesh(tuple(int(x) for x in args.mesh.split("x")))

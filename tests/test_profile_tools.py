@@ -3,6 +3,7 @@ and bench_kimi_layer's step parts), the per-step slope (bench_kimi_layer) and ke
 (bench_kernels), on synthetic traces with fresh random durations."""
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 
@@ -171,3 +172,58 @@ def test_verify_table_reads_against_the_same_bytes(rng):
     got = dict(zip(header, line))
     assert got["read ms (kernels)"] == f"{read:.3f}"
     assert got["% read (kernels)"] == f"{100 * read / kern:.0f}%"
+
+
+def test_refit_fits_several_runs_as_one(rng, tmp_path):
+    """bench_kimi_layer --refit A B: the AR-step run and the verify run share one cost model; points made by a known
+    model of all five terms (fresh random coefficients) are fitted exactly, and runs of other layer counts refuse."""
+    from kdtree_jax.config import kimi_k2_6
+
+    cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=2)
+    coef = rng.uniform(0.5, 2.0, 5) * np.array([1e-3, 1 / 500e12, 1 / 2e12, 2e-6, 1 / 7e12])
+
+    def row(bt, n, prefix):
+        experts = float(rng.uniform(8, 130)) * 24.77e6
+        cache = bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers
+        terms = [1.0, bench_kimi_layer.attn_flops(cfg, bt, n, prefix), experts, bt * n, cache]
+        return dict(kind="verify", moe="kernel", batch=bt, nodes=n, prefix=prefix, expert_bytes=experts,
+                    cache_bytes=cache, bytes=experts + cache + 4e9, ms=float(np.dot(coef, terms)) * 1e3,
+                    distinct_experts=[1.0])
+
+    def run(rows, layers=2):
+        return dict(layers=layers, copy_gbps=float(rng.uniform(4000, 4300)), matmul_tflops=700.0, rows=rows)
+
+    ar = [row(bt, 1, p) for bt in (1, 8, 32, 64) for p in (4096, 32768)]
+    verify = [row(bt, n, p) for bt, n in ((1, 17), (8, 17), (1, 65)) for p in (4096, 32768)]
+    paths = []
+    for i, rows in enumerate((ar, verify)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run(rows)))
+    out = tmp_path / "fit.json"
+    result = bench_kimi_layer.refit([str(p) for p in paths], str(out))
+    fit = result["fit"]
+    assert fit["points"] == len(ar) + len(verify) and fit["max_abs_rel_err"] < 1e-6
+    assert all(abs(r["fit_rel_err"]) < 1e-6 for r in result["rows"])
+    assert json.loads(out.read_text())["sources"] == [str(p) for p in paths]
+    (tmp_path / "other.json").write_text(json.dumps(run(ar[:2], layers=4)))
+    with pytest.raises(SystemExit, match="layer counts"):
+        bench_kimi_layer.refit([str(paths[0]), str(tmp_path / "other.json")], None)
+
+
+def test_predicted_step_reads_the_cache_once_per_data_shard(rng):
+    """predict_k26 from a measured fit: the cache term is the fitted cost per byte times the whole latent cache of
+    the step's requests, split only by data-parallel ways (every tensor-parallel GPU reads its requests' cache)."""
+    predict = _load("predict_k26")
+    from kdtree_jax.config import kimi_k2_6
+
+    cfg = kimi_k2_6()
+    per_byte = float(rng.uniform(1e-13, 3e-13))
+    fit = {"terms": {"cache_bytes": per_byte}}
+    bt, prefix = int(rng.integers(1, 65)), int(rng.integers(1024, 40000))
+    for data in (1, 2):
+        mesh = type("Mesh", (), {"size": 8, "shape": {"data": data, "tensor": 8 // data, "expert": 1}})()
+        got = predict.measured_step(cfg, {"other": 4e9, "expert_bytes": 24.77e6}, mesh, fit, 1e9, bt=bt, n=1,
+                                    prefix=prefix, allreduce_s=0.0, drafter_bytes=0.0, bandwidth=4e12, rng=rng)
+        want = per_byte * bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers / data
+        assert got["parts"]["cache"] == pytest.approx(want, rel=1e-12)
+        assert got["t"] == pytest.approx(want, rel=1e-12)  # no other term in this fit
