@@ -233,7 +233,8 @@ def run_breakdown(row: dict, sets, w4, shape: Shape, interpret: bool, whole) -> 
 
 
 def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True,
-              unpacks=(UNPACK_F32,), breakdown: bool = False, deadline: float = float("inf")) -> None:
+              unpacks=(UNPACK_F32,), breakdown: bool = False, deadline: float = float("inf"),
+              tune_at: tuple[int, ...] = TUNE_TOKENS) -> None:
     """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
     keys = jax.random.split(jax.random.key(0), 3)
     w4 = []
@@ -242,7 +243,7 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
     ffn = {u: (lambda x, i, w, *ws, u=u: int4_moe_ffn(x, i, w, *ws, unpack=u, interpret=interpret)) for u in unpacks}
     deq = jax.jit(dequant_then_matmul_ffn)
     default_ffn = lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret)  # noqa: E731
-    tune_tokens = [t for t in shape.tokens if t in TUNE_TOKENS] or list(shape.tokens[:1])
+    tune_tokens = [t for t in shape.tokens if t in tune_at] or list(shape.tokens[:1])
     for tokens in shape.tokens:
         sets = make_sets(shape, tokens, dtype, seed=tokens)
         n_dist = distinct_experts(sets)
@@ -398,9 +399,13 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tokens 1, 16, 256 only")
     parser.add_argument("--out", help="write all results as JSON to this path")
     parser.add_argument("--tune", action="store_true",
-                        help=f"also time TUNE (block_n, block_w, warps, stages, split_k) at tokens {TUNE_TOKENS}")
+                        help="also time TUNE (block_n, block_w, warps, stages, split_k) at --tune-tokens")
     parser.add_argument("--breakdown", action="store_true",
                         help="time the routing glue, each kernel, the h reorder and the combine alone")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                        help="routed token counts (GPU; default 1 8 16 64 256 512, --quick 1 16 256)")
+    parser.add_argument("--tune-tokens", type=int, nargs="+", default=list(TUNE_TOKENS),
+                        help="token counts --tune times its configs at (those of the sweep)")
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="start no --tune config after this many seconds of the run")
     parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
@@ -410,6 +415,8 @@ def main(argv=None):
     unpacks = parse_unpacks(args.unpack)
     on_gpu = jax.default_backend() == "gpu"
     shape = (QUICK if args.quick else FULL) if on_gpu else CPU_SMOKE
+    if args.tokens and on_gpu:
+        shape = dataclasses.replace(shape, tokens=tuple(args.tokens))
     dtype = jnp.bfloat16 if on_gpu or UNPACK_BF16X2 in unpacks else jnp.float32
     if not on_gpu:
         print(f"warning: backend {jax.default_backend()}: tiny smoke sweep in the Pallas interpreter "
@@ -424,7 +431,8 @@ def main(argv=None):
     rows = []
     try:
         run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only,
-                  unpacks=unpacks, breakdown=args.breakdown, deadline=t0 + args.budget_s)
+                  unpacks=unpacks, breakdown=args.breakdown, deadline=t0 + args.budget_s,
+                  tune_at=tuple(args.tune_tokens))
     finally:  # print whatever finished, even after an unexpected failure
         result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
                       unpacks=unpacks, int4_bytes_per_expert=int4_expert_bytes(shape),

@@ -10,6 +10,8 @@
 #   tree-kernels    tree_build / tree_accept against the host heap and walk (benchmarks/bench_tree_kernels.py)
 #   topk            per-depth top-K draft log-probs, kernel vs XLA variants (benchmarks/bench_topk.py)
 #   int4-moe        the INT4 grouped expert FFN vs dequantize-then-matmul vs bf16 experts (benchmarks/bench_int4_moe.py)
+#   int4-serving    the INT4 expert FFN at the routed tokens of AR batch 8-64 and a batch-8 B = 16 verify, with the tile
+#                   sweep there (bench_int4_moe.py --tune)
 #   k26-layer       full-width K2.6 layers against the HBM roofline (benchmarks/bench_kimi_layer.py)
 #   k26-ar-step     the K2.6 AR step inside a compiled loop, per step from two loop lengths (bench_kimi_layer.py)
 #   k26-batches     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, per step from two loop
@@ -72,6 +74,8 @@ target() {
     k26-layer) "$PY" benchmarks/bench_kimi_layer.py --budget-s 250 --out "$OUT/k26_layer.json" ;;
     k26-ar-step) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --budget-s 120 \
         --out "$OUT/k26_ar_step.json" ;;
+    int4-serving) "$PY" benchmarks/bench_int4_moe.py --kernel-only --unpack bf16x2 --tune --tokens 8 32 64 136 \
+        --tune-tokens 32 64 136 --budget-s 400 --out "$OUT/int4_serving.json" ;;
     k26-batches) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --batches 1 8 32 64 \
         --trace /tmp/k26_trace --budget-s 240 --out "$OUT/k26_ar_batches.json" &&
         "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
