@@ -44,10 +44,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from trace_parts import COMMAND_BUFFERS_OFF, gpu_kernels, hlo_scopes, part_times  # (no jax inside)
+from trace_parts import command_buffers_off, gpu_kernels, hlo_scopes, part_times  # (no jax inside)
 
 if __name__ == "__main__" and "--trace" in sys.argv[1:]:  # before jax reads XLA_FLAGS: kernels must name their op
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFERS_OFF).strip()
+    command_buffers_off()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -546,14 +546,15 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
             empty = " — |" * 7
             lines.append(f"| {r['kind']} | {r['moe']} | {r['batch']} | {n} |{empty} {note} |")
             continue
-        roof = r["bytes"] / (r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw)
+        bw = r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw  # a refit of several runs: the row's own run's
+        roof = r["bytes"] / bw
         if "flops" in r:
             roof = max(roof, r["flops"] / peak)
         fit = f"{r['fit_ms']:.2f} ({100 * r['fit_rel_err']:+.0f}%)" if "fit_ms" in r else "—"
         dist = "/".join(f"{d}" for d in r["distinct_experts"])
         lines.append(f"| {r['kind']} | {r['moe']} | {r['batch']} | {n} | {r.get('prefix', 0)} | {r['ms']:.2f} | "
                      f"{dist} | {r['bytes'] / 1e9:.2f} | {roof * 1e3:.2f} | {r['ms'] / 1e3 / roof:.2f} | {fit} | "
-                     f"{'compute' if 'flops' in r and r['flops'] / peak > r['bytes'] / copy_bw else ''} |")
+                     f"{'compute' if 'flops' in r and r['flops'] / peak > r['bytes'] / bw else ''} |")
     traced = [r for r in rows if "parts_us_per_step" in r]
     if traced:
         parts = sorted({p for r in traced for p in r["parts_us_per_step"]})

@@ -38,10 +38,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from trace_parts import COMMAND_BUFFERS_OFF, gpu_kernels, hlo_scopes, part_times  # (no jax inside)
+from trace_parts import command_buffers_off, gpu_kernels, hlo_scopes, part_times  # (no jax inside)
 
 if __name__ == "__main__" and "--command-buffers" not in sys.argv[1:]:  # before jax reads XLA_FLAGS
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFERS_OFF).strip()
+    command_buffers_off()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -22,6 +22,11 @@ UNATTRIBUTED = "unattributed"
 PartOf = Callable[[str], "str | None"]
 
 
+def command_buffers_off() -> None:
+    """Append COMMAND_BUFFERS_OFF to XLA_FLAGS; call before JAX creates its GPU client."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFERS_OFF).strip()
+
+
 def _norm(name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]", "_", name)
 

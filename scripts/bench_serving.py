@@ -517,7 +517,7 @@ async def run_http(args) -> dict:
         row = {"config": args.label, **point_fields(point), **summarize(results, wall)}
         rows.append(row)
         print(row_line(row), flush=True)
-    await (client.close() if args.client == "openai" else client.aclose())
+    await (client.close() if isinstance(client, AsyncOpenAI) else client.aclose())
     if args.compare:
         compare_rows(rows, args.compare)
     return {"mode": "http", "url": args.url, "model": model, "device": None, "configs": [{"config": args.label}],

@@ -206,7 +206,8 @@ class _Request:
 
 @dataclasses.dataclass
 class _InFlight:
-    """A step whose packed output the host has not read yet: running on the device thread (`future`), or done."""
+    """A step whose packed output the host has not read yet: its `future` (the device thread's, or one already
+    finished without overlap) until `_settle` takes the table back, then its packed output."""
 
     kind: StepKind
     owners: list  # the request in each of its rows when it was queued (rows move; requests end meanwhile)
@@ -525,30 +526,22 @@ class ServingEngine:
         active = self.n_running
         kind = self.plan[active] if active else None
         width = self.width_for(active) if active else 0
-        done, queued = self._in_flight, None
-        self._in_flight = None
+        done, self._in_flight = self._in_flight, None
         if active:
-            queued = _InFlight(kind, self._slots[:width])
             run = functools.partial(self._program("step", (kind, width)), self._weight_leaves, self.table)
-            if self._device is not None:
-                self.table = None  # donated to the device thread until _settle
-                queued.future = self._device.submit(run)
-            else:
-                try:
-                    self.table, queued.packed = run()
-                except Exception as e:  # the table was donated to the failed program: every running request fails
-                    return StepReport(events + self._fail_all(e), kind, active, admitted, width)
-        if self._device is not None:
-            self._in_flight = queued
-        else:
-            done = queued
+            self.table = None  # donated to the step until _settle takes it back
+            future = self._device.submit(run) if self._device is not None else _run_now(run)
+            self._in_flight = _InFlight(kind, self._slots[:width], future=future)
+            if self._device is None:  # no overlap: this step is the one to read, now
+                events += self._settle()
+                done, self._in_flight = self._in_flight, None  # None where it failed: _settle ended its requests
         if done is not None:
             events += self._read(done)
         return StepReport(events, kind, active, admitted, width)
 
     def _settle(self) -> list:
-        """Wait for the step on the device thread and take its table back (its tokens are read later); returns
-        the records of a fault found now or earlier outside step()."""
+        """Wait for the queued step and take its table back (its tokens are read later); returns the records of a
+        fault found now or earlier outside step()."""
         step = self._in_flight
         if step is not None and step.future is not None:
             future, step.future = step.future, None
@@ -647,6 +640,16 @@ class ServingEngine:
                              prompt_tokens=len(r.prompt), accept_lengths=list(r.accept_lengths),
                              num_draft_tokens=r.num_draft_tokens, error=error, submit_time=r.submit_time,
                              first_token_time=r.first_token_time, finish_time=time.perf_counter())
+
+
+def _run_now(fn) -> concurrent.futures.Future:
+    """fn() on the calling thread, as a finished future (its result or its exception), like the device thread's."""
+    future = concurrent.futures.Future()
+    try:
+        future.set_result(fn())
+    except Exception as e:  # noqa: BLE001  (handed on: _settle turns it into the requests' error records)
+        future.set_exception(e)
+    return future
 
 
 def _powers_of_two(n: int) -> list[int]:
