@@ -22,7 +22,8 @@
 #   kernel-tests    the kernel, lowering and engine-equality tests, compiled on the GPU
 #   serving         the serving engine in-process: ar / ddtree-16 / auto at concurrency 1-16 (scripts/bench_serving.py)
 #   serving-http    the OpenAI server, one per config (ar, ddtree-16, auto), at concurrency 1-32; against $SERVING_JSON
-#                   (default $OUT/serving.json, the serving target's) for the HTTP layer's cost
+#                   (default $OUT/serving.json, the serving target's) for the HTTP layer's cost; the two targets
+#                   together take about 10 minutes on one H200 from a cold compilation cache
 #
 # Run from anywhere on the GPU machine; PYTHONPATH is set to the repository here.
 set -uo pipefail
