@@ -74,6 +74,23 @@ def test_arrivals_and_concurrency_cap():
 
     results, wall = asyncio.run(mod.drive(send, mod.LoadPoint(2, math.inf, 7), seed=0))
     assert results == list(range(7)) and most == 2 and wall > 0
+
+
+def test_repeats_report_the_median_run():
+    mod = _module()
+    calls = {"n": 0}
+    delays = [0.03, 0.001, 0.012]  # repeat 1 slowest, repeat 2 fastest: the median is repeat 3
+
+    async def send(i):
+        await asyncio.sleep(delays[calls["n"] // 2])
+        calls["n"] += 1
+        return _request(mod, 0.0, [0.1], [4])
+
+    summary, results, every = asyncio.run(mod.drive_repeats(send, mod.LoadPoint(2, math.inf, 2), 0, 3, "x"))
+    tps = summary["output_tokens_per_s_repeats"]
+    assert len(tps) == 3 and tps[1] > tps[2] > tps[0], tps
+    assert summary["output_tokens_per_s"] == tps[2] and summary["repeats"] == 3
+    assert len(every) == 3 and all(len(r) == 2 for r in every) and results is every[2]
     assert mod.parse_budget_table("1:32,4:16,8:ar") == {1: 32, 4: 16, 8: "ar"}
 
 
@@ -133,7 +150,7 @@ def test_tiny_inprocess_run_on_the_shipped_pair(tmp_path):
     mod = _module()
     out = tmp_path / "serving.json"
     mod.main(["--num-prompts", "3", "--prompt-tokens", "16", "--max-new-tokens", "8", "--concurrency", "1,2",
-              "--num-requests", "3", "--configs", "ar,ddtree", "--out", str(out)])
+              "--num-requests", "3", "--repeats", "2", "--configs", "ar,ddtree", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["config"], r["concurrency"]) for r in rows] == [("ar", 1), ("ar", 2), ("ddtree", 1), ("ddtree", 2)]
@@ -141,7 +158,8 @@ def test_tiny_inprocess_run_on_the_shipped_pair(tmp_path):
         assert r["completed"] == 3 and r["failed"] == 0 and r["output_tokens_per_s"] > 0, r
         for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert 0 < r[metric]["p50"] <= r[metric]["p99"], (metric, r)
-        assert r["greedy_equal"] == r["greedy_checked"] == 3, r  # every request = Engine.generate's tokens
+        assert r["greedy_equal"] == r["greedy_checked"] == 6, r  # every request of both repeats = generate's tokens
+        assert r["repeats"] == 2 and r["output_tokens_per_s"] == max(r["output_tokens_per_s_repeats"]), r
         assert sum(r["step_kinds"].values()) > 0 and r["compiles"] == 0, r
         assert set(r["step_kinds"]) == {"ar" if r["config"] == "ar" else "ddtree-16"}
     assert all(r["vs_baseline"] > 0 for r in rows if r["concurrency"] == 1)
