@@ -16,13 +16,15 @@ when it is asked for (bf16x2 requires them).
 --breakdown times the parts of one `int4_moe_ffn` call alone, each on the previous part's precomputed outputs and
 in its own back-to-back jit: the routing glue before the first kernel (`moe_route`), the fused gate/up kernel, the
 reorder of h to nibble-major, the down kernel, the combine; each part's share of the whole call (timed alongside).
---tune times TUNE configs (block_n, block_w, warps, num_stages, split_k) with the default unpack at TUNE_TOKENS and
-reports the best per token count; no new config starts after --budget-s seconds (one GPU call has a hard limit).
+--tune times TUNE configs (block_n, block_w, warps, num_stages, split_k, weight layout) with the default unpack at
+TUNE_TOKENS and reports the best per token count; no new config starts after --budget-s seconds (one GPU call has a
+hard limit). --layouts times the default kernel on row-major and on tile-major weights (`int4_moe.tile_int4`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -38,7 +40,8 @@ import numpy as np  # noqa: E402
 from bench_util import copy_ceiling, per_call_s  # noqa: E402
 from pallas_kernels.int4_moe import (UNPACK_BF16X2, UNPACK_F32, UNPACK_MODES, _nibble_major,  # noqa: E402
                                      bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
-                                     grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route)
+                                     grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route,
+                                     tile_int4)
 
 N_SETS = 8  # input sets per timed jit, run back to back (dispatch amortised; routing differs call to call)
 GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts
@@ -67,16 +70,22 @@ class TuneConfig:
     warps: int = 8
     stages: int = 2
     split_k: int = 1  # gate/up kernel only
+    tiled: bool = False  # weights tile-major (`tile_int4`) at (block_n, block_w)
 
     @property
     def key(self) -> str:
-        return f"pallas_bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_k{self.split_k}"
+        tail = "_tiled" if self.tiled else ""
+        return f"pallas_bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_k{self.split_k}{tail}"
 
 
-# Around (64, 32, 8 warps, 2 stages), the default until this tune made it 3 stages (BENCHMARKS.md 4a): deeper
-# pipelines, narrower / wider N tiles, split-K gate/up for decode (K2.6 gate/up: 28 K tiles of 32 words, so split_k 2
-# and 4 divide them). Ten configs keep the tuned part of a --quick GPU run near two minutes.
-TUNE = (TuneConfig(64), TuneConfig(64, stages=3), TuneConfig(64, stages=4),
+# The engine's default first (tile-major weights, 64 x 32 words, 8 warps, 3 stages; BENCHMARKS.md 4a), then tile-major
+# neighbours (deeper pipeline, narrower / wider N tiles, wider K tiles), then row-major ones around the former
+# default (64, 32, 8 warps, 2 stages) with split-K gate/up for decode (K2.6 gate/up: 28 K tiles of 32 words, so split_k
+# 2 and 4 divide them). A run past --budget-s skips the configs at the end.
+TUNE = (TuneConfig(64, stages=3, tiled=True), TuneConfig(64, stages=4, tiled=True),
+        TuneConfig(32, warps=4, stages=3, tiled=True), TuneConfig(128, stages=3, tiled=True),
+        TuneConfig(64, block_w=64, stages=3, tiled=True), TuneConfig(128, block_w=16, stages=4, tiled=True),
+        TuneConfig(64), TuneConfig(64, stages=3), TuneConfig(64, stages=4),
         TuneConfig(32, warps=4), TuneConfig(32, warps=4, stages=3), TuneConfig(128), TuneConfig(128, stages=3),
         TuneConfig(64, split_k=2), TuneConfig(64, split_k=4), TuneConfig(32, warps=4, stages=3, split_k=4))
 TUNE_TOKENS = (1, 16)  # decode and a small verify tree: where the grid, not the bytes, may bound the call
@@ -163,9 +172,15 @@ def check_variants(row: dict, outs: dict, unpacks) -> None:
 
 
 def tuned_ffn(cfg: TuneConfig, interpret: bool):
-    return lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, block_n=cfg.block_n, block_w=cfg.block_w,
-                                             num_warps=cfg.warps, num_stages=cfg.stages, split_k=cfg.split_k,
-                                             interpret=interpret)
+    tiles = {} if cfg.tiled else dict(block_n=cfg.block_n, block_w=cfg.block_w)  # tile-major: the arrays' tiles
+    return lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, num_warps=cfg.warps, num_stages=cfg.stages,
+                                             split_k=cfg.split_k, interpret=interpret, **tiles)
+
+
+def tiled_weights(w4, block_n: int | None = None, block_w: int | None = None) -> list:
+    """The six expert arrays tile-major (`tile_int4`), made on the device."""
+    tile = jax.jit(functools.partial(tile_int4, block_n=block_n, block_w=block_w))
+    return [a for p, s in zip(w4[::2], w4[1::2]) for a in tile(p, s)]
 
 
 def run_tune(row: dict, sets, w4, interpret: bool, deadline: float) -> None:
@@ -175,7 +190,9 @@ def run_tune(row: dict, sets, w4, interpret: bool, deadline: float) -> None:
             row[f"{cfg.key}_error"] = "skipped: --budget-s reached"
             continue
         try:
-            row[f"{cfg.key}_ms"] = per_call_s(tuned_ffn(cfg, interpret), [s + tuple(w4) for s in sets]) * 1e3
+            ws = tiled_weights(w4, cfg.block_n, cfg.block_w) if cfg.tiled else w4
+            row[f"{cfg.key}_ms"] = per_call_s(tuned_ffn(cfg, interpret), [s + tuple(ws) for s in sets]) * 1e3
+            del ws
         except Exception as e:  # noqa: BLE001
             row[f"{cfg.key}_error"] = short_error(e)
     timed = {c.key: row[f"{c.key}_ms"] for c in TUNE if f"{c.key}_ms" in row}
@@ -232,9 +249,23 @@ def run_breakdown(row: dict, sets, w4, shape: Shape, interpret: bool, whole) -> 
         row["bd_error"] = short_error(e)
 
 
+def run_layouts(row: dict, sets, w4, w4t, ffn) -> None:
+    """The default kernel on row-major and on tile-major weights, same inputs: ms each, and whether the bits agree."""
+    for name, ws in (("row_major", w4), ("tiled", w4t)):
+        try:
+            row[f"layout_{name}_ms"] = per_call_s(ffn, [s + tuple(ws) for s in sets]) * 1e3
+        except Exception as e:  # noqa: BLE001
+            row[f"layout_{name}_error"] = short_error(e)
+    try:
+        outs = [np.asarray(jax.jit(ffn)(*sets[0], *ws).astype(jnp.float32)) for ws in (w4, w4t)]
+        row["layout_same_bits"] = bool(np.array_equal(*outs))
+    except Exception as e:  # noqa: BLE001
+        row["layout_check_error"] = short_error(e)
+
+
 def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True,
               unpacks=(UNPACK_F32,), breakdown: bool = False, deadline: float = float("inf"),
-              tune_at: tuple[int, ...] = TUNE_TOKENS) -> None:
+              tune_at: tuple[int, ...] = TUNE_TOKENS, layouts: bool = False) -> None:
     """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
     keys = jax.random.split(jax.random.key(0), 3)
     w4 = []
@@ -244,6 +275,7 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
     deq = jax.jit(dequant_then_matmul_ffn)
     default_ffn = lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret)  # noqa: E731
     tune_tokens = [t for t in shape.tokens if t in tune_at] or list(shape.tokens[:1])
+    w4t = tiled_weights(w4) if layouts else None
     for tokens in shape.tokens:
         sets = make_sets(shape, tokens, dtype, seed=tokens)
         n_dist = distinct_experts(sets)
@@ -266,6 +298,8 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
             except Exception as e:  # noqa: BLE001
                 row[f"{u}_check_error"] = short_error(e)
         check_variants(row, outs, unpacks)
+        if layouts:
+            run_layouts(row, sets, w4, w4t, default_ffn)
         if breakdown:
             run_breakdown(row, sets, w4, shape, interpret, default_ffn)
         if tune and tokens in tune_tokens:
@@ -278,7 +312,7 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
             row["check_error"] = short_error(e)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    del w4
+    del w4, w4t
     if baselines:
         bf16_sweep(shape, rows, dtype)
 
@@ -355,15 +389,36 @@ def markdown(rows: list[dict], copy_bw: float) -> str:
     return "\n".join(lines)
 
 
+def layout_markdown(rows: list[dict], copy_bw: float) -> str:
+    """Row-major vs tile-major weights, default kernel: ms, % of copy, ratio, same output bits."""
+    done = [r for r in rows if any(k.startswith("layout_") for k in r)]
+    if not done:
+        return ""
+    lines = ["| tokens | INT4 MB | row-major ms (% copy) | tile-major ms (% copy) | row / tile | same bits |",
+             "|---|---|---|---|---|---|"]
+    for r in done:
+        cells = []
+        for name in ("row_major", "tiled"):
+            t = r.get(f"layout_{name}_ms")
+            cells.append(f"{t:.3f} ({100 * r['bytes'] / (t / 1e3) / copy_bw:.0f}%)" if t else
+                         f"err: {r.get(f'layout_{name}_error', '—')}")
+        a, b = r.get("layout_row_major_ms"), r.get("layout_tiled_ms")
+        ratio = f"{a / b:.3f}" if a and b else "—"
+        lines.append(f"| {r['tokens']} | {r['bytes'] / 1e6:.0f} | {cells[0]} | {cells[1]} | {ratio} | "
+                     f"{r.get('layout_same_bits', '—')} |")
+    return "\n".join(lines)
+
+
 def tune_markdown(rows: list[dict]) -> str:
     """One line per TUNE config (ms per tuned token count), then the best config per token count."""
     tuned = [r for r in rows if any(k.startswith("pallas_bn") for k in r)]
     if not tuned:
         return ""
-    lines = ["| block_n | block_w | warps | stages | split_k | " + " | ".join(f"{r['tokens']} tok ms" for r in tuned)
-             + " |", "|---|---|---|---|---|" + "---|" * len(tuned)]
+    lines = ["| block_n | block_w | warps | stages | split_k | weights | "
+             + " | ".join(f"{r['tokens']} tok ms" for r in tuned) + " |", "|---|---|---|---|---|---|" + "---|" * len(tuned)]
     for c in TUNE:
         lines.append(f"| {c.block_n} | {c.block_w} | {c.warps} | {c.stages} | {c.split_k} | "
+                     f"{'tile-major' if c.tiled else 'row-major'} | "
                      + " | ".join(ms(r, c.key) for r in tuned) + " |")
     default = TUNE[0].key
     for r in tuned:
@@ -409,6 +464,8 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="start no --tune config after this many seconds of the run")
     parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
+    parser.add_argument("--layouts", action="store_true",
+                        help="also time the default kernel on tile-major weights (`tile_int4`) next to row-major")
     parser.add_argument("--unpack", default=f"{UNPACK_F32},{UNPACK_BF16X2}",
                         help=f"comma-separated INT4 unpack variants to time side by side, from {UNPACK_MODES}")
     args = parser.parse_args(argv)
@@ -432,12 +489,12 @@ def main(argv=None):
     try:
         run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only,
                   unpacks=unpacks, breakdown=args.breakdown, deadline=t0 + args.budget_s,
-                  tune_at=tuple(args.tune_tokens))
+                  tune_at=tuple(args.tune_tokens), layouts=args.layouts)
     finally:  # print whatever finished, even after an unexpected failure
         result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
                       unpacks=unpacks, int4_bytes_per_expert=int4_expert_bytes(shape),
                       total_s=time.perf_counter() - t0)
-        extra = [t for t in (breakdown_markdown(rows), tune_markdown(rows)) if t]
+        extra = [t for t in (layout_markdown(rows, copy_bw), breakdown_markdown(rows), tune_markdown(rows)) if t]
         print("\n\n".join([markdown(rows, copy_bw), unpack_markdown(rows, copy_bw, unpacks), *extra])
               + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
         if args.out:

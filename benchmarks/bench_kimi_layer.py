@@ -60,6 +60,7 @@ from bench_util import copy_ceiling, matmul_peak, median_s  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.layers import rms_norm  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
+from kdtree_jax.moe import tile_experts  # noqa: E402
 from kdtree_jax.speculative import aligned_rows  # noqa: E402
 from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
 from pallas_kernels.verify_attn import BACKENDS  # noqa: E402
@@ -73,6 +74,11 @@ ROUTED = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "
 LAYER_PARTS = (("head", "head"), ("attn", "attention"), ("experts", "experts"), ("shared", "shared_expert"),
                ("router", "router"), ("ffn", "dense_mlp"))
 LAYER_PALLAS_PARTS = {"verify_attn": "attention", "int4": "experts"}  # pallas_call names -> part
+# how the routed INT4 experts are stored: as loaded ([E, N, K/8]), or re-laid by `kdtree_jax.moe.tile_experts`, which
+# the engine applies when it loads a target onto one device
+ROW_MAJOR, TILE_MAJOR = "row-major", "tile-major"
+EXPERT_LAYOUTS = (ROW_MAJOR, TILE_MAJOR)
+ENGINE_LAYOUT = TILE_MAJOR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +140,21 @@ def random_module(build, group: int, seed: int = 0):
     return graphdef, jax.tree_util.tree_map_with_path(fill, state)
 
 
-def build_model(cfg, dtype, moe_impl: str = "auto"):
-    """(graphdef, state) of a KimiModel with INT4 experts and random weights made on the device."""
-    return random_module(lambda: KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=dtype, cache_dtype=dtype,
-                                           expert_format="int4", moe_impl=moe_impl), cfg.quantization.group_size)
+def build_model(cfg, dtype, moe_impl: str = "auto", expert_layout: str = ENGINE_LAYOUT):
+    """(graphdef, state) of a KimiModel with INT4 experts and random weights made on the device, the experts stored
+    as the engine stores them (`expert_layout` TILE_MAJOR) or as loaded (ROW_MAJOR)."""
+    graphdef, state = random_module(lambda: KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=dtype,
+                                                      cache_dtype=dtype, expert_format="int4", moe_impl=moe_impl),
+                                    cfg.quantization.group_size)
+    return (graphdef, state) if expert_layout == ROW_MAJOR else tile_major(graphdef, state)[:2]
+
+
+def tile_major(graphdef, state):
+    """(graphdef, state) with the kernel layers' experts re-laid as the engine does (`moe.tile_experts`; the given
+    state is left as it is), and how many layers were re-laid."""
+    model = nnx.merge(graphdef, state)
+    count = tile_experts(model)
+    return (*nnx.split(model), count)
 
 
 def weight_bytes(state) -> dict:
@@ -309,7 +326,12 @@ class Runner:
         self.cfg, self.sweep, self.args, self.interpret, self.dtype = cfg, sweep, args, interpret, dtype
         self.attn_backend = None if args.attn_backend == "auto" else args.attn_backend
         self.t0 = time.perf_counter()
-        self.graphdef, self.state = build_model(cfg, dtype)
+        self.layouts = tuple(args.expert_layouts)
+        self.graphdef, self.state = build_model(cfg, dtype, expert_layout=ROW_MAJOR)
+        self.states = {ROW_MAJOR: self.state}
+        self.tiled_layers = 0  # layers whose experts tile-major re-laid (the CPU smoke config's widths do not tile)
+        if TILE_MAJOR in self.layouts:
+            _, self.states[TILE_MAJOR], self.tiled_layers = tile_major(self.graphdef, self.state)
         self.wbytes = weight_bytes(self.state)
         self.expert_bytes = int4_expert_bytes(cfg)
         self.rows: list[dict] = []
@@ -332,11 +354,12 @@ class Runner:
     def verify_configs(self):
         sw = self.sweep
         capacity = aligned_rows(max(sw.prefixes) + max(sw.nodes))
-        modes = ["kernel", "as_is"]
-        for mode in modes:
+        modes = [("kernel", layout) for layout in self.layouts] + [("as_is", ROW_MAJOR)]
+        for mode, layout in modes:
             for bt in sw.batches:
                 for n in sw.nodes:
-                    base = dict(kind="verify", moe=mode, batch=bt, nodes=n, pallas_attn=not self.args.no_pallas_attn)
+                    base = dict(kind="verify", moe=mode, batch=bt, nodes=n, pallas_attn=not self.args.no_pallas_attn,
+                                expert_layout=layout)
                     if mode == "as_is" and bt * n > self.args.as_is_max_tokens:
                         self.record({**base, "skipped": f"as-is MoE above {self.args.as_is_max_tokens} tokens "
                                                         "(dequantizes every gathered / every expert)"})
@@ -344,10 +367,10 @@ class Runner:
                     if self.out_of_time():
                         self.record({**base, "skipped": "time budget"})
                         continue
-                    self.verify_one(base, bt, n, capacity, mode)
+                    self.verify_one(base, bt, n, capacity, mode, layout)
 
-    def verify_one(self, base, bt, n, capacity, mode):
-        cfg, rng = self.cfg, np.random.default_rng(bt * 1000 + n)
+    def verify_one(self, base, bt, n, capacity, mode, layout: str = ROW_MAJOR):
+        cfg, rng, state = self.cfg, np.random.default_rng(bt * 1000 + n), self.states[layout]
         try:
             t_c = time.perf_counter()
             jitted = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret,
@@ -369,21 +392,21 @@ class Runner:
 
                 def steps_of(k):
                     def call():
-                        acc, holder["cache"], d = compiled[k](self.state, sets[k], pos, start, m, holder["cache"])
+                        acc, holder["cache"], d = compiled[k](state, sets[k], pos, start, m, holder["cache"])
                         distinct.append(d)
                         return acc
                     return call
 
                 if first:
                     for k in self.args.steps:
-                        compiled[k] = jitted.lower(self.state, sets[k], pos, start, m, holder["cache"]).compile()
+                        compiled[k] = jitted.lower(state, sets[k], pos, start, m, holder["cache"]).compile()
                         jax.block_until_ready(steps_of(k)())
                     row["first_call_s"] = time.perf_counter() - t_c
                     first = False
                 row.update(per_step_ms(self.args.steps, [median_s(steps_of(k), min_reps=3, max_reps=10,
                                                                   min_total_s=0.1) for k in self.args.steps]))
                 if self.args.trace:
-                    row["parts_us_per_step"] = self.trace_parts(f"{mode}_b{bt}_n{n}_p{prefix}", compiled,
+                    row["parts_us_per_step"] = self.trace_parts(f"{mode}_{layout}_b{bt}_n{n}_p{prefix}", compiled,
                                                                 steps_of)
                 self.bytes_of(row, np.mean(np.stack([np.asarray(d) for d in distinct]), axis=0), bt * prefix)
                 if mode == "skip":  # routed experts not read
@@ -408,9 +431,10 @@ class Runner:
         experts = full - skip, decoder layers without experts = skip - head."""
         capacity = aligned_rows(max(self.sweep.prefixes) + 1)
         for bt in self.sweep.batches:
-            for mode in ("kernel", "skip"):
-                base = dict(kind="verify", moe=mode, batch=bt, nodes=1, pallas_attn=not self.args.no_pallas_attn)
-                self.verify_one(base, bt, 1, capacity, mode)
+            for mode, layout in [("kernel", layout) for layout in self.layouts] + [("skip", ROW_MAJOR)]:
+                base = dict(kind="verify", moe=mode, batch=bt, nodes=1, pallas_attn=not self.args.no_pallas_attn,
+                            expert_layout=layout)
+                self.verify_one(base, bt, 1, capacity, mode, layout)
             fn = make_head(self.graphdef, self.cfg)
             rng = np.random.default_rng(bt)
             secs = [median_s(lambda: fn(self.state, tokens), min_reps=3, max_reps=10, min_total_s=0.1)
@@ -427,7 +451,8 @@ class Runner:
         for mode, kind, chunked in (("kernel", "prefill_chunked", chunk), ("kernel", "prefill", None),
                                     ("as_is", "prefill", None)):
             for bt in self.sweep.batches:
-                base = dict(kind=kind, moe=mode, batch=bt, tokens=t, chunk=chunked)
+                layout = self.layouts[-1] if mode == "kernel" else ROW_MAJOR
+                base = dict(kind=kind, moe=mode, batch=bt, tokens=t, chunk=chunked, expert_layout=layout)
                 if mode == "as_is" and bt * t > self.args.as_is_max_tokens:
                     self.record({**base, "skipped": f"as-is MoE above {self.args.as_is_max_tokens} tokens"})
                     continue
@@ -445,7 +470,7 @@ class Runner:
                     distinct = []
 
                     def call(tokens):
-                        logits, holder["cache"], d = fn(self.state, tokens, holder["cache"])
+                        logits, holder["cache"], d = fn(self.states[layout], tokens, holder["cache"])
                         distinct.append(d)
                         return logits
 
@@ -508,7 +533,10 @@ def fit_cost_model(rows: list[dict], cfg) -> dict:
     """Verify time t = sum_k c_k * term_k, c_k >= 0, over the kernel-MoE verify points, terms from COST_TERMS (the
     subset with the smallest worst-case relative error); also the leave-one-out worst error (each point predicted by
     a fit without it), the honest figure for a model with this many terms."""
-    pts = [r for r in rows if r.get("kind") == "verify" and r.get("moe") == "kernel" and "ms" in r]
+    kernel = [r for r in rows if r.get("kind") == "verify" and r.get("moe") == "kernel" and "ms" in r]
+    layouts = {r.get("expert_layout", ROW_MAJOR) for r in kernel}  # runs before the layout field: row-major
+    fit_layout = ENGINE_LAYOUT if ENGINE_LAYOUT in layouts else ROW_MAJOR
+    pts = [r for r in kernel if r.get("expert_layout", ROW_MAJOR) == fit_layout]
     if len(pts) < len(COST_TERMS) + 2:
         return dict(error=f"only {len(pts)} points")
 
@@ -528,12 +556,17 @@ def fit_cost_model(rows: list[dict], cfg) -> dict:
         _, c_cols, c = _minimax_nonneg(x[keep], t[keep])
         loo.append(float(x[i, c_cols] @ c / t[i] - 1))
     named = {COST_TERMS[j]: float(v) for j, v in zip(cols, coef)}
-    return dict(terms=named, a_ms=named.get("intercept", 0.0) * 1e3,
+    return dict(expert_layout=fit_layout, terms=named, a_ms=named.get("intercept", 0.0) * 1e3,
                 attn_tflops=1 / named["attn_flops"] / 1e12 if named.get("attn_flops") else None,
                 expert_GBps=1 / named["expert_bytes"] / 1e9 if named.get("expert_bytes") else None,
                 us_per_token=named.get("tokens", 0.0) * 1e6,
                 cache_GBps=1 / named["cache_bytes"] / 1e9 if named.get("cache_bytes") else None,
                 max_abs_rel_err=err, loo_max_abs_rel_err=float(np.abs(loo).max()), points=len(pts))
+
+
+def moe_label(r: dict) -> str:
+    """The MoE column: the kernel's rows name their expert layout."""
+    return f"{r['moe']} {r.get('expert_layout', ROW_MAJOR)}" if r.get("moe") == "kernel" else r["moe"]
 
 
 def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
@@ -544,7 +577,7 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
         if "ms" not in r:
             note = r.get("skipped") or ("OOM" if r.get("oom") else r.get("error", ""))
             empty = " — |" * 7
-            lines.append(f"| {r['kind']} | {r['moe']} | {r['batch']} | {n} |{empty} {note} |")
+            lines.append(f"| {r['kind']} | {moe_label(r)} | {r['batch']} | {n} |{empty} {note} |")
             continue
         bw = r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw  # a refit of several runs: the row's own run's
         roof = r["bytes"] / bw
@@ -552,7 +585,7 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
             roof = max(roof, r["flops"] / peak)
         fit = f"{r['fit_ms']:.2f} ({100 * r['fit_rel_err']:+.0f}%)" if "fit_ms" in r else "—"
         dist = "/".join(f"{d}" for d in r["distinct_experts"])
-        lines.append(f"| {r['kind']} | {r['moe']} | {r['batch']} | {n} | {r.get('prefix', 0)} | {r['ms']:.2f} | "
+        lines.append(f"| {r['kind']} | {moe_label(r)} | {r['batch']} | {n} | {r.get('prefix', 0)} | {r['ms']:.2f} | "
                      f"{dist} | {r['bytes'] / 1e9:.2f} | {roof * 1e3:.2f} | {r['ms'] / 1e3 / roof:.2f} | {fit} | "
                      f"{'compute' if 'flops' in r and r['flops'] / peak > r['bytes'] / bw else ''} |")
     traced = [r for r in rows if "parts_us_per_step" in r]
@@ -562,7 +595,7 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
                   "| MoE | batch | N | prefix | " + " | ".join(parts) + " | sum |", "|---" * (len(parts) + 5) + "|"]
         for r in traced:
             got = r["parts_us_per_step"]
-            lines.append(f"| {r['moe']} | {r['batch']} | {r['nodes']} | {r['prefix']} | "
+            lines.append(f"| {moe_label(r)} | {r['batch']} | {r['nodes']} | {r['prefix']} | "
                          + " | ".join(f"{got.get(p, 0.0):.1f}" for p in parts) + f" | {sum(got.values()):.1f} |")
     return "\n".join(lines)
 
@@ -614,6 +647,9 @@ def main(argv=None):
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="also profile each verify point into DIR and report its kernel time per step by part "
                              "(XLA command buffers off, so that kernels name their HLO op)")
+    parser.add_argument("--expert-layouts", nargs="+", choices=EXPERT_LAYOUTS, default=[ENGINE_LAYOUT],
+                        help="how the kernel MoE's experts are stored, each timed side by side (row-major = as "
+                             "loaded; tile-major = as the engine stores them, kdtree_jax.moe.tile_experts)")
     parser.add_argument("--refit", metavar="JSON", nargs="+",
                         help="refit the cost model of saved --out files, as one (no GPU needed)")
     args = parser.parse_args(argv)
@@ -645,7 +681,9 @@ def main(argv=None):
         runner = Runner(cfg, sweep, args, interpret=not on_gpu, dtype=dtype)
         result["weight_bytes"] = runner.wbytes
         result["int4_bytes_per_expert"] = runner.expert_bytes
-        print(f"weights on device: {json.dumps(runner.wbytes)} (build {time.perf_counter() - t0:.0f} s)", flush=True)
+        result["tile_major_layers"] = runner.tiled_layers
+        print(f"weights on device: {json.dumps(runner.wbytes)} (build {time.perf_counter() - t0:.0f} s); "
+              f"{runner.tiled_layers} layers' experts tile-major", flush=True)
         if args.ar_breakdown:
             runner.ar_breakdown()
         else:

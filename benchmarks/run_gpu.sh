@@ -10,12 +10,14 @@
 #   tree-kernels    tree_build / tree_accept against the host heap and walk (benchmarks/bench_tree_kernels.py)
 #   topk            per-depth top-K draft log-probs, kernel vs XLA variants (benchmarks/bench_topk.py)
 #   int4-moe        the INT4 grouped expert FFN vs dequantize-then-matmul vs bf16 experts (benchmarks/bench_int4_moe.py)
-#   int4-serving    the INT4 expert FFN at the routed tokens of AR batch 8-64 and a batch-8 B = 16 verify, with the tile
-#                   sweep there (bench_int4_moe.py --tune)
+#   int4-serving    the INT4 expert FFN at the routed tokens of AR batch 1-64 and a batch-8 B = 16 verify, row-major vs
+#                   tile-major weights, with the tile sweep there (bench_int4_moe.py --layouts --tune)
 #   k26-layer       full-width K2.6 layers against the HBM roofline (benchmarks/bench_kimi_layer.py)
 #   k26-ar-step     the K2.6 AR step inside a compiled loop, per step from two loop lengths (bench_kimi_layer.py)
 #   k26-batches     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, per step from two loop
 #                   lengths, each part by part from a profiler trace (bench_kimi_layer.py --trace)
+#   k26-layouts     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, with the experts row-major
+#                   (as loaded) and tile-major (as the engine stores them) side by side (bench_kimi_layer.py)
 #   k26-round       one K2.6-width round part by part, from a profiler trace (benchmarks/profile_round.py)
 #   round           one round of the shipped pair part by part (benchmarks/bench_round.py)
 #   mesh            K2.6-width layers on 2 GPUs vs one, same tokens, ms per round (nvidia-h200-x2)
@@ -75,12 +77,16 @@ target() {
     k26-layer) "$PY" benchmarks/bench_kimi_layer.py --budget-s 250 --out "$OUT/k26_layer.json" ;;
     k26-ar-step) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --budget-s 120 \
         --out "$OUT/k26_ar_step.json" ;;
-    int4-serving) "$PY" benchmarks/bench_int4_moe.py --kernel-only --unpack bf16x2 --tune --tokens 8 32 64 136 \
-        --tune-tokens 32 64 136 --budget-s 400 --out "$OUT/int4_serving.json" ;;
+    int4-serving) "$PY" benchmarks/bench_int4_moe.py --kernel-only --unpack bf16x2 --layouts --tune \
+        --tokens 1 8 32 64 136 --tune-tokens 32 136 --budget-s 400 --out "$OUT/int4_serving.json" ;;
     k26-batches) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --batches 1 8 32 64 \
         --trace /tmp/k26_trace --budget-s 240 --out "$OUT/k26_ar_batches.json" &&
         "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
         --trace /tmp/k26_trace --budget-s 120 --out "$OUT/k26_verify_b8.json" ;;
+    k26-layouts) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --batches 1 8 32 64 \
+        --expert-layouts row-major tile-major --budget-s 240 --out "$OUT/k26_ar_layouts.json" &&
+        "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
+        --expert-layouts row-major tile-major --budget-s 60 --out "$OUT/k26_verify_b8_layouts.json" ;;
     k26-round) "$PY" benchmarks/profile_round.py --batch 1 --budgets 16 --ar --out "$OUT/k26_round" ;;
     round) "$PY" benchmarks/bench_round.py --time-limit 200 --out "$OUT/round.json" ;;
     mesh) "$PY" benchmarks/bench_mesh_scaling.py --layers 4 --batch 1 --modes ar ddtree --meshes 1x1x2 \

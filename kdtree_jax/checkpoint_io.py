@@ -33,6 +33,7 @@ from kdtree_jax.config import ModelConfig
 from kdtree_jax.drafter import load_drafter
 from kdtree_jax.hf_checkpoint import HFCheckpoint
 from kdtree_jax.model import KimiModel
+from kdtree_jax.moe import tile_experts
 from kdtree_jax.sharding import shard_model, state_shardings
 from kdtree_jax.tokenizer import KimiTokenizer
 from kdtree_jax.weights import load_model
@@ -307,6 +308,8 @@ def load_target_any(path: str | os.PathLike, *, dtype: str = "float32", mesh=Non
                                 f"converted one ({META})")
     if mesh is not None:
         model = shard_model(model, mesh)
+    else:  # one device: the grouped INT4 kernel reads its experts tile-major (BENCHMARKS.md 4a)
+        tile_experts(model)
     return model
 
 

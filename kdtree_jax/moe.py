@@ -6,8 +6,8 @@ Two exact XLA expert paths: "dense" runs every expert on every token and combine
 weights — cheap for tiny E; "gather" fetches each token's k selected experts (`w[idx]`) — cheaper when M*k < E.
 They are the correctness baseline. "kernel" (INT4 experts only) runs the grouped Pallas kernel
 `pallas_kernels.int4_moe.int4_moe_ffn`: the model's packed layout is the kernel's own ([E, out, in/8] words, nibble k
-of word j = column 8j+k, bf16 group scales), so it reads the stored arrays as they are, unpacks in registers and
-skips idle experts. "auto" picks "kernel" for INT4 experts on a GPU backend outside a multi-device mesh (there a
+of word j = column 8j+k, bf16 group scales; `tile_experts` re-lays them tile by tile for the kernel's reads), so it
+reads the stored arrays as they are, unpacks in registers and skips idle experts. "auto" picks "kernel" for INT4 experts on a GPU backend outside a multi-device mesh (there a
 custom call would make GSPMD gather the sharded experts; "ep" is the mesh path), else gather/dense by the shape rule.
 
 Axes: M tokens, D hidden, E experts, k experts per token, I expert width, G groups.
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import init_normal, swiglu
 from kdtree_jax.quant import NIBBLES_PER_WORD, dequant_int4_jnp
-from pallas_kernels.int4_moe import int4_moe_ffn
+from pallas_kernels.int4_moe import int4_moe_ffn, tile_int4, untile_int4
 
 MOE_IMPLS = ("auto", "dense", "gather", "kernel", "ep")  # ep: expert-parallel over the mesh set by jax.set_mesh
 INT4_ARRAYS = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")  # kernel arg order
@@ -125,11 +125,44 @@ def resolve_impl(moe: MoE, n_tokens: int) -> str:
     return "gather" if n_tokens * moe.cfg.num_experts_per_tok < moe.cfg.n_routed_experts else "dense"
 
 
+def tile_experts(model: nnx.Module) -> int:
+    """Store the routed INT4 experts of every layer that runs the grouped kernel tile-major, in place; returns how
+    many layers were re-laid.
+
+    Why: the kernel reads, per K step, a [block_n, block_w] tile of words and its scales; row-major that is block_n
+    runs of 128 B strided by a whole weight row (and 16 B runs of scales), tile-major one contiguous block each
+    (`pallas_kernels.int4_moe.tile_int4`; same values, so the same output bits). Layers whose impl resolves to
+    "kernel" only: under a mesh ("ep", or "auto" choosing XLA) the shardings split the row-major axes, so they stay.
+    The XLA paths read either layout. A one-time device transpose of each expert stack (a copy of one array at a time).
+    """
+    count = 0
+    for _, module in nnx.iter_modules(model):
+        if not (isinstance(module, MoE) and module.expert_format == "int4" and resolve_impl(module, 1) == "kernel"):
+            continue
+        pairs = [(getattr(module, n + "_packed"), getattr(module, n + "_scale")) for n in ("gate", "up", "down")]
+        if any(p.ndim == 5 for p, _ in pairs) or not all(_tiles_evenly(p, s) for p, s in pairs):
+            continue  # already tile-major, or widths the kernel's tiles do not divide (tiny test models)
+        for packed, scale in pairs:
+            tiled = jax.jit(tile_int4)(packed[...], scale[...])
+            packed.set_value(tiled[0])
+            scale.set_value(tiled[1])
+        count += 1
+    return count
+
+
+def _tiles_evenly(packed, scale) -> bool:
+    try:
+        jax.eval_shape(tile_int4, packed[...], scale[...])
+    except ValueError:
+        return False
+    return True
+
+
 def experts_int4_kernel(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, out_dtype=None) -> jax.Array:
     """Routed INT4 SwiGLU experts through the grouped Pallas kernel: x [M, D], weights / idx [M, k] -> [M, D].
 
-    `experts` maps the INT4_ARRAYS names to stacked arrays ([E, out, in/8] int32, [E, out, in/group] scales) in the
-    model's stored layout, which is the kernel's; any E works (e.g. one device's local experts: ids outside 0..E-1
+    `experts` maps the INT4_ARRAYS names to stacked arrays ([E, out, in/8] int32, [E, out, in/group] scales, or
+    their tile-major form from `tile_experts`), which the kernel reads as stored; any E works (e.g. one device's local experts: ids outside 0..E-1
     are absent pairs that cost nothing). Interpret mode follows the backend (`resolve_interpret`).
     """
     return int4_moe_ffn(x, idx, weights, *(experts[n] for n in INT4_ARRAYS), out_dtype=out_dtype)
@@ -176,7 +209,7 @@ def _expert_weights(moe: MoE, idx: jax.Array | None, dt) -> tuple[jax.Array, jax
         return tuple((w if idx is None else w[idx]).astype(dt) for w in ws)
     out = []
     for name in ("gate", "up", "down"):
-        packed, scale = getattr(moe, name + "_packed")[...], getattr(moe, name + "_scale")[...]
+        packed, scale = untile_int4(getattr(moe, name + "_packed")[...], getattr(moe, name + "_scale")[...])
         if idx is not None:
             packed, scale = packed[idx], scale[idx]
         out.append(jnp.swapaxes(dequant_int4_jnp(packed, scale, moe.group_size, dt), -1, -2))  # [in, out]

@@ -62,6 +62,7 @@ PAIRWISE_ROUTE_MAX_PAIRS = 512  # route by [P, P] comparisons up to here (64 tok
 # tile the fused gate/up kernel spilled 216 (1 token) to 1176 (512 tokens) bytes per thread on 4 warps; 32 words on
 # 8 warps keeps both kernels in registers from 1 to 512 routed tokens.
 DEFAULT_BLOCK_N = 64  # output columns per program
+TILE_MAJOR_BLOCK_N = 128  # `tile_int4`'s default: 1.25x faster than 64 row-major at 32 and 136 tokens (BENCHMARKS 4a)
 DEFAULT_BLOCK_W = 32  # packed words per K tile (= 256 input columns)
 DEFAULT_WARPS = 8
 DEFAULT_STAGES = 3  # K-loop pipeline depth: H200 tune (BENCHMARKS.md 4a) 1.21x faster than 2 at 1 token, 1.04x at 16
@@ -244,6 +245,7 @@ class _Plan:
     block_w: int
     slots: int
     split_k: int = 1  # programs per (N tile, slot), each over 1/split_k of the K tiles, writing fp32 partials
+    tiled: bool = False  # weights tile-major (`tile_int4`): each K-loop tile is one contiguous block
 
 
 def _nibble_f32(words, k: int):
@@ -328,8 +330,11 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan:
             xs = [x_ref[pl.ds(r0, bm), pl.ds(k * plan.words + w0, bw)] for k in range(NIBBLES_PER_WORD)]  # [bm, bw]
             new = []
             for (p_ref, s_ref), acc in zip(weights, accs):
-                words = p_ref[e, pl.ds(n0, bn), pl.ds(w0, bw)]  # [bn, bw] int32
-                sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)]  # [bn, bw/gw]
+                if plan.tiled:
+                    words, sc = p_ref[e, j, t], s_ref[e, j, t]  # [bn, bw] int32, [bn, bw/gw]
+                else:
+                    words = p_ref[e, pl.ds(n0, bn), pl.ds(w0, bw)]  # [bn, bw] int32
+                    sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)]  # [bn, bw/gw]
                 sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
                 if unpack == UNPACK_BF16X2:
                     planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret)
@@ -364,6 +369,62 @@ def _resolve_unpack(unpack: str | None, dtype) -> str:
     if unpack == UNPACK_BF16X2 and jnp.dtype(dtype) != jnp.bfloat16:
         raise ValueError(f"int4 matmul: unpack={unpack!r} needs bfloat16 activations, got {jnp.dtype(dtype).name}")
     return unpack
+
+
+def int4_dims(packed: jax.Array) -> tuple[int, int, int]:
+    """(E, N, K/8) of packed words, row-major [E, N, K/8] or tile-major [E, N/bn, K/8/bw, bn, bw] (`tile_int4`)."""
+    if packed.ndim == 5:
+        e, nt, wt, bn, bw = packed.shape
+        return e, nt * bn, wt * bw
+    return tuple(packed.shape)
+
+
+def int4_scale_groups(scale: jax.Array) -> int:
+    """Scale groups per weight row of a row-major [E, N, K/G] or tile-major [E, N/bn, K/8/bw, bn, bw/gw] scale."""
+    return scale.shape[2] * scale.shape[4] if scale.ndim == 5 else scale.shape[-1]
+
+
+def tile_int4(packed: jax.Array, scale: jax.Array, *, block_n: int | None = None,
+              block_w: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Row-major packed [E, N, K/8] + scale [E, N, K/G] -> tile-major [E, N/bn, K/8/bw, bn, bw] + [..., bn, bw/gw].
+
+    Why: the kernel's program j reads, at K step t, the [bn, bw] words of rows j*bn.. and words t*bw..; row-major,
+    that is bn runs of 4*bw bytes (128 B at the default tiles) strided by a whole weight row, and its scales are bn
+    runs of 16 B. Tile-major, each K step's words and its scales are one contiguous block each. Same values, a
+    different order: a one-time re-layout of the stored experts, not a per-call copy. The tiles are those the kernel
+    would pick for these shapes (block_n / block_w as in `grouped_int4_matmul`); N and K/8 must be whole tiles.
+    """
+    if packed.ndim != 3 or scale.ndim != 3 or scale.shape[:2] != packed.shape[:2]:
+        raise ValueError(f"tile_int4: packed must be [E, N, K/8] and scale [E, N, K/G], got {packed.shape} and "
+                         f"{scale.shape}")
+    e, n_out, words = packed.shape
+    k_in = words * NIBBLES_PER_WORD
+    if k_in % scale.shape[-1]:
+        raise ValueError(f"tile_int4: scale {scale.shape} does not fit packed {packed.shape}")
+    if block_n is None:
+        block_n = min(TILE_MAJOR_BLOCK_N, max(MIN_DOT, next_pow2(n_out)))
+    plan = _make_plan(0, k_in, n_out, k_in // scale.shape[-1], MIN_DOT, block_n, block_w, 0)
+    if (plan.n_out, plan.words) != (n_out, words):
+        raise ValueError(f"tile_int4: N={n_out} and K/8={words} must be multiples of the tiles (block_n="
+                         f"{plan.block_n}, block_w={plan.block_w})")
+    bn, bw, gw = plan.block_n, plan.block_w, plan.group_words
+
+    def tiles(a, cols):
+        return a.reshape(e, n_out // bn, bn, words // bw, cols).transpose(0, 1, 3, 2, 4)
+
+    return tiles(packed, bw), tiles(scale, bw // gw)
+
+
+def untile_int4(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of `tile_int4` (row-major arrays pass through): for dequantizing paths and checkpoints."""
+    if packed.ndim != 5:
+        return packed, scale
+    e, n_out, _ = int4_dims(packed)
+
+    def rows(a):
+        return a.transpose(0, 1, 3, 2, 4).reshape(e, n_out, -1)
+
+    return rows(packed), rows(scale)
 
 
 def _pad_weights(packed, scale, plan: _Plan):
@@ -428,23 +489,35 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
     r, x_cols = x.shape
     if r != layout.rows:
         raise ValueError(f"grouped_int4_matmul: x has {r} rows, layout has {layout.rows}")
-    e, n_out, words = weights[0][0].shape
+    shape = weights[0][0].shape
+    tiled = len(shape) == 5
+    if tiled:  # the tiles are the layout's
+        if block_n not in (None, shape[3]) or block_w not in (None, shape[4]):
+            raise ValueError(f"grouped_int4_matmul: block_n={block_n}, block_w={block_w} differ from the tile-major "
+                             f"weights' tiles ({shape[3]}, {shape[4]})")
+        block_n, block_w = shape[3], shape[4]
+    _, n_out, words = int4_dims(weights[0][0])
     for i, (p, sc) in enumerate(weights):
-        if p.shape != (e, n_out, words) or p.dtype != jnp.int32:
-            raise ValueError(f"grouped_int4_matmul: packed weight {i} must be int32 [{e}, {n_out}, {words}], got "
+        if p.shape != shape or p.dtype != jnp.int32:
+            raise ValueError(f"grouped_int4_matmul: packed weight {i} must be int32 {list(shape)}, got "
                              f"{p.dtype} {p.shape}")
-        if sc.ndim != 3 or sc.shape[:2] != (e, n_out) or (words * NIBBLES_PER_WORD) % sc.shape[-1]:
-            raise ValueError(f"grouped_int4_matmul: scale {i} must be [{e}, {n_out}, K/G], got {sc.shape}")
+        if (sc.ndim != len(shape) or sc.shape[:-1] != shape[:-1] or not 0 < sc.shape[-1] <= shape[-1]
+                or (words * NIBBLES_PER_WORD) % int4_scale_groups(sc)):
+            raise ValueError(f"grouped_int4_matmul: scale {i} {sc.shape} does not fit packed {shape}")
     k_in = words * NIBBLES_PER_WORD
-    group_size = k_in // weights[0][1].shape[-1]
+    group_size = k_in // int4_scale_groups(weights[0][1])
     plan = _make_plan(r, k_in, n_out, group_size, layout.block_m, block_n, block_w, layout.slot_expert.shape[0],
                       split_k)
+    if tiled and (plan.n_out, plan.words) != (n_out, words):
+        raise ValueError(f"grouped_int4_matmul: tile-major weights {shape} are not whole K tiles of "
+                         f"{plan.block_w} words")
+    plan = dataclasses.replace(plan, tiled=tiled)
     want_cols = plan.words * NIBBLES_PER_WORD if nibble_major else k_in
     if x_cols != want_cols:
         raise ValueError(f"grouped_int4_matmul: x has {x_cols} columns, the packed weights need {want_cols}"
                          f"{' (nibble-major, padded to whole K tiles)' if nibble_major else ''}")
     xp = x if nibble_major else _nibble_major(x, plan.words)  # [R, 8*words']
-    flat = [a for p, sc in weights for a in _pad_weights(p, sc, plan)]
+    flat = [a for p, sc in weights for a in ((p, sc) if tiled else _pad_weights(p, sc, plan))]
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(_kernel, plan=plan, swiglu=swiglu, precision=precision, unpack=unpack,
                                interpret=interpret)
@@ -486,15 +559,16 @@ def _check_ffn(x, idx, weights, gate, up, down):
     m, d = x.shape
     if idx.shape != weights.shape or idx.ndim != 2 or idx.shape[0] != m:
         raise ValueError(f"int4_moe_ffn: idx {idx.shape} and weights {weights.shape} must both be [M={m}, k]")
-    e, inter, d_words = gate[0].shape
+    e, inter, d_words = int4_dims(gate[0])
     if d_words * NIBBLES_PER_WORD != d or up[0].shape != gate[0].shape:
         raise ValueError(f"int4_moe_ffn: gate/up packed must be [E, I, D/8] with D={d}, got {gate[0].shape} and "
                          f"{up[0].shape}")
-    if down[0].shape != (e, d, inter // NIBBLES_PER_WORD):
-        raise ValueError(f"int4_moe_ffn: down packed must be [E={e}, D={d}, I/8={inter // NIBBLES_PER_WORD}], got "
-                         f"{down[0].shape}")
+    if int4_dims(down[0]) != (e, d, inter // NIBBLES_PER_WORD) or down[0].ndim != gate[0].ndim:
+        raise ValueError(f"int4_moe_ffn: down packed must be [E={e}, D={d}, I/8={inter // NIBBLES_PER_WORD}] in "
+                         f"gate's layout, got {down[0].shape}")
     for name, (p, sc) in (("gate", gate), ("up", up), ("down", down)):
-        if sc.shape[:2] != p.shape[:2] or (p.shape[-1] * NIBBLES_PER_WORD) % sc.shape[-1]:
+        if (sc.ndim != p.ndim or sc.shape[:-1] != p.shape[:-1]
+                or (int4_dims(p)[2] * NIBBLES_PER_WORD) % int4_scale_groups(sc)):
             raise ValueError(f"int4_moe_ffn: {name} scale {sc.shape} does not fit packed {p.shape}")
 
 
@@ -539,10 +613,11 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     split_k applies to the gate/up call only (see `grouped_int4_matmul`).
     """
     _check_ffn(x, idx, weights, (gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))
+    route_w = gate_packed.shape[4] if gate_packed.ndim == 5 else block_w  # tile-major weights carry their tiles
     kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, num_stages=num_stages, unpack=unpack,
               interpret=interpret)
-    group = x.shape[1] // gate_scale.shape[-1]
-    layout, xp = moe_route(x, idx, gate_packed.shape[0], group_size=group, block_m=block_m, block_w=block_w)
+    group = x.shape[1] // int4_scale_groups(gate_scale)
+    layout, xp = moe_route(x, idx, gate_packed.shape[0], group_size=group, block_m=block_m, block_w=route_w)
     h = moe_gate_up(xp, layout, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k, **kw)
     y = moe_down(h, layout, (down_packed, down_scale), **kw)  # [R, D]
     return moe_combine(y, layout, weights, out_dtype or x.dtype)

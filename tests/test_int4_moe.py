@@ -403,3 +403,68 @@ def test_split_k_and_stages_lower_for_h200(m, split_k, stages):
     fn = functools.partial(int4_moe_ffn, split_k=split_k, num_stages=stages, block_n=32, interpret=False)
     text = lower_for_h200(fn, *ffn_specs(m, 7168, 2048, 384, 8, jnp.bfloat16)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+# ---- tile-major weights ---------------------------------------------------------------------------------------------
+def _tiled(w, **tiles):
+    return [a for p, s in zip(w[::2], w[1::2]) for a in int4_moe.tile_int4(jnp.asarray(p), jnp.asarray(s), **tiles)]
+
+
+@pytest.mark.parametrize("tokens,d,inter,split_k,dtype", [(3, 512, 256, 1, np.float32), (9, 256, 128, 2, jnp.bfloat16)])
+def test_tile_major_weights_give_row_major_bits(rng, interpret, tokens, d, inter, split_k, dtype):
+    """Same kernel, weights re-laid tile by tile: the same output bits, several N and K tiles per call, both kernels."""
+    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
+    idx, weights = random_routing(rng, tokens)
+    x = as_input(rng.standard_normal((tokens, d)), dtype)
+    args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
+    kw = dict(block_w=16, split_k=split_k, interpret=interpret)
+    tiled = _tiled(w, block_n=32, block_w=16)
+    assert tiled[0].shape == (E, inter // 32, d // 8 // 16, 32, 16) and tiled[1].shape[-1] == 16 // (GROUP // 8)
+    row = int4_moe_ffn(*args, *map(jnp.asarray, w), block_n=32, **kw)
+    tile = int4_moe_ffn(*args, *tiled, **kw)
+    np.testing.assert_array_equal(np.asarray(tile.astype(jnp.float32)), np.asarray(row.astype(jnp.float32)))
+    assert_close(tile, int4_moe_ffn_ref(x, idx, weights, *w), TOL[dtype], "tile-major")
+
+
+def test_tile_int4_round_trip_and_errors(rng):
+    packed, scale = random_int4(rng, 3, 128, 256)
+    tp, ts = int4_moe.tile_int4(jnp.asarray(packed), jnp.asarray(scale), block_n=64, block_w=16)
+    assert tp.shape == (3, 2, 2, 64, 16) and ts.shape == (3, 2, 2, 64, 4)
+    np.testing.assert_array_equal(np.asarray(tp[1, 1, 0]), packed[1, 64:128, 0:16])  # tile (n 1, k 0) of expert 1
+    bp, bs = int4_moe.untile_int4(tp, ts)
+    np.testing.assert_array_equal(np.asarray(bp), packed)
+    np.testing.assert_array_equal(np.asarray(bs).view(np.uint16), np.asarray(scale).view(np.uint16))
+    assert int4_moe.int4_dims(tp) == (3, 128, 32) and int4_moe.int4_scale_groups(ts) == 8
+    with pytest.raises(ValueError, match="multiples of the tiles"):
+        int4_moe.tile_int4(jnp.asarray(packed[:, :96]), jnp.asarray(scale[:, :96]), block_n=64)
+    with pytest.raises(ValueError, match=r"packed must be \[E, N, K/8\]"):
+        int4_moe.tile_int4(tp, ts)
+    layout = route_layout(jnp.zeros((4,), jnp.int32), 3, 16)
+    rows = jnp.ones((layout.rows, 256), jnp.float32)
+    with pytest.raises(ValueError, match="differ from the tile-major"):
+        int4_moe.grouped_int4_matmul(rows, ((tp, ts),), layout, block_n=32)
+
+
+@pytest.mark.parametrize("m", [1, 64])
+def test_tile_major_lowers_for_h200(m):
+    d, inter, e = 7168, 2048, 384
+    specs = list(ffn_specs(m, d, inter, e, 8, jnp.bfloat16))
+    for i in range(3, 9, 2):  # the packed / scale pairs, tile-major at the default tiles
+        shapes = jax.eval_shape(int4_moe.tile_int4, specs[i], specs[i + 1])
+        specs[i:i + 2] = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes]
+    text = lower_for_h200(functools.partial(int4_moe_ffn, interpret=False), *specs).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_k26_tile_major_bitwise_on_gpu(rng, m):
+    """Compiled at K2.6 shapes: tile-major weights give the row-major kernel's output bits."""
+    w = _k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384)
+    idx, weights = random_routing(rng, m, 384, 8)
+    args = (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
+    ffn = jax.jit(int4_moe_ffn)
+    row = np.asarray(ffn(*args, *w).astype(jnp.float32))
+    tile = np.asarray(ffn(*args, *_tiled(w)).astype(jnp.float32))
+    assert np.isfinite(row).all() and np.abs(row).max() > 0
+    np.testing.assert_array_equal(tile, row)

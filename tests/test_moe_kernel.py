@@ -1,6 +1,8 @@
 """MoE impl "kernel" (INT4 experts through `pallas_kernels.int4_moe.int4_moe_ffn`, interpret on CPU) against the XLA
 "gather" / "dense" paths and the float64 reference MoE, a whole tiny INT4 model forward with the kernel, "auto"
-choosing the kernel only on GPU, and Triton lowering of the model forward for an abstract H200."""
+choosing the kernel only on GPU, Triton lowering of the model forward for an abstract H200, and tile-major experts."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 from kdtree_jax import reference
 from kdtree_jax.config import tiny
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify
-from kdtree_jax.moe import INT4_ARRAYS, MoE, experts_int4_kernel, resolve_impl, route
+from kdtree_jax.moe import INT4_ARRAYS, MoE, experts_int4_kernel, resolve_impl, route, tile_experts
 from kdtree_jax.quant import Int4Packed
 from kdtree_jax.weights import build_model, random_hf_weights
 from pallas_kernels._pallas import lower_for_h200
@@ -182,3 +184,24 @@ def test_model_verify_lowers_for_h200_with_kernel(monkeypatch, backend, calls):
     lowered = lower_for_h200(logits, jax.tree.map(lambda a: spec(a.shape, a.dtype), state), spec((b, n), jnp.int32),
                              spec((b, n), jnp.int32), spec((b,), jnp.int32), spec((b, n, n), jnp.bool_), cache)
     assert lowered.as_text().count(TRITON_CALL) == calls
+
+
+# ---- tile-major experts -----------------------------------------------------------------------------------------------
+def test_tile_experts_keeps_every_path_exact(rng):
+    """`tile_experts` re-lays a kernel layer's experts tile-major: the kernel gives the same bits, the XLA paths the
+    same values; layers that do not run the kernel, and widths the tiles do not divide, stay row-major."""
+    cfg = dataclasses.replace(CFG, hidden_size=256, moe_intermediate_size=128)  # whole kernel tiles
+    moe = MoE(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))), expert_format="int4", impl="kernel")
+    x = jnp.asarray(rng.standard_normal((3, 4, cfg.hidden_size)), jnp.float32)
+    row = run_moe(moe, x)
+    gather = MoE(cfg, rngs=nnx.Rngs(0), expert_format="int4", impl="gather")
+    nnx.update(gather, nnx.state(moe))
+    want = run_moe(gather, x)
+    assert tile_experts(gather) == 0 and gather.gate_packed.ndim == 3  # XLA path: stays row-major
+    assert tile_experts(moe) == 1 and moe.gate_packed.ndim == 5 and moe.down_scale.ndim == 5
+    assert tile_experts(moe) == 0  # already tile-major
+    np.testing.assert_array_equal(run_moe(moe, x), row)
+    moe.impl = "gather"  # the XLA path reads the tile-major arrays too
+    np.testing.assert_allclose(run_moe(moe, x), want, rtol=1e-6, atol=1e-6)
+    small = MoE(CFG, rngs=nnx.Rngs(0), expert_format="int4", impl="kernel")  # D 64: no whole 16-word K tile
+    assert tile_experts(small) == 0 and small.gate_packed.ndim == 3
