@@ -7,7 +7,9 @@ registers and fed to the tensor cores; untouched experts cost nothing.
 
 Weight layout (`int4_layout.py`, compressed-tensors pack-quantized; the model's stacked INT4 experts): packed
 int32 [E, N, K/8] — nibble k of word j is input column 8j+k, offset 8 — and scale bf16 [E, N, K/G]:
-W[e, n, i] = (nib - 8) * scale[e, n, i // G].
+W[e, n, i] = (nib - 8) * scale[e, n, i // G]. The kernel also reads the same words tile-major (`tile_int4`:
+[E, N/bn, K/8/bw, bn, bw], scales alike), where each K step's tile is one contiguous block instead of bn strided
+runs: 1.14-1.25x faster at 1-64 tokens (BENCHMARKS.md §4a), and the engine's layout on one GPU.
 
 Routing layout (XLA, outside the kernel): the P (token, expert) pairs are sorted by expert; each touched expert
 gets a *slot* whose rows start at a multiple of `block_m` (padded with zero rows), so every row block belongs to
