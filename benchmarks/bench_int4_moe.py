@@ -415,7 +415,8 @@ def tune_markdown(rows: list[dict]) -> str:
     if not tuned:
         return ""
     lines = ["| block_n | block_w | warps | stages | split_k | weights | "
-             + " | ".join(f"{r['tokens']} tok ms" for r in tuned) + " |", "|---|---|---|---|---|---|" + "---|" * len(tuned)]
+             + " | ".join(f"{r['tokens']} tok ms" for r in tuned) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(tuned)]
     for c in TUNE:
         lines.append(f"| {c.block_n} | {c.block_w} | {c.warps} | {c.stages} | {c.split_k} | "
                      f"{'tile-major' if c.tiled else 'row-major'} | "

@@ -19,6 +19,8 @@ Measured (median, warm-up, block_until_ready; cache donated and fed back):
     forward_prefill over all tokens at start 0 (the model's other form, for comparison). Both rows' roofline uses
     the plain-MLA FLOPs and one read of the weights; the chunked path reads the weights once per chunk and does
     ~3.4x the attention FLOPs per score (576 + 512 wide instead of 192 + 128), so its roofline is a lower bound.
+  - --expert-layouts: the kernel MoE with its experts row-major (as loaded) and / or tile-major (as the engine stores
+    them on one GPU, `kdtree_jax.moe.tile_experts`), side by side; the cost model fits the engine's layout.
   - MoE two ways: "kernel" = the model's expert path swapped (locally, by patching kdtree_jax.moe's expert functions
     while tracing) for `pallas_kernels.int4_moe.int4_moe_ffn`; "as_is" = the model's own path (gather / dense, which
     dequantizes every gathered or every expert), tried only up to --as-is-max-tokens routed tokens.
@@ -329,7 +331,7 @@ class Runner:
         self.layouts = tuple(args.expert_layouts)
         self.graphdef, self.state = build_model(cfg, dtype, expert_layout=ROW_MAJOR)
         self.states = {ROW_MAJOR: self.state}
-        self.tiled_layers = 0  # layers whose experts tile-major re-laid (the CPU smoke config's widths do not tile)
+        self.tiled_layers = 0  # layers re-laid tile-major (the CPU smoke config's widths do not tile: 0 there)
         if TILE_MAJOR in self.layouts:
             _, self.states[TILE_MAJOR], self.tiled_layers = tile_major(self.graphdef, self.state)
         self.wbytes = weight_bytes(self.state)

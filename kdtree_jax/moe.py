@@ -7,8 +7,9 @@ weights — cheap for tiny E; "gather" fetches each token's k selected experts (
 They are the correctness baseline. "kernel" (INT4 experts only) runs the grouped Pallas kernel
 `pallas_kernels.int4_moe.int4_moe_ffn`: the model's packed layout is the kernel's own ([E, out, in/8] words, nibble k
 of word j = column 8j+k, bf16 group scales; `tile_experts` re-lays them tile by tile for the kernel's reads), so it
-reads the stored arrays as they are, unpacks in registers and skips idle experts. "auto" picks "kernel" for INT4 experts on a GPU backend outside a multi-device mesh (there a
-custom call would make GSPMD gather the sharded experts; "ep" is the mesh path), else gather/dense by the shape rule.
+reads the stored arrays as they are, unpacks in registers and skips idle experts. "auto" picks "kernel" for INT4
+experts on a GPU backend outside a multi-device mesh (there a custom call would make GSPMD gather the sharded
+experts; "ep" is the mesh path), else gather/dense by the shape rule.
 
 Axes: M tokens, D hidden, E experts, k experts per token, I expert width, G groups.
 """
@@ -162,8 +163,9 @@ def experts_int4_kernel(x: jax.Array, weights: jax.Array, idx: jax.Array, expert
     """Routed INT4 SwiGLU experts through the grouped Pallas kernel: x [M, D], weights / idx [M, k] -> [M, D].
 
     `experts` maps the INT4_ARRAYS names to stacked arrays ([E, out, in/8] int32, [E, out, in/group] scales, or
-    their tile-major form from `tile_experts`), which the kernel reads as stored; any E works (e.g. one device's local experts: ids outside 0..E-1
-    are absent pairs that cost nothing). Interpret mode follows the backend (`resolve_interpret`).
+    their tile-major form from `tile_experts`), which the kernel reads as stored; any E works (e.g. one device's
+    local experts: ids outside 0..E-1 are absent pairs that cost nothing). Interpret mode follows the backend
+    (`resolve_interpret`).
     """
     return int4_moe_ffn(x, idx, weights, *(experts[n] for n in INT4_ARRAYS), out_dtype=out_dtype)
 

@@ -418,7 +418,7 @@ def tile_int4(packed: jax.Array, scale: jax.Array, *, block_n: int | None = None
 
 
 def untile_int4(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Inverse of `tile_int4` (row-major arrays pass through): for dequantizing paths and checkpoints."""
+    """Inverse of `tile_int4` (row-major arrays pass through): what the dequantizing XLA paths read."""
     if packed.ndim != 5:
         return packed, scale
     e, n_out, _ = int4_dims(packed)
