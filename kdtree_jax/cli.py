@@ -47,6 +47,21 @@ def parse_budget(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def parse_budget_table(text: str) -> dict[int, int | str]:
+    """A budget per count of active slots (serving), e.g. '1:64,4:32,8:ar' -> {1: 64, 4: 32, 8: 'ar'}."""
+    table = {}
+    for item in text.split(","):
+        slots, sep, budget = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            table[int(slots)] = "ar" if budget.strip().lower() == "ar" else int(budget)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected 'slots:budget' pairs such as 1:64,4:32,8:ar, got {text!r}") \
+                from None
+    return table
+
+
 def parse_sizes(text: str) -> tuple[int, ...]:
     """A comma-separated list of positive integers, e.g. --step-widths 1,4,16."""
     try:

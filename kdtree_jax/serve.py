@@ -30,6 +30,7 @@ from kdtree_jax.cli import (
     UsageError,
     default_budget,
     parse_budget,
+    parse_budget_table,
     parse_sizes,
     run_main,
 )
@@ -58,17 +59,7 @@ CACHE_HELP = ("compiled programs are kept in JAX's persistent compilation cache:
 
 def _serve_budget(text: str):
     """--budget: an integer B, 'auto', or a table by active slots such as '1:64,4:32,8:ar'."""
-    if ":" not in text:
-        return parse_budget(text)
-    table = {}
-    for item in text.split(","):
-        slots, _, b = item.partition(":")
-        try:
-            table[int(slots)] = "ar" if b.strip().lower() == "ar" else int(b)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected 'slots:budget' pairs such as 1:64,4:32,8:ar, got {text!r}") \
-                from None
-    return table
+    return parse_budget_table(text) if ":" in text else parse_budget(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine's
 
 from bench_engine import DEFAULT_DIR, load_prompts
 
-from kdtree_jax.cli import parse_sizes
+from kdtree_jax.cli import parse_budget_table, parse_sizes
 
 PERCENTILES = (50, 99)
 # default requests per load point: this many per concurrent request, and at least MIN_REQUESTS. On the H200 a
@@ -211,15 +211,6 @@ class ServingSetup:
     name: str
     mode: str
     budget: object = None  # int, "auto" or {active slots: B or "ar"}; None for ar / chain
-
-
-def parse_budget_table(text: str) -> dict[int, int | str]:
-    """"1:32,4:16,8:ar" -> {1: 32, 4: 16, 8: "ar"}."""
-    table = {}
-    for item in text.split(","):
-        slots, _, budget = item.partition(":")
-        table[int(slots)] = "ar" if budget.strip() == "ar" else int(budget)
-    return table
 
 
 def serving_setups(args) -> list[ServingSetup]:
@@ -799,6 +790,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.auto_table:
+        try:
+            parse_budget_table(args.auto_table)
+        except argparse.ArgumentTypeError as e:
+            p.error(f"--auto-table: {e}")
     return args
 
 

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kdtree_jax.budget import DEFAULT_BUDGET
+from kdtree_jax.cli import UsageError
 from kdtree_jax.engine import Engine
 from kdtree_jax.generate import DEFAULT_DRAFTER, DEFAULT_TARGET
 from kdtree_jax.serve import DEFAULT_HOST, DEFAULT_PORT, _check_args, build_parser, make_server
@@ -404,6 +405,10 @@ def test_cli_defaults_serve_the_shipped_pair_on_localhost_8000():
     assert (args.host, args.port, args.served_model_name) == (DEFAULT_HOST, DEFAULT_PORT, [MODEL])
     table = build_parser().parse_args(["--budget", "1:64,4:ar", "--max-model-len", "512", "--max-num-seqs", "8"])
     assert (table.budget, table.max_context, table.max_slots) == ({1: 64, 4: "ar"}, 512, 8)
+    assert build_parser().parse_args(["--budget", "auto"]).budget == "auto"
+    for bad in ("1:64,4", "1:x", "one:8"):  # a pair without ':', a budget or a slot count that is no integer
+        with pytest.raises(UsageError, match="slots:budget|integer or 'auto'"):
+            build_parser().parse_args(["--budget", bad])
 
 
 @pytest.mark.heavy
