@@ -78,12 +78,12 @@ class TuneConfig:
         return f"pallas_bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_k{self.split_k}{tail}"
 
 
-# The engine's default first (tile-major weights, 64 x 32 words, 8 warps, 3 stages; BENCHMARKS.md 4a), then tile-major
-# neighbours (deeper pipeline, narrower / wider N tiles, wider K tiles), then row-major ones around the former
-# default (64, 32, 8 warps, 2 stages) with split-K gate/up for decode (K2.6 gate/up: 28 K tiles of 32 words, so split_k
-# 2 and 4 divide them). A run past --budget-s skips the configs at the end.
-TUNE = (TuneConfig(64, stages=3, tiled=True), TuneConfig(64, stages=4, tiled=True),
-        TuneConfig(32, warps=4, stages=3, tiled=True), TuneConfig(128, stages=3, tiled=True),
+# The engine's default first (tile-major weights, 128 x 32 words, 8 warps, 3 stages; BENCHMARKS.md 4a), then
+# tile-major neighbours (narrower N tiles, deeper pipeline, wider / narrower K tiles), then row-major ones around the
+# row-major default (64, 32, 8 warps, 3 stages) with split-K gate/up for decode (K2.6 gate/up: 28 K tiles of 32
+# words, so split_k 2 and 4 divide them). A run past --budget-s skips the configs at the end.
+TUNE = (TuneConfig(128, stages=3, tiled=True), TuneConfig(64, stages=3, tiled=True),
+        TuneConfig(64, stages=4, tiled=True), TuneConfig(32, warps=4, stages=3, tiled=True),
         TuneConfig(64, block_w=64, stages=3, tiled=True), TuneConfig(128, block_w=16, stages=4, tiled=True),
         TuneConfig(64), TuneConfig(64, stages=3), TuneConfig(64, stages=4),
         TuneConfig(32, warps=4), TuneConfig(32, warps=4, stages=3), TuneConfig(128), TuneConfig(128, stages=3),
