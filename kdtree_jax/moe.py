@@ -144,11 +144,14 @@ def tile_experts(model: nnx.Module) -> int:
         if any(p.ndim == 5 for p, _ in pairs) or not all(_tiles_evenly(p, s) for p, s in pairs):
             continue  # already tile-major, or widths the kernel's tiles do not divide (tiny test models)
         for packed, scale in pairs:
-            tiled = jax.jit(tile_int4)(packed[...], scale[...])
+            tiled = _tile_int4_jit(packed[...], scale[...])
             packed.set_value(tiled[0])
             scale.set_value(tiled[1])
         count += 1
     return count
+
+
+_tile_int4_jit = jax.jit(tile_int4)  # one program per expert-stack shape, shared by every layer
 
 
 def _tiles_evenly(packed, scale) -> bool:

@@ -214,9 +214,9 @@ class ServingSetup:
 
 
 def serving_setups(args) -> list[ServingSetup]:
-    auto = parse_budget_table(args.auto_table) if args.auto_table else "auto"
     known = {"ar": ServingSetup("ar", "ar"), "chain": ServingSetup("chain", "chain"),
-             "ddtree": ServingSetup("ddtree", "ddtree", args.budget), "auto": ServingSetup("auto", "ddtree", auto)}
+             "ddtree": ServingSetup("ddtree", "ddtree", args.budget),
+             "auto": ServingSetup("auto", "ddtree", args.auto_budget)}
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in names if c not in known]
     if unknown:
@@ -790,11 +790,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
-    if args.auto_table:
-        try:
-            parse_budget_table(args.auto_table)
-        except argparse.ArgumentTypeError as e:
-            p.error(f"--auto-table: {e}")
+    try:  # the auto config's budget, parsed once; the text stays for the start-up child's command line
+        args.auto_budget = parse_budget_table(args.auto_table) if args.auto_table else "auto"
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--auto-table: {e}")
     return args
 
 
