@@ -18,7 +18,8 @@ in its own back-to-back jit: the routing glue before the first kernel (`moe_rout
 reorder of h to nibble-major, the down kernel, the combine; each part's share of the whole call (timed alongside).
 --tune times TUNE configs (block_n, block_w, warps, num_stages, split_k, weight layout) with the default unpack at
 TUNE_TOKENS and reports the best per token count; no new config starts after --budget-s seconds (one GPU call has a
-hard limit). --layouts times the default kernel on row-major and on tile-major weights (`int4_moe.tile_int4`).
+hard limit). --part-tune times the gate/up and the down kernel each alone under PART_TUNE configs (tiles, warps,
+stages, N tiles per program) at the --tune-tokens, each with its % of the copy rate. --layouts times the default kernel on row-major and on tile-major weights (`int4_moe.tile_int4`).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from bench_util import copy_ceiling, per_call_s  # noqa: E402
 from pallas_kernels.int4_moe import (UNPACK_BF16X2, UNPACK_F32, UNPACK_MODES, _nibble_major,  # noqa: E402
                                      bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
                                      grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route,
-                                     tile_int4)
+                                     tile_ffn_int4, tile_int4)
 
 N_SETS = 8  # input sets per timed jit, run back to back (dispatch amortised; routing differs call to call)
 GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts
@@ -89,6 +90,36 @@ TUNE = (TuneConfig(128, stages=3, tiled=True), TuneConfig(64, stages=3, tiled=Tr
         TuneConfig(32, warps=4), TuneConfig(32, warps=4, stages=3), TuneConfig(128), TuneConfig(128, stages=3),
         TuneConfig(64, split_k=2), TuneConfig(64, split_k=4), TuneConfig(32, warps=4, stages=3, split_k=4))
 TUNE_TOKENS = (1, 16)  # decode and a small verify tree: where the grid, not the bytes, may bound the call
+
+
+@dataclasses.dataclass(frozen=True)
+class PartConfig:
+    """One kernel's launch config on tile-major weights at (block_n, block_w)."""
+
+    block_n: int
+    block_w: int = 32
+    warps: int = 8
+    stages: int = 3
+    n_per_program: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_n{self.n_per_program}"
+
+
+# --part-tune: each kernel alone, the engine's config first. Gate/up runs 28 K tiles per N tile at K2.6 width, down
+# only 8 (K = 2048): down's programs are short, so its list walks several N tiles per program (n_per_program). Both
+# lists try 4-warp programs (two or more share an SM: independent pipelines), wider and narrower tiles, 16 warps.
+PART_TUNE = {
+    "gate_up": (PartConfig(128), PartConfig(64, warps=4), PartConfig(128, warps=4), PartConfig(256),
+                PartConfig(64), PartConfig(128, 16), PartConfig(64, warps=4, stages=4), PartConfig(128, warps=16),
+                PartConfig(64, 64, warps=4)),
+    "down": (PartConfig(128), PartConfig(128, warps=4, n_per_program=4), PartConfig(128, 64, n_per_program=4),
+             PartConfig(128, n_per_program=4), PartConfig(64, warps=4, n_per_program=8),
+             PartConfig(128, warps=4, n_per_program=8), PartConfig(128, 64, warps=4, n_per_program=4),
+             PartConfig(128, warps=4, stages=4, n_per_program=4), PartConfig(64, 64, warps=4, n_per_program=4),
+             PartConfig(256, warps=8, n_per_program=2)),
+}
 BREAKDOWN_PARTS = ("route", "gate_up", "h_reorder", "down", "combine")
 
 
@@ -178,7 +209,9 @@ def tuned_ffn(cfg: TuneConfig, interpret: bool):
 
 
 def tiled_weights(w4, block_n: int | None = None, block_w: int | None = None) -> list:
-    """The six expert arrays tile-major (`tile_int4`), made on the device."""
+    """The six expert arrays tile-major, made on the device: in the engine's tiles (`tile_ffn_int4`) unless given."""
+    if block_n is None and block_w is None:
+        return list(jax.jit(tile_ffn_int4)(*w4))
     tile = jax.jit(functools.partial(tile_int4, block_n=block_n, block_w=block_w))
     return [a for p, s in zip(w4[::2], w4[1::2]) for a in tile(p, s)]
 
@@ -249,8 +282,89 @@ def run_breakdown(row: dict, sets, w4, shape: Shape, interpret: bool, whole) -> 
         row["bd_error"] = short_error(e)
 
 
+def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: float) -> None:
+    """Gate/up and down each alone (inputs precomputed, as --breakdown) under each PART_TUNE config, tile-major at
+    the config's tiles: ms, % of the copy rate for the part's bytes (its share of the distinct experts' words and
+    scales), and whether the routed pairs' output bits equal the first config's (K tiles of another width add in
+    another order: expected to differ in the last bits)."""
+    kw = dict(interpret=interpret)
+    route = jax.jit(lambda x, i: moe_route(x, i, shape.experts, group_size=shape.group))
+    routed = [route(x, i) for x, i, _ in sets]
+    tile = functools.partial(jax.jit, static_argnames=("block_n", "block_w"))(tile_int4)
+    hs = None
+    for part, configs in PART_TUNE.items():
+        first = None
+        for cfg in configs:
+            key = f"pt_{part}_{cfg.key}"
+            if time.perf_counter() > deadline:
+                row[f"{key}_error"] = "skipped: --budget-s reached"
+                continue
+            try:
+                pairs = (0, 1) if part == "gate_up" else (2,)
+                ws = [a for i in pairs for a in tile(w4[2 * i], w4[2 * i + 1], block_n=cfg.block_n,
+                                                      block_w=cfg.block_w)]
+                opts = dict(num_warps=cfg.warps, num_stages=cfg.stages, n_per_program=cfg.n_per_program, **kw)
+                if part == "gate_up":
+                    fn = lambda layout, xp, *w, o=opts: jax.lax.optimization_barrier(  # noqa: E731
+                        moe_gate_up(xp, layout, (w[0], w[1]), (w[2], w[3]), **o))
+                    args = [tuple(r) + tuple(ws) for r in routed]
+                else:
+                    if hs is None:  # h from the engine's gate/up, nibble-major (what down reads)
+                        gu = [a for i in (0, 1) for a in tile(w4[2 * i], w4[2 * i + 1])]
+                        hs = [jax.jit(lambda layout, xp, *w: _nibble_major(
+                            moe_gate_up(xp, layout, (w[0], w[1]), (w[2], w[3]), **kw), shape.inter // 8))(
+                                *r, *gu) for r in routed]
+                        del gu
+                    fn = lambda layout, hp, *w, o=opts: jax.lax.optimization_barrier(  # noqa: E731
+                        grouped_int4_matmul(hp, ((w[0], w[1]),), layout, nibble_major=True, **o))
+                    args = [(r[0], h) + tuple(ws) for r, h in zip(routed, hs)]
+                row[f"{key}_ms"] = per_call_s(fn, args) * 1e3
+                rows_used = routed[0][0].dest  # rows outside every slot's blocks stay unwritten (garbage)
+                out = np.asarray(jax.jit(fn)(*args[0])[rows_used].astype(jnp.float32))
+                first = out if first is None else first
+                row[f"{key}_same_bits"] = bool(np.array_equal(out, first))
+                del ws
+            except Exception as e:  # noqa: BLE001
+                row[f"{key}_error"] = short_error(e)
+        timed = {c.key: row[f"pt_{part}_{c.key}_ms"] for c in configs if f"pt_{part}_{c.key}_ms" in row}
+        if timed:
+            row[f"pt_{part}_best"] = min(timed, key=timed.get)
+
+
+def part_bytes(row: dict, shape: Shape, part: str) -> float:
+    """The part's bytes: gate/up reads two of each distinct expert's three matrices, down one."""
+    return row["bytes"] * (2 if part == "gate_up" else 1) / 3
+
+
+def part_tune_markdown(rows: list[dict], shape: Shape, copy_bw: float) -> str:
+    """Per kernel: one line per config, ms and % copy at each token count; the best config per count."""
+    tuned = [r for r in rows if any(k.startswith("pt_") for k in r)]
+    if not tuned:
+        return ""
+    out = []
+    for part, configs in PART_TUNE.items():
+        lines = [f"{part}: | block_n | block_w | warps | stages | N tiles / program | "
+                 + " | ".join(f"{r['tokens']} tok ms (% copy)" for r in tuned) + " |",
+                 "|---|---|---|---|---|" + "---|" * len(tuned)]
+        for c in configs:
+            cells = []
+            for r in tuned:
+                t = r.get(f"pt_{part}_{c.key}_ms")
+                cells.append(f"{t:.3f} ({100 * part_bytes(r, shape, part) / (t * 1e-3) / copy_bw:.0f}%)" if t
+                             else "err" if f"pt_{part}_{c.key}_error" in r else "—")
+            lines.append(f"| {c.block_n} | {c.block_w} | {c.warps} | {c.stages} | {c.n_per_program} | "
+                         + " | ".join(cells) + " |")
+        for r in tuned:
+            if f"pt_{part}_best" in r:
+                lines.append(f"best at {r['tokens']} tokens: {r[f'pt_{part}_best']}")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def run_layouts(row: dict, sets, w4, w4t, ffn) -> None:
-    """The default kernel on row-major and on tile-major weights, same inputs: ms each, and whether the bits agree."""
+    """The default kernel on row-major weights (one launch for both kernels) and on tile-major ones in the engine's
+    tiles and launches, same inputs: ms each, and the relative difference of their outputs (down's 64-word K tiles
+    add in another order than row-major's 32, so the last bits differ)."""
     for name, ws in (("row_major", w4), ("tiled", w4t)):
         try:
             row[f"layout_{name}_ms"] = per_call_s(ffn, [s + tuple(ws) for s in sets]) * 1e3
@@ -258,14 +372,14 @@ def run_layouts(row: dict, sets, w4, w4t, ffn) -> None:
             row[f"layout_{name}_error"] = short_error(e)
     try:
         outs = [np.asarray(jax.jit(ffn)(*sets[0], *ws).astype(jnp.float32)) for ws in (w4, w4t)]
-        row["layout_same_bits"] = bool(np.array_equal(*outs))
+        row["layout_rel_diff"] = float(np.linalg.norm(outs[1] - outs[0]) / np.linalg.norm(outs[0]))
     except Exception as e:  # noqa: BLE001
         row["layout_check_error"] = short_error(e)
 
 
 def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True,
               unpacks=(UNPACK_F32,), breakdown: bool = False, deadline: float = float("inf"),
-              tune_at: tuple[int, ...] = TUNE_TOKENS, layouts: bool = False) -> None:
+              tune_at: tuple[int, ...] = TUNE_TOKENS, layouts: bool = False, part_tune: bool = False) -> None:
     """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
     keys = jax.random.split(jax.random.key(0), 3)
     w4 = []
@@ -304,6 +418,8 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
             run_breakdown(row, sets, w4, shape, interpret, default_ffn)
         if tune and tokens in tune_tokens:
             run_tune(row, sets, w4, interpret, deadline)
+        if part_tune and tokens in tune_tokens:
+            run_part_tune(row, sets, w4, shape, interpret, deadline)
         try:  # the first variant against the XLA baseline on one input set (both bf16: loose, catches wrong experts)
             if unpacks[0] in outs:
                 want = np.asarray(deq(*sets[0], *w4).astype(jnp.float32))
@@ -390,11 +506,11 @@ def markdown(rows: list[dict], copy_bw: float) -> str:
 
 
 def layout_markdown(rows: list[dict], copy_bw: float) -> str:
-    """Row-major vs tile-major weights, default kernel: ms, % of copy, ratio, same output bits."""
+    """Row-major vs tile-major weights, default kernel: ms, % of copy, ratio, relative output difference."""
     done = [r for r in rows if any(k.startswith("layout_") for k in r)]
     if not done:
         return ""
-    lines = ["| tokens | INT4 MB | row-major ms (% copy) | tile-major ms (% copy) | row / tile | same bits |",
+    lines = ["| tokens | INT4 MB | row-major ms (% copy) | tile-major ms (% copy) | row / tile | rel diff |",
              "|---|---|---|---|---|---|"]
     for r in done:
         cells = []
@@ -404,8 +520,8 @@ def layout_markdown(rows: list[dict], copy_bw: float) -> str:
                          f"err: {r.get(f'layout_{name}_error', '—')}")
         a, b = r.get("layout_row_major_ms"), r.get("layout_tiled_ms")
         ratio = f"{a / b:.3f}" if a and b else "—"
-        lines.append(f"| {r['tokens']} | {r['bytes'] / 1e6:.0f} | {cells[0]} | {cells[1]} | {ratio} | "
-                     f"{r.get('layout_same_bits', '—')} |")
+        diff = f"{r['layout_rel_diff']:.1e}" if "layout_rel_diff" in r else "—"
+        lines.append(f"| {r['tokens']} | {r['bytes'] / 1e6:.0f} | {cells[0]} | {cells[1]} | {ratio} | {diff} |")
     return "\n".join(lines)
 
 
@@ -467,6 +583,8 @@ def main(argv=None):
     parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
     parser.add_argument("--layouts", action="store_true",
                         help="also time the default kernel on tile-major weights (`tile_int4`) next to row-major")
+    parser.add_argument("--part-tune", action="store_true",
+                        help="time gate/up and down each alone under PART_TUNE configs at --tune-tokens")
     parser.add_argument("--unpack", default=f"{UNPACK_F32},{UNPACK_BF16X2}",
                         help=f"comma-separated INT4 unpack variants to time side by side, from {UNPACK_MODES}")
     args = parser.parse_args(argv)
@@ -490,12 +608,13 @@ def main(argv=None):
     try:
         run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only,
                   unpacks=unpacks, breakdown=args.breakdown, deadline=t0 + args.budget_s,
-                  tune_at=tuple(args.tune_tokens), layouts=args.layouts)
+                  tune_at=tuple(args.tune_tokens), layouts=args.layouts, part_tune=args.part_tune)
     finally:  # print whatever finished, even after an unexpected failure
         result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
                       unpacks=unpacks, int4_bytes_per_expert=int4_expert_bytes(shape),
                       total_s=time.perf_counter() - t0)
-        extra = [t for t in (layout_markdown(rows, copy_bw), breakdown_markdown(rows), tune_markdown(rows)) if t]
+        extra = [t for t in (layout_markdown(rows, copy_bw), breakdown_markdown(rows), tune_markdown(rows),
+                             part_tune_markdown(rows, shape, copy_bw)) if t]
         print("\n\n".join([markdown(rows, copy_bw), unpack_markdown(rows, copy_bw, unpacks), *extra])
               + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
         if args.out:

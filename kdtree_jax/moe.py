@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import init_normal, swiglu
 from kdtree_jax.quant import NIBBLES_PER_WORD, dequant_int4_jnp
-from pallas_kernels.int4_moe import int4_moe_ffn, tile_int4, untile_int4
+from pallas_kernels.int4_moe import ffn_tiles, int4_moe_ffn, tile_ffn_int4, tile_int4, untile_int4
 
 MOE_IMPLS = ("auto", "dense", "gather", "kernel", "ep")  # ep: expert-parallel over the mesh set by jax.set_mesh
 INT4_ARRAYS = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")  # kernel arg order
@@ -132,31 +132,33 @@ def tile_experts(model: nnx.Module) -> int:
 
     Why: the kernel reads, per K step, a [block_n, block_w] tile of words and its scales; row-major that is block_n
     runs of 128 B strided by a whole weight row (and 16 B runs of scales), tile-major one contiguous block each
-    (`pallas_kernels.int4_moe.tile_int4`; same values, so the same output bits). Layers whose impl resolves to
-    "kernel" only: under a mesh ("ep", or "auto" choosing XLA) the shardings split the row-major axes, so they stay.
-    The XLA paths read either layout. A one-time device transpose of each expert stack (a copy of one array at a time).
+    (`pallas_kernels.int4_moe.tile_ffn_int4`, in each kernel's tuned tiles; same values, so the same output bits).
+    Layers whose impl resolves to "kernel" only: under a mesh ("ep", or "auto" choosing XLA) the shardings split the
+    row-major axes, so they stay. The XLA paths read either layout. A one-time device transpose of each expert
+    stack (a copy of one array at a time).
     """
     count = 0
     for _, module in nnx.iter_modules(model):
         if not (isinstance(module, MoE) and module.expert_format == "int4" and resolve_impl(module, 1) == "kernel"):
             continue
         pairs = [(getattr(module, n + "_packed"), getattr(module, n + "_scale")) for n in ("gate", "up", "down")]
-        if any(p.ndim == 5 for p, _ in pairs) or not all(_tiles_evenly(p, s) for p, s in pairs):
+        if any(p.ndim == 5 for p, _ in pairs) or not _tiles_evenly(pairs):
             continue  # already tile-major, or widths the kernel's tiles do not divide (tiny test models)
-        for packed, scale in pairs:
-            tiled = _tile_int4_jit(packed[...], scale[...])
+        for (packed, scale), tiles in zip(pairs, ffn_tiles(*(p.shape[1] for p, _ in pairs))):
+            tiled = _tile_int4_jit(packed[...], scale[...], **tiles)
             packed.set_value(tiled[0])
             scale.set_value(tiled[1])
         count += 1
     return count
 
 
-_tile_int4_jit = jax.jit(tile_int4)  # one program per expert-stack shape, shared by every layer
+# one program per expert-stack shape and tiles, shared by every layer
+_tile_int4_jit = jax.jit(tile_int4, static_argnames=("block_n", "block_w"))
 
 
-def _tiles_evenly(packed, scale) -> bool:
+def _tiles_evenly(pairs) -> bool:
     try:
-        jax.eval_shape(tile_int4, packed[...], scale[...])
+        jax.eval_shape(tile_ffn_int4, *(a[...] for pair in pairs for a in pair))
     except ValueError:
         return False
     return True

@@ -19,16 +19,19 @@ comparisons in three stacked reductions instead of a sort and E-wide scatters / 
 before the first kernel at 1 token: 10 top-level fusions instead of 41), and the routed rows are one gather of the
 nibble-major tokens (`gather_token_rows`) instead of repeat + scatter + reorder; same layout, same bits.
 
-Kernel grid (N tiles, slots), N tiles fastest so the programs running together share their slot's activation rows
-through L2. A program loops over its slot's row blocks (dynamic trip count) and, inside, over K tiles of
-`block_w` packed words: it loads the [block_n, block_w] int32 tile once and, for each nibble position k, forms
+Kernel grid (N tiles / n_per_program, slots), N tiles fastest so the programs running together share their slot's
+activation rows through L2. A program loops over its slot's row blocks (dynamic trip count) and, inside, over K tiles
+of `block_w` packed words (with n_per_program > 1, over n_per_program N tiles' K tiles in one flat loop, writing
+each N tile when its last K tile is in): it loads the [block_n, block_w] int32 tile once and, for each nibble position k, forms
 W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates
 x_k @ W_k^T in fp32. x_k are the input columns {8j + k}: the wrapper stores the activations nibble-major
 (`_nibble_major`: column k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile and no
 value is ever gathered or reshaped across the nibble axis (Pallas' Triton lowering takes power-of-two blocks and
 no value gathers: `jax/_src/pallas/triton/lowering.py`).
 
-With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly.
+With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly. The FFN
+launches each of its two kernels in its own tiles and program shape (GATE_UP_LAUNCH, DOWN_LAUNCH; `tile_ffn_int4`
+lays the experts out in those tiles).
 `split_k` (static) splits the K loop over more programs, for few rows: fp32 partials, added in XLA (not bit-identical
 to the unsplit kernel; within the same tolerance of the float64 reference).
 
@@ -68,6 +71,26 @@ TILE_MAJOR_BLOCK_N = 128  # `tile_int4`'s default: 1.25x faster than 64 row-majo
 DEFAULT_BLOCK_W = 32  # packed words per K tile (= 256 input columns)
 DEFAULT_WARPS = 8
 DEFAULT_STAGES = 3  # K-loop pipeline depth: H200 tune (BENCHMARKS.md 4a) 1.21x faster than 2 at 1 token, 1.04x at 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One FFN kernel's tiles (tile-major weights are laid out in them) and program shape."""
+
+    block_n: int
+    block_w: int
+    num_warps: int
+    num_stages: int = DEFAULT_STAGES
+    n_per_program: int = 1
+
+
+# The engine's launches on tile-major weights, from the H200 part tune (`bench_int4_moe.py --part-tune`, BENCHMARKS.md
+# 4a) at the routed tokens of AR batch 8 and 64: 4-warp programs, two or three per SM with independent pipelines,
+# beat one 8-warp program in both kernels (gate/up 1.19 / 1.15x, down 1.32 / 1.20x); down, only 4 K tiles of 64 words
+# per N tile at K2.6 width, walks 4 N tiles per program. Row-major weights keep DEFAULT_* (tuned on that layout).
+GATE_UP_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4)
+DOWN_LAUNCH = Launch(block_n=64, block_w=64, num_warps=4, n_per_program=4)
+ROW_MAJOR_LAUNCH = Launch(block_n=DEFAULT_BLOCK_N, block_w=DEFAULT_BLOCK_W, num_warps=DEFAULT_WARPS)
 NIBBLE_BITS = 4
 NIBBLE_MASK = 0xF
 MAGIC_BITS = 0x4B000000  # fp32 bit pattern of 2^23: its mantissa's low bits hold an integer exactly
@@ -248,6 +271,7 @@ class _Plan:
     slots: int
     split_k: int = 1  # programs per (N tile, slot), each over 1/split_k of the K tiles, writing fp32 partials
     tiled: bool = False  # weights tile-major (`tile_int4`): each K-loop tile is one contiguous block
+    n_per_program: int = 1  # consecutive N tiles one program walks in one flat, pipelined loop
 
 
 def _nibble_f32(words, k: int):
@@ -320,43 +344,59 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan:
     e = slot_expert_ref[s]
     row0 = slot_start_ref[s]
     n_blocks = (slot_count_ref[s] + bm - 1) // bm  # 0 for unused slots: the program exits at once
-    n0 = pl.multiple_of(j * bn, bn)
     cdt = x_ref.dtype
     nt = (((1,), (1,)), ((), ()))  # a @ b.T
 
+    def accumulate(r0, jn, t, accs):
+        """accs + this K tile's products for N tile jn, K tile t."""
+        w0 = pl.multiple_of(t * bw, bw)
+        n0 = pl.multiple_of(jn * bn, bn)
+        xs = [x_ref[pl.ds(r0, bm), pl.ds(k * plan.words + w0, bw)] for k in range(NIBBLES_PER_WORD)]  # [bm, bw]
+        new = []
+        for (p_ref, s_ref), acc in zip(weights, accs):
+            if plan.tiled:
+                words, sc = p_ref[e, jn, t], s_ref[e, jn, t]  # [bn, bw] int32, [bn, bw/gw]
+            else:
+                words = p_ref[e, pl.ds(n0, bn), pl.ds(w0, bw)]  # [bn, bw] int32
+                sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)]  # [bn, bw/gw]
+            sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
+            if unpack == UNPACK_BF16X2:
+                planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret)
+            else:
+                planes = _planes_f32(words, sc, cdt)
+            for k in range(NIBBLES_PER_WORD):
+                acc = acc + lax.dot_general(xs[k], planes[k], nt, precision=precision,
+                                            preferred_element_type=jnp.float32)  # [bm, bn]
+            new.append(acc)
+        return tuple(new)
+
+    def store(r0, jn, accs):
+        n0 = pl.multiple_of(jn * bn, bn)
+        y = _silu_mul(*accs) if swiglu else accs[0]
+        out_refs[0][pl.ds(r0, bm), pl.ds(n0, bn)] = y.astype(out_refs[0].dtype)
+
+    zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in weights)
+    n_first = j * plan.n_per_program
+
     def row_block(rb, carry):
         r0 = pl.multiple_of(row0 + rb * bm, bm)
-
-        def k_tile(t, accs):
-            w0 = pl.multiple_of(t * bw, bw)
-            xs = [x_ref[pl.ds(r0, bm), pl.ds(k * plan.words + w0, bw)] for k in range(NIBBLES_PER_WORD)]  # [bm, bw]
-            new = []
-            for (p_ref, s_ref), acc in zip(weights, accs):
-                if plan.tiled:
-                    words, sc = p_ref[e, j, t], s_ref[e, j, t]  # [bn, bw] int32, [bn, bw/gw]
-                else:
-                    words = p_ref[e, pl.ds(n0, bn), pl.ds(w0, bw)]  # [bn, bw] int32
-                    sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)]  # [bn, bw/gw]
-                sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
-                if unpack == UNPACK_BF16X2:
-                    planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret)
-                else:
-                    planes = _planes_f32(words, sc, cdt)
-                for k in range(NIBBLES_PER_WORD):
-                    acc = acc + lax.dot_general(xs[k], planes[k], nt, precision=precision,
-                                                preferred_element_type=jnp.float32)  # [bm, bn]
-                new.append(acc)
-            return tuple(new)
-
-        zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in weights)
-        if plan.split_k == 1:
-            accs = lax.fori_loop(0, k_tiles, k_tile, zeros)
-            y = _silu_mul(*accs) if swiglu else accs[0]
-            out_refs[0][pl.ds(r0, bm), pl.ds(n0, bn)] = y.astype(out_refs[0].dtype)
-        else:
-            accs = lax.fori_loop(q * k_tiles, (q + 1) * k_tiles, k_tile, zeros)
+        if plan.split_k > 1:
+            accs = lax.fori_loop(q * k_tiles, (q + 1) * k_tiles, lambda t, a: accumulate(r0, j, t, a), zeros)
             for o_ref, acc in zip(out_refs, accs):
-                o_ref[q, pl.ds(r0, bm), pl.ds(n0, bn)] = acc
+                o_ref[q, pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bn, bn), bn)] = acc
+        elif plan.n_per_program == 1:
+            store(r0, j, lax.fori_loop(0, k_tiles, lambda t, a: accumulate(r0, j, t, a), zeros))
+        else:  # one flat loop over (N tile, K tile): the pipeline keeps loading across N tiles
+
+            def step(f, accs):
+                kt = jnp.int32(k_tiles)  # lax, not jnp's floor div / mod: f >= 0, and Triton lowers lax.rem
+                jn, t = n_first + lax.div(f, kt), lax.rem(f, kt)
+                accs = accumulate(r0, jn, t, accs)
+                last = t == k_tiles - 1
+                pl.when(last)(lambda: store(r0, jn, accs))
+                return tuple(jnp.where(last, 0.0, a) for a in accs)
+
+            lax.fori_loop(0, plan.n_per_program * k_tiles, step, zeros)
         return carry
 
     lax.fori_loop(0, n_blocks, row_block, 0)
@@ -417,6 +457,31 @@ def tile_int4(packed: jax.Array, scale: jax.Array, *, block_n: int | None = None
     return tiles(packed, bw), tiles(scale, bw // gw)
 
 
+def ffn_tiles(gate_n: int, up_n: int, down_n: int) -> list[dict]:
+    """`tile_int4` tiles of gate, up and down with N output rows each: GATE_UP_LAUNCH's and DOWN_LAUNCH's, the N
+    tile capped at N rounded up to a power of two (small test widths)."""
+    return [dict(block_n=min(t.block_n, max(MIN_DOT, next_pow2(n))), block_w=t.block_w)
+            for n, t in zip((gate_n, up_n, down_n), (GATE_UP_LAUNCH, GATE_UP_LAUNCH, DOWN_LAUNCH))]
+
+
+def tile_ffn_int4(gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale) -> tuple[jax.Array, ...]:
+    """The six expert arrays of an FFN tile-major in the engine's tiles (`ffn_tiles`, `tile_int4`; same order)."""
+    pairs = [(gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale)]
+    tiles = ffn_tiles(*(int4_dims(p)[1] for p, _ in pairs))
+    return tuple(a for (p, s), t in zip(pairs, tiles) for a in tile_int4(p, s, **t))
+
+
+def _launch_kw(launch: Launch, packed: jax.Array, num_warps, num_stages, n_per_program) -> dict:
+    """The call's num_warps / num_stages / n_per_program: given values win, else `launch` on tile-major weights
+    (where it was tuned; n_per_program only where it divides the N tiles) and ROW_MAJOR_LAUNCH on row-major ones."""
+    tiled = packed.ndim == 5
+    launch = launch if tiled else ROW_MAJOR_LAUNCH
+    if n_per_program is None:
+        n_per_program = launch.n_per_program if tiled and packed.shape[1] % launch.n_per_program == 0 else 1
+    return dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
+                n_per_program=n_per_program)
+
+
 def untile_int4(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Inverse of `tile_int4` (row-major arrays pass through): what the dequantizing XLA paths read."""
     if packed.ndim != 5:
@@ -469,8 +534,9 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots, 
 
 def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: bool = False, out_dtype=None,
                         block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
-                        num_stages: int = DEFAULT_STAGES, split_k: int = 1, nibble_major: bool = False,
-                        unpack: str | None = None, interpret: bool | None = None) -> jax.Array:
+                        num_stages: int = DEFAULT_STAGES, split_k: int = 1, n_per_program: int = 1,
+                        nibble_major: bool = False, unpack: str | None = None,
+                        interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their slot's expert: -> [R, N] (fp32 accumulation).
 
     weights: ((packed [E, N, K/8] i32, scale [E, N, K/G]),) or two such pairs (gate, up) with swiglu=True, which
@@ -482,6 +548,9 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
     split_k > 1: each (N tile, slot) runs as split_k programs over consecutive K ranges (more programs, shorter
     loops, for few rows); their fp32 partial sums are added in XLA before the SwiGLU epilogue and the rounding, so
     results match the unsplit kernel to fp32 summation order, not bit for bit.
+    n_per_program > 1: each program walks that many consecutive N tiles in one flat loop over (N tile, K tile), so the
+    load pipeline runs on across N tiles instead of starting cold in a new program (for short K loops, e.g. the down
+    projection's 8 K tiles at K2.6 width); same bits as 1.
     """
     interpret = resolve_interpret(interpret)
     unpack = _resolve_unpack(unpack, x.dtype)
@@ -513,7 +582,11 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
     if tiled and (plan.n_out, plan.words) != (n_out, words):
         raise ValueError(f"grouped_int4_matmul: tile-major weights {shape} are not whole K tiles of "
                          f"{plan.block_w} words")
-    plan = dataclasses.replace(plan, tiled=tiled)
+    n_tiles = plan.n_out // plan.block_n
+    if n_per_program < 1 or n_tiles % n_per_program or (n_per_program > 1 and split_k > 1):
+        raise ValueError(f"grouped_int4_matmul: n_per_program={n_per_program} must divide the {n_tiles} N tiles of "
+                         f"{plan.block_n} columns (and needs split_k=1, got {split_k})")
+    plan = dataclasses.replace(plan, tiled=tiled, n_per_program=n_per_program)
     want_cols = plan.words * NIBBLES_PER_WORD if nibble_major else k_in
     if x_cols != want_cols:
         raise ValueError(f"grouped_int4_matmul: x has {x_cols} columns, the packed weights need {want_cols}"
@@ -525,7 +598,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
                                interpret=interpret)
     any_spec = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)
     args = (layout.slot_expert, layout.slot_start, layout.slot_count, xp, *flat)
-    grid = (plan.n_out // plan.block_n, plan.slots) + ((split_k,) if split_k > 1 else ())
+    grid = (n_tiles // n_per_program, plan.slots) + ((split_k,) if split_k > 1 else ())
     if split_k == 1:
         out_shape = [jax.ShapeDtypeStruct((r, plan.n_out), out_dtype or x.dtype)]
     else:
@@ -584,14 +657,20 @@ def moe_route(x: jax.Array, idx: jax.Array, n_experts: int, *, group_size: int, 
     return layout, gather_token_rows(x, layout, idx.shape[1], words)
 
 
-def moe_gate_up(xp: jax.Array, layout: RouteLayout, gate, up, **kw) -> jax.Array:
-    """Fused gate/up kernel on nibble-major routed rows: -> h [R, I] = silu(x Wg^T) * (x Wu^T) in xp's dtype."""
-    return grouped_int4_matmul(xp, (gate, up), layout, swiglu=True, nibble_major=True, **kw)
+def moe_gate_up(xp: jax.Array, layout: RouteLayout, gate, up, *, num_warps: int | None = None,
+                num_stages: int | None = None, n_per_program: int | None = None, **kw) -> jax.Array:
+    """Fused gate/up kernel on nibble-major routed rows: -> h [R, I] = silu(x Wg^T) * (x Wu^T) in xp's dtype.
+    Launch options left None come from GATE_UP_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
+    launch = _launch_kw(GATE_UP_LAUNCH, gate[0], num_warps, num_stages, n_per_program)
+    return grouped_int4_matmul(xp, (gate, up), layout, swiglu=True, nibble_major=True, **launch, **kw)
 
 
-def moe_down(h: jax.Array, layout: RouteLayout, down, **kw) -> jax.Array:
-    """Down kernel (reorders h to nibble-major first): h [R, I] -> y [R, D]."""
-    return grouped_int4_matmul(h, (down,), layout, **kw)
+def moe_down(h: jax.Array, layout: RouteLayout, down, *, num_warps: int | None = None, num_stages: int | None = None,
+             n_per_program: int | None = None, **kw) -> jax.Array:
+    """Down kernel (reorders h to nibble-major first): h [R, I] -> y [R, D]. Launch options left None come from
+    DOWN_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
+    launch = _launch_kw(DOWN_LAUNCH, down[0], num_warps, num_stages, n_per_program)
+    return grouped_int4_matmul(h, (down,), layout, **launch, **kw)
 
 
 def moe_combine(y: jax.Array, layout: RouteLayout, weights: jax.Array, out_dtype) -> jax.Array:
@@ -603,16 +682,18 @@ def moe_combine(y: jax.Array, layout: RouteLayout, weights: jax.Array, out_dtype
 
 def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, gate_scale, up_packed, up_scale,
                  down_packed, down_scale, *, block_m: int | None = None, block_n: int | None = None,
-                 block_w: int | None = None, num_warps: int = DEFAULT_WARPS, num_stages: int = DEFAULT_STAGES,
-                 split_k: int = 1, out_dtype=None, unpack: str | None = None,
-                 interpret: bool | None = None) -> jax.Array:
+                 block_w: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 split_k: int = 1, gate_up_n_per_program: int | None = None, down_n_per_program: int | None = None,
+                 out_dtype=None, unpack: str | None = None, interpret: bool | None = None) -> jax.Array:
     """Routed SwiGLU experts + weighted combine: x [M, D], idx / weights [M, k] -> [M, D] in out_dtype (x's).
 
     Gate/up run as one fused kernel call (silu(g) * u written directly, h in x's dtype), down as a second call over
     the same routing layout; the k expert outputs of a token are combined in fp32. A pair whose id is outside
     0..E-1 is absent (contributes 0, costs nothing): expert parallelism passes other devices' pairs that way, and
     out_dtype=float32 keeps its partial sums unrounded until the cross-device reduction.
-    split_k applies to the gate/up call only (see `grouped_int4_matmul`).
+    split_k applies to the gate/up call only; gate_up_n_per_program / down_n_per_program are each call's
+    n_per_program (see `grouped_int4_matmul`). Launch options left None are each kernel's own (`moe_gate_up`,
+    `moe_down`): on tile-major weights from `tile_ffn_int4`, the tuned GATE_UP_LAUNCH / DOWN_LAUNCH.
     """
     _check_ffn(x, idx, weights, (gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))
     route_w = gate_packed.shape[4] if gate_packed.ndim == 5 else block_w  # tile-major weights carry their tiles
@@ -620,8 +701,9 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
               interpret=interpret)
     group = x.shape[1] // int4_scale_groups(gate_scale)
     layout, xp = moe_route(x, idx, gate_packed.shape[0], group_size=group, block_m=block_m, block_w=route_w)
-    h = moe_gate_up(xp, layout, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k, **kw)
-    y = moe_down(h, layout, (down_packed, down_scale), **kw)  # [R, D]
+    h = moe_gate_up(xp, layout, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k,
+                    n_per_program=gate_up_n_per_program, **kw)
+    y = moe_down(h, layout, (down_packed, down_scale), n_per_program=down_n_per_program, **kw)  # [R, D]
     return moe_combine(y, layout, weights, out_dtype or x.dtype)
 
 

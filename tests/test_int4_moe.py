@@ -407,6 +407,9 @@ def test_split_k_and_stages_lower_for_h200(m, split_k, stages):
 
 # ---- tile-major weights ---------------------------------------------------------------------------------------------
 def _tiled(w, **tiles):
+    """Tile-major weights: in the given tiles, or in the engine's (`tile_ffn_int4`)."""
+    if not tiles:
+        return list(int4_moe.tile_ffn_int4(*map(jnp.asarray, w)))
     return [a for p, s in zip(w[::2], w[1::2]) for a in int4_moe.tile_int4(jnp.asarray(p), jnp.asarray(s), **tiles)]
 
 
@@ -449,22 +452,101 @@ def test_tile_int4_round_trip_and_errors(rng):
 def test_tile_major_lowers_for_h200(m):
     d, inter, e = 7168, 2048, 384
     specs = list(ffn_specs(m, d, inter, e, 8, jnp.bfloat16))
-    for i in range(3, 9, 2):  # the packed / scale pairs, tile-major at the default tiles
-        shapes = jax.eval_shape(int4_moe.tile_int4, specs[i], specs[i + 1])
-        specs[i:i + 2] = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes]
+    specs[3:9] = jax.eval_shape(int4_moe.tile_ffn_int4, *specs[3:9])  # tile-major in the engine's tiles
     text = lower_for_h200(functools.partial(int4_moe_ffn, interpret=False), *specs).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def _row_major_per_kernel_tiles(x, idx, weights, w, interpret=None):
+    """The FFN on row-major weights with each kernel in the engine's tiles and launch (`ffn_tiles`), from the
+    public pieces: what tile-major weights in those tiles must reproduce bit for bit."""
+    gate_t, _, down_t = int4_moe.ffn_tiles(w[0].shape[1], w[2].shape[1], w[4].shape[1])
+    ws = list(map(jnp.asarray, w))
+    group = x.shape[1] // ws[1].shape[-1]
+    launch = lambda t: dict(num_warps=t.num_warps, num_stages=t.num_stages, n_per_program=t.n_per_program)  # noqa: E731
+    layout, xp = int4_moe.moe_route(x, idx, ws[0].shape[0], group_size=group, block_w=gate_t["block_w"])
+    h = int4_moe.moe_gate_up(xp, layout, (ws[0], ws[1]), (ws[2], ws[3]), interpret=interpret, **gate_t,
+                             **launch(int4_moe.GATE_UP_LAUNCH))
+    y = int4_moe.moe_down(h, layout, (ws[4], ws[5]), interpret=interpret, **down_t, **launch(int4_moe.DOWN_LAUNCH))
+    return int4_moe.moe_combine(y, layout, weights, x.dtype)
+
+
+def test_engine_tiles_give_row_major_bits(rng, interpret):
+    """`tile_ffn_int4` (gate/up and down in their own tiles, down walking several N tiles per program) gives the
+    bits of row-major weights run in the same tiles, and matches the float64 reference."""
+    tokens, d, inter = 6, 512, 512  # down: 8 N tiles of 64, one K tile of 64 words
+    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
+    idx, weights = random_routing(rng, tokens)
+    x = as_input(rng.standard_normal((tokens, d)), jnp.bfloat16)
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
+    tiled = _tiled(w)
+    assert tiled[4].shape[3:] == (int4_moe.DOWN_LAUNCH.block_n, int4_moe.DOWN_LAUNCH.block_w)
+    out = np.asarray(int4_moe_ffn(*args, *tiled, interpret=interpret).astype(jnp.float32))
+    want = _row_major_per_kernel_tiles(*args, w, interpret=interpret)
+    np.testing.assert_array_equal(out, np.asarray(want.astype(jnp.float32)))
+    assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], "engine tiles")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64])
 def test_k26_tile_major_bitwise_on_gpu(rng, m):
-    """Compiled at K2.6 shapes: tile-major weights give the row-major kernel's output bits."""
+    """Compiled at K2.6 shapes: tile-major weights in the engine's tiles give the bits of row-major weights run in
+    the same tiles and launch."""
     w = _k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384)
     idx, weights = random_routing(rng, m, 384, 8)
     args = (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
-    ffn = jax.jit(int4_moe_ffn)
-    row = np.asarray(ffn(*args, *w).astype(jnp.float32))
-    tile = np.asarray(ffn(*args, *_tiled(w)).astype(jnp.float32))
+    row = np.asarray(jax.jit(_row_major_per_kernel_tiles)(*args, w).astype(jnp.float32))
+    tile = np.asarray(jax.jit(int4_moe_ffn)(*args, *_tiled(w)).astype(jnp.float32))
     assert np.isfinite(row).all() and np.abs(row).max() > 0
     np.testing.assert_array_equal(tile, row)
+
+
+# ---- several N tiles per program ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tiled,dtype", [(False, np.float32), (True, jnp.bfloat16)])
+def test_n_per_program_gives_one_tile_per_program_bits(rng, interpret, tiled, dtype):
+    """A program walking 2 or 4 N tiles in one flat loop writes the bits of one program per tile, both kernels, with
+    row blocks spanning experts of several rows."""
+    tokens, d, inter = 11, 256, 128
+    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
+    idx, weights = random_routing(rng, tokens)
+    x = as_input(rng.standard_normal((tokens, d)), dtype)
+    args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
+    ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
+    kw = dict(block_w=16, interpret=interpret) | ({} if tiled else dict(block_n=32))
+    one = np.asarray(int4_moe_ffn(*args, *ws, **kw).astype(jnp.float32))
+    for gate_up_n, down_n in ((2, 4), (4, 8)):
+        out = int4_moe_ffn(*args, *ws, gate_up_n_per_program=gate_up_n, down_n_per_program=down_n, **kw)
+        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), one, f"n per program {gate_up_n}/{down_n}")
+    assert_close(one, int4_moe_ffn_ref(x, idx, weights, *w), TOL[dtype], "one tile per program")
+
+
+def test_n_per_program_must_divide_the_n_tiles(rng):
+    w = [a for n_out, n_in in ((128, 256), (128, 256), (256, 128)) for a in random_int4(rng, E, n_out, n_in)]
+    idx, weights = random_routing(rng, 2)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
+    with pytest.raises(ValueError, match="n_per_program=3 must divide the 4 N tiles"):
+        int4_moe_ffn(x, jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w), block_n=32,
+                     gate_up_n_per_program=3)
+    with pytest.raises(ValueError, match="needs split_k=1"):
+        int4_moe_ffn(x, jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w), block_n=32, block_w=16,
+                     split_k=2, gate_up_n_per_program=2)
+
+
+@pytest.mark.parametrize("m", [8, 64])
+def test_n_per_program_lowers_for_h200(m):
+    specs = list(ffn_specs(m, 7168, 2048, 384, 8, jnp.bfloat16))
+    fn = functools.partial(int4_moe_ffn, gate_up_n_per_program=2, down_n_per_program=4, interpret=False)
+    assert lower_for_h200(fn, *specs).as_text().count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 64])
+def test_k26_n_per_program_bitwise_on_gpu(rng, m):
+    """Compiled at K2.6 shapes, tile-major: 2 and 4 N tiles per program give one tile per program's bits."""
+    w = _tiled(_k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384))
+    idx, weights = random_routing(rng, m, 384, 8)
+    args = (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
+    one = np.asarray(jax.jit(int4_moe_ffn)(*args, *w).astype(jnp.float32))
+    many = jax.jit(functools.partial(int4_moe_ffn, gate_up_n_per_program=2, down_n_per_program=4))(*args, *w)
+    assert np.isfinite(one).all() and np.abs(one).max() > 0
+    np.testing.assert_array_equal(np.asarray(many.astype(jnp.float32)), one)
