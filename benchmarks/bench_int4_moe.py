@@ -19,7 +19,8 @@ reorder of h to nibble-major, the down kernel, the combine; each part's share of
 --tune times TUNE configs (block_n, block_w, warps, num_stages, split_k, weight layout) with the default unpack at
 TUNE_TOKENS and reports the best per token count; no new config starts after --budget-s seconds (one GPU call has a
 hard limit). --part-tune times the gate/up and the down kernel each alone under PART_TUNE configs (tiles, warps,
-stages, N tiles per program) at the --tune-tokens, each with its % of the copy rate. --layouts times the default kernel on row-major and on tile-major weights (`int4_moe.tile_int4`).
+stages, N tiles per program) at the --tune-tokens, each with its % of the copy rate. --layouts times the default
+kernel on row-major weights and on tile-major ones in the engine's tiles (`int4_moe.tile_ffn_int4`).
 """
 from __future__ import annotations
 
@@ -107,18 +108,18 @@ class PartConfig:
         return f"bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_n{self.n_per_program}"
 
 
-# --part-tune: each kernel alone, the engine's config first. Gate/up runs 28 K tiles per N tile at K2.6 width, down
-# only 8 (K = 2048): down's programs are short, so its list walks several N tiles per program (n_per_program). Both
-# lists try 4-warp programs (two or more share an SM: independent pipelines), wider and narrower tiles, 16 warps.
+# --part-tune: each kernel alone, the engine's launch first (int4_moe.GATE_UP_LAUNCH / DOWN_LAUNCH), then its
+# neighbours: one 8-warp program per SM (ROW_MAJOR_LAUNCH's shape), other tiles, pipeline depths,
+# warps, and for down (8 K tiles of 32 words at K2.6 width) how many N tiles a program walks.
 PART_TUNE = {
-    "gate_up": (PartConfig(128), PartConfig(64, warps=4), PartConfig(128, warps=4), PartConfig(256),
-                PartConfig(64), PartConfig(128, 16), PartConfig(64, warps=4, stages=4), PartConfig(128, warps=16),
-                PartConfig(64, 64, warps=4)),
-    "down": (PartConfig(128), PartConfig(128, warps=4, n_per_program=4), PartConfig(128, 64, n_per_program=4),
-             PartConfig(128, n_per_program=4), PartConfig(64, warps=4, n_per_program=8),
-             PartConfig(128, warps=4, n_per_program=8), PartConfig(128, 64, warps=4, n_per_program=4),
-             PartConfig(128, warps=4, stages=4, n_per_program=4), PartConfig(64, 64, warps=4, n_per_program=4),
-             PartConfig(256, warps=8, n_per_program=2)),
+    "gate_up": (PartConfig(128, warps=4), PartConfig(128), PartConfig(64, warps=4), PartConfig(64, 64, warps=4),
+                PartConfig(128, warps=4, stages=2), PartConfig(128, warps=4, stages=4), PartConfig(256),
+                PartConfig(128, 64, warps=4)),
+    "down": (PartConfig(64, 64, warps=4, n_per_program=4), PartConfig(128),
+             PartConfig(128, 64, warps=4, n_per_program=4), PartConfig(128, warps=4, n_per_program=4),
+             PartConfig(64, 64, warps=4, n_per_program=2),
+             PartConfig(64, 64, warps=4, n_per_program=8), PartConfig(64, 64, warps=2, n_per_program=4),
+             PartConfig(64, 64, warps=4, stages=4, n_per_program=4)),
 }
 BREAKDOWN_PARTS = ("route", "gate_up", "h_reorder", "down", "combine")
 

@@ -22,8 +22,8 @@ nibble-major tokens (`gather_token_rows`) instead of repeat + scatter + reorder;
 Kernel grid (N tiles / n_per_program, slots), N tiles fastest so the programs running together share their slot's
 activation rows through L2. A program loops over its slot's row blocks (dynamic trip count) and, inside, over K tiles
 of `block_w` packed words (with n_per_program > 1, over n_per_program N tiles' K tiles in one flat loop, writing
-each N tile when its last K tile is in): it loads the [block_n, block_w] int32 tile once and, for each nibble position k, forms
-W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates
+each N tile when its last K tile is in): it loads the [block_n, block_w] int32 tile once and, for each nibble
+position k, forms W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates
 x_k @ W_k^T in fp32. x_k are the input columns {8j + k}: the wrapper stores the activations nibble-major
 (`_nibble_major`: column k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile and no
 value is ever gathered or reshaped across the nibble axis (Pallas' Triton lowering takes power-of-two blocks and
@@ -86,7 +86,7 @@ class Launch:
 
 # The engine's launches on tile-major weights, from the H200 part tune (`bench_int4_moe.py --part-tune`, BENCHMARKS.md
 # 4a) at the routed tokens of AR batch 8 and 64: 4-warp programs, two or three per SM with independent pipelines,
-# beat one 8-warp program in both kernels (gate/up 1.19 / 1.15x, down 1.32 / 1.20x); down, only 4 K tiles of 64 words
+# beat one 8-warp program in both kernels (gate/up 1.24 / 1.14x, down 1.15 / 1.21x); down, only 4 K tiles of 64 words
 # per N tile at K2.6 width, walks 4 N tiles per program. Row-major weights keep DEFAULT_* (tuned on that layout).
 GATE_UP_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4)
 DOWN_LAUNCH = Launch(block_n=64, block_w=64, num_warps=4, n_per_program=4)
