@@ -67,7 +67,6 @@ PAIRWISE_ROUTE_MAX_PAIRS = 512  # route by [P, P] comparisons up to here (64 tok
 # tile the fused gate/up kernel spilled 216 (1 token) to 1176 (512 tokens) bytes per thread on 4 warps; 32 words on
 # 8 warps keeps both kernels in registers from 1 to 512 routed tokens.
 DEFAULT_BLOCK_N = 64  # output columns per program
-TILE_MAJOR_BLOCK_N = 128  # `tile_int4`'s default: 1.25x faster than 64 row-major at 32 and 136 tokens (BENCHMARKS 4a)
 DEFAULT_BLOCK_W = 32  # packed words per K tile (= 256 input columns)
 DEFAULT_WARPS = 8
 DEFAULT_STAGES = 3  # K-loop pipeline depth: H200 tune (BENCHMARKS.md 4a) 1.21x faster than 2 at 1 token, 1.04x at 16
@@ -433,8 +432,9 @@ def tile_int4(packed: jax.Array, scale: jax.Array, *, block_n: int | None = None
     Why: the kernel's program j reads, at K step t, the [bn, bw] words of rows j*bn.. and words t*bw..; row-major,
     that is bn runs of 4*bw bytes (128 B at the default tiles) strided by a whole weight row, and its scales are bn
     runs of 16 B. Tile-major, each K step's words and its scales are one contiguous block each. Same values, a
-    different order: a one-time re-layout of the stored experts, not a per-call copy. The tiles are those the kernel
-    would pick for these shapes (block_n / block_w as in `grouped_int4_matmul`); N and K/8 must be whole tiles.
+    different order: a one-time re-layout of the stored experts, not a per-call copy. The tiles (default: gate/up's,
+    GATE_UP_LAUNCH) become the kernel's for these weights; N and K/8 must be whole tiles. `tile_ffn_int4` tiles an
+    FFN's three matrices each in its own kernel's tiles.
     """
     if packed.ndim != 3 or scale.ndim != 3 or scale.shape[:2] != packed.shape[:2]:
         raise ValueError(f"tile_int4: packed must be [E, N, K/8] and scale [E, N, K/G], got {packed.shape} and "
@@ -444,7 +444,7 @@ def tile_int4(packed: jax.Array, scale: jax.Array, *, block_n: int | None = None
     if k_in % scale.shape[-1]:
         raise ValueError(f"tile_int4: scale {scale.shape} does not fit packed {packed.shape}")
     if block_n is None:
-        block_n = min(TILE_MAJOR_BLOCK_N, max(MIN_DOT, next_pow2(n_out)))
+        block_n = min(GATE_UP_LAUNCH.block_n, max(MIN_DOT, next_pow2(n_out)))
     plan = _make_plan(0, k_in, n_out, k_in // scale.shape[-1], MIN_DOT, block_n, block_w, 0)
     if (plan.n_out, plan.words) != (n_out, words):
         raise ValueError(f"tile_int4: N={n_out} and K/8={words} must be multiples of the tiles (block_n="
