@@ -513,7 +513,8 @@ def test_n_per_program_gives_one_tile_per_program_bits(rng, interpret, tiled, dt
     args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
     ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
     kw = dict(block_w=16, interpret=interpret) | ({} if tiled else dict(block_n=32))
-    one = np.asarray(int4_moe_ffn(*args, *ws, **kw).astype(jnp.float32))
+    one = np.asarray(int4_moe_ffn(*args, *ws, gate_up_n_per_program=1, down_n_per_program=1, **kw)
+                     .astype(jnp.float32))
     for gate_up_n, down_n in ((2, 4), (4, 8)):
         out = int4_moe_ffn(*args, *ws, gate_up_n_per_program=gate_up_n, down_n_per_program=down_n, **kw)
         np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), one, f"n per program {gate_up_n}/{down_n}")
@@ -546,7 +547,8 @@ def test_k26_n_per_program_bitwise_on_gpu(rng, m):
     w = _tiled(_k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384))
     idx, weights = random_routing(rng, m, 384, 8)
     args = (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
-    one = np.asarray(jax.jit(int4_moe_ffn)(*args, *w).astype(jnp.float32))
+    one = jax.jit(functools.partial(int4_moe_ffn, gate_up_n_per_program=1, down_n_per_program=1))(*args, *w)
+    one = np.asarray(one.astype(jnp.float32))
     many = jax.jit(functools.partial(int4_moe_ffn, gate_up_n_per_program=2, down_n_per_program=4))(*args, *w)
     assert np.isfinite(one).all() and np.abs(one).max() > 0
     np.testing.assert_array_equal(np.asarray(many.astype(jnp.float32)), one)
