@@ -587,9 +587,12 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
             roof = max(roof, r["flops"] / peak)
         fit = f"{r['fit_ms']:.2f} ({100 * r['fit_rel_err']:+.0f}%)" if "fit_ms" in r else "—"
         dist = "/".join(f"{d}" for d in r["distinct_experts"])
+        notes = ["compute"] if "flops" in r and r["flops"] / peak > r["bytes"] / bw else []
+        if r.get("ms_fixed_per_call", 0.0) < 0:  # a fixed cost cannot be negative: the two timings disagree
+            notes.append(f"slope noisy: fixed cost {r['ms_fixed_per_call']:.2f} ms per call")
         lines.append(f"| {r['kind']} | {moe_label(r)} | {r['batch']} | {n} | {r.get('prefix', 0)} | {r['ms']:.2f} | "
                      f"{dist} | {r['bytes'] / 1e9:.2f} | {roof * 1e3:.2f} | {r['ms'] / 1e3 / roof:.2f} | {fit} | "
-                     f"{'compute' if 'flops' in r and r['flops'] / peak > r['bytes'] / bw else ''} |")
+                     f"{'; '.join(notes)} |")
     traced = [r for r in rows if "parts_us_per_step" in r]
     if traced:
         parts = sorted({p for r in traced for p in r["parts_us_per_step"]})

@@ -174,6 +174,20 @@ def test_verify_table_reads_against_the_same_bytes(rng):
     assert got["% read (kernels)"] == f"{100 * read / kern:.0f}%"
 
 
+def test_step_table_flags_a_negative_fixed_cost(rng):
+    """bench_kimi_layer's table: a slope whose fixed cost per call comes out negative (two timings that disagree)
+    is flagged in the row's note; a positive one is not."""
+    rows = []
+    for fixed in (rng.uniform(0.1, 1.0), -rng.uniform(0.1, 1.0)):
+        rows.append(dict(kind="verify", moe="kernel", expert_layout="tile-major", batch=8, nodes=1, prefix=4096,
+                         ms=rng.uniform(1.0, 3.0), ms_fixed_per_call=fixed, distinct_experts=[47.0],
+                         bytes=rng.uniform(4e9, 6e9)))
+    lines = bench_kimi_layer.markdown(rows, 4e12, 6e14).splitlines()[2:4]
+    notes = [line.split("|")[-2].strip() for line in lines]
+    assert notes[0] == ""
+    assert notes[1] == f"slope noisy: fixed cost {rows[1]['ms_fixed_per_call']:.2f} ms per call"
+
+
 def test_refit_fits_several_runs_as_one(rng, tmp_path):
     """bench_kimi_layer --refit A B: the AR-step run and the verify run share one cost model; points made by a known
     model of all five terms (fresh random coefficients) are fitted exactly, and runs of other layer counts refuse."""
