@@ -40,8 +40,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_util import copy_ceiling, per_call_s  # noqa: E402
-from pallas_kernels.int4_moe import (UNPACK_BF16X2, UNPACK_F32, UNPACK_MODES, _nibble_major,  # noqa: E402
-                                     bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
+from pallas_kernels.int4_moe import (DOWN_LAUNCH, GATE_UP_LAUNCH, UNPACK_BF16X2, UNPACK_F32,  # noqa: E402
+                                     UNPACK_MODES, Launch, _nibble_major, bf16_gather_ffn, bf16_ragged_dot_ffn,
+                                     dequant_then_matmul_ffn,
                                      grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route,
                                      tile_ffn_int4, tile_int4)
 
@@ -80,10 +81,10 @@ class TuneConfig:
         return f"pallas_bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_k{self.split_k}{tail}"
 
 
-# The engine's default first (tile-major weights, 128 x 32 words, 8 warps, 3 stages; BENCHMARKS.md 4a), then
-# tile-major neighbours (narrower N tiles, deeper pipeline, wider / narrower K tiles), then row-major ones around the
-# row-major default (64, 32, 8 warps, 3 stages) with split-K gate/up for decode (K2.6 gate/up: 28 K tiles of 32
-# words, so split_k 2 and 4 divide them). A run past --budget-s skips the configs at the end.
+# One launch for both kernels (the per-kernel launches are --part-tune's): tile-major 128 x 32 words, 8 warps, 3
+# stages first, then tile-major neighbours (narrower N tiles, deeper pipeline, wider / narrower K tiles), then
+# row-major ones around the row-major default (64, 32, 8 warps, 3 stages) with split-K gate/up for decode (K2.6
+# gate/up: 28 K tiles of 32 words, so split_k 2 and 4 divide them). A run past --budget-s skips the configs at the end.
 TUNE = (TuneConfig(128, stages=3, tiled=True), TuneConfig(64, stages=3, tiled=True),
         TuneConfig(64, stages=4, tiled=True), TuneConfig(32, warps=4, stages=3, tiled=True),
         TuneConfig(64, block_w=64, stages=3, tiled=True), TuneConfig(128, block_w=16, stages=4, tiled=True),
@@ -93,33 +94,22 @@ TUNE = (TuneConfig(128, stages=3, tiled=True), TuneConfig(64, stages=3, tiled=Tr
 TUNE_TOKENS = (1, 16)  # decode and a small verify tree: where the grid, not the bytes, may bound the call
 
 
-@dataclasses.dataclass(frozen=True)
-class PartConfig:
-    """One kernel's launch config on tile-major weights at (block_n, block_w)."""
-
-    block_n: int
-    block_w: int = 32
-    warps: int = 8
-    stages: int = 3
-    n_per_program: int = 1
-
-    @property
-    def key(self) -> str:
-        return f"bn{self.block_n}_bw{self.block_w}_w{self.warps}_s{self.stages}_n{self.n_per_program}"
+def part_key(launch: Launch) -> str:
+    """A --part-tune config's row key."""
+    return (f"bn{launch.block_n}_bw{launch.block_w}_w{launch.num_warps}_s{launch.num_stages}"
+            f"_n{launch.n_per_program}")
 
 
-# --part-tune: each kernel alone, the engine's launch first (int4_moe.GATE_UP_LAUNCH / DOWN_LAUNCH), then its
-# neighbours: one 8-warp program per SM (ROW_MAJOR_LAUNCH's shape), other tiles, pipeline depths,
-# warps, and for down (8 K tiles of 32 words at K2.6 width) how many N tiles a program walks.
+# --part-tune: each kernel alone, the engine's launch first, then its neighbours: one 8-warp program per SM
+# (ROW_MAJOR_LAUNCH's shape), other tiles, pipeline depths, warps, and for down (8 K tiles of 32 words at K2.6 width)
+# how many N tiles a program walks.
 PART_TUNE = {
-    "gate_up": (PartConfig(128, warps=4), PartConfig(128), PartConfig(64, warps=4), PartConfig(64, 64, warps=4),
-                PartConfig(128, warps=4, stages=2), PartConfig(128, warps=4, stages=4), PartConfig(256),
-                PartConfig(128, 64, warps=4)),
-    "down": (PartConfig(64, 64, warps=4, n_per_program=4), PartConfig(128),
-             PartConfig(128, 64, warps=4, n_per_program=4), PartConfig(128, warps=4, n_per_program=4),
-             PartConfig(64, 64, warps=4, n_per_program=2),
-             PartConfig(64, 64, warps=4, n_per_program=8), PartConfig(64, 64, warps=2, n_per_program=4),
-             PartConfig(64, 64, warps=4, stages=4, n_per_program=4)),
+    "gate_up": (GATE_UP_LAUNCH, Launch(128, 32, 8), Launch(64, 32, 4), Launch(64, 64, 4),
+                Launch(128, 32, 4, num_stages=2), Launch(128, 32, 4, num_stages=4), Launch(256, 32, 8),
+                Launch(128, 64, 4)),
+    "down": (DOWN_LAUNCH, Launch(128, 32, 8), Launch(128, 64, 4, n_per_program=4), Launch(128, 32, 4, n_per_program=4),
+             Launch(64, 64, 4, n_per_program=2), Launch(64, 64, 4, n_per_program=8), Launch(64, 64, 2, n_per_program=4),
+             Launch(64, 64, 4, num_stages=4, n_per_program=4)),
 }
 BREAKDOWN_PARTS = ("route", "gate_up", "h_reorder", "down", "combine")
 
@@ -296,7 +286,7 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
     for part, configs in PART_TUNE.items():
         first = None
         for cfg in configs:
-            key = f"pt_{part}_{cfg.key}"
+            key = f"pt_{part}_{part_key(cfg)}"
             if time.perf_counter() > deadline:
                 row[f"{key}_error"] = "skipped: --budget-s reached"
                 continue
@@ -304,7 +294,8 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                 pairs = (0, 1) if part == "gate_up" else (2,)
                 ws = [a for i in pairs for a in tile(w4[2 * i], w4[2 * i + 1], block_n=cfg.block_n,
                                                       block_w=cfg.block_w)]
-                opts = dict(num_warps=cfg.warps, num_stages=cfg.stages, n_per_program=cfg.n_per_program, **kw)
+                opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, n_per_program=cfg.n_per_program,
+                            **kw)
                 if part == "gate_up":
                     fn = lambda layout, xp, *w, o=opts: jax.lax.optimization_barrier(  # noqa: E731
                         moe_gate_up(xp, layout, (w[0], w[1]), (w[2], w[3]), **o))
@@ -327,17 +318,18 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                 del ws
             except Exception as e:  # noqa: BLE001
                 row[f"{key}_error"] = short_error(e)
-        timed = {c.key: row[f"pt_{part}_{c.key}_ms"] for c in configs if f"pt_{part}_{c.key}_ms" in row}
+        timed = {part_key(c): row[f"pt_{part}_{part_key(c)}_ms"] for c in configs
+                 if f"pt_{part}_{part_key(c)}_ms" in row}
         if timed:
             row[f"pt_{part}_best"] = min(timed, key=timed.get)
 
 
-def part_bytes(row: dict, shape: Shape, part: str) -> float:
+def part_bytes(row: dict, part: str) -> float:
     """The part's bytes: gate/up reads two of each distinct expert's three matrices, down one."""
     return row["bytes"] * (2 if part == "gate_up" else 1) / 3
 
 
-def part_tune_markdown(rows: list[dict], shape: Shape, copy_bw: float) -> str:
+def part_tune_markdown(rows: list[dict], copy_bw: float) -> str:
     """Per kernel: one line per config, ms and % copy at each token count; the best config per count."""
     tuned = [r for r in rows if any(k.startswith("pt_") for k in r)]
     if not tuned:
@@ -350,10 +342,10 @@ def part_tune_markdown(rows: list[dict], shape: Shape, copy_bw: float) -> str:
         for c in configs:
             cells = []
             for r in tuned:
-                t = r.get(f"pt_{part}_{c.key}_ms")
-                cells.append(f"{t:.3f} ({100 * part_bytes(r, shape, part) / (t * 1e-3) / copy_bw:.0f}%)" if t
-                             else "err" if f"pt_{part}_{c.key}_error" in r else "—")
-            lines.append(f"| {c.block_n} | {c.block_w} | {c.warps} | {c.stages} | {c.n_per_program} | "
+                t = r.get(f"pt_{part}_{part_key(c)}_ms")
+                cells.append(f"{t:.3f} ({100 * part_bytes(r, part) / (t * 1e-3) / copy_bw:.0f}%)" if t
+                             else "err" if f"pt_{part}_{part_key(c)}_error" in r else "—")
+            lines.append(f"| {c.block_n} | {c.block_w} | {c.num_warps} | {c.num_stages} | {c.n_per_program} | "
                          + " | ".join(cells) + " |")
         for r in tuned:
             if f"pt_{part}_best" in r:
@@ -538,12 +530,12 @@ def tune_markdown(rows: list[dict]) -> str:
         lines.append(f"| {c.block_n} | {c.block_w} | {c.warps} | {c.stages} | {c.split_k} | "
                      f"{'tile-major' if c.tiled else 'row-major'} | "
                      + " | ".join(ms(r, c.key) for r in tuned) + " |")
-    default = TUNE[0].key
+    first = TUNE[0].key
     for r in tuned:
         if "tune_best" in r:
             best = r["tune_best"]
-            lines.append(f"\nbest at {r['tokens']} tokens: {best} {r[best + '_ms']:.3f} ms (default {ms(r, default)} "
-                         f"ms)")
+            lines.append(f"\nbest at {r['tokens']} tokens: {best} {r[best + '_ms']:.3f} ms (first config "
+                         f"{ms(r, first)} ms)")
     return "\n".join(lines)
 
 
@@ -615,7 +607,7 @@ def main(argv=None):
                       unpacks=unpacks, int4_bytes_per_expert=int4_expert_bytes(shape),
                       total_s=time.perf_counter() - t0)
         extra = [t for t in (layout_markdown(rows, copy_bw), breakdown_markdown(rows), tune_markdown(rows),
-                             part_tune_markdown(rows, shape, copy_bw)) if t]
+                             part_tune_markdown(rows, copy_bw)) if t]
         print("\n\n".join([markdown(rows, copy_bw), unpack_markdown(rows, copy_bw, unpacks), *extra])
               + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
         if args.out:

@@ -9,7 +9,7 @@ Weight layout (`int4_layout.py`, compressed-tensors pack-quantized; the model's 
 int32 [E, N, K/8] — nibble k of word j is input column 8j+k, offset 8 — and scale bf16 [E, N, K/G]:
 W[e, n, i] = (nib - 8) * scale[e, n, i // G]. The kernel also reads the same words tile-major (`tile_int4`:
 [E, N/bn, K/8/bw, bn, bw], scales alike), where each K step's tile is one contiguous block instead of bn strided
-runs: 1.14-1.25x faster at 1-64 tokens (BENCHMARKS.md §4a), and the engine's layout on one GPU.
+runs: the engine's layout on one GPU, 1.18-1.50x faster at 1-64 tokens with each kernel's launch (BENCHMARKS.md §4a).
 
 Routing layout (XLA, outside the kernel): the P (token, expert) pairs are sorted by expert; each touched expert
 gets a *slot* whose rows start at a multiple of `block_m` (padded with zero rows), so every row block belongs to
@@ -69,7 +69,7 @@ PAIRWISE_ROUTE_MAX_PAIRS = 512  # route by [P, P] comparisons up to here (64 tok
 DEFAULT_BLOCK_N = 64  # output columns per program
 DEFAULT_BLOCK_W = 32  # packed words per K tile (= 256 input columns)
 DEFAULT_WARPS = 8
-DEFAULT_STAGES = 3  # K-loop pipeline depth: H200 tune (BENCHMARKS.md 4a) 1.21x faster than 2 at 1 token, 1.04x at 16
+DEFAULT_STAGES = 3  # K-loop depth: 1.21x faster than 2 at 1 token, 1.04x at 16 (bench_int4_moe/h200_breakdown_tune)
 
 
 @dataclasses.dataclass(frozen=True)
