@@ -235,8 +235,8 @@ def stage_fns(shape: Shape, interpret: bool):
     def route(x, i, w, *ws):
         return bar(moe_route(x, i, shape.experts, group_size=shape.group))
 
-    def gate_up(layout, xp, *ws):
-        return bar(moe_gate_up(xp, layout, (ws[0], ws[1]), (ws[2], ws[3]), **kw))
+    def gate_up(layout, xt, token, *ws):
+        return bar(moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), **kw))
 
     def h_reorder(h):
         return bar(_nibble_major(h, words))
@@ -297,14 +297,14 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                 opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, n_per_program=cfg.n_per_program,
                             **kw)
                 if part == "gate_up":
-                    fn = lambda layout, xp, *w, o=opts: jax.lax.optimization_barrier(  # noqa: E731
-                        moe_gate_up(xp, layout, (w[0], w[1]), (w[2], w[3]), **o))
+                    fn = lambda layout, xt, token, *w, o=opts: jax.lax.optimization_barrier(  # noqa: E731
+                        moe_gate_up(xt, layout, token, (w[0], w[1]), (w[2], w[3]), **o))
                     args = [tuple(r) + tuple(ws) for r in routed]
                 else:
                     if hs is None:  # h from the engine's gate/up, nibble-major (what down reads)
                         gu = [a for i in (0, 1) for a in tile(w4[2 * i], w4[2 * i + 1])]
-                        hs = [jax.jit(lambda layout, xp, *w: _nibble_major(
-                            moe_gate_up(xp, layout, (w[0], w[1]), (w[2], w[3]), **kw), shape.inter // 8))(
+                        hs = [jax.jit(lambda layout, xt, token, *w: _nibble_major(
+                            moe_gate_up(xt, layout, token, (w[0], w[1]), (w[2], w[3]), **kw), shape.inter // 8))(
                                 *r, *gu) for r in routed]
                         del gu
                     fn = lambda layout, hp, *w, o=opts: jax.lax.optimization_barrier(  # noqa: E731

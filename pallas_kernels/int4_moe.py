@@ -12,12 +12,13 @@ W[e, n, i] = (nib - 8) * scale[e, n, i // G]. The kernel also reads the same wor
 runs: the engine's layout on one GPU, 1.18-1.50x faster at 1-64 tokens with each kernel's launch (BENCHMARKS.md §4a).
 
 Routing layout (XLA, outside the kernel): the P (token, expert) pairs are sorted by expert; each touched expert
-gets a *slot* whose rows start at a multiple of `block_m` (padded with zero rows), so every row block belongs to
-exactly one expert and the kernel never needs a masked store. Slots = min(E, P) (static); unused slots have
+gets a *slot* whose rows start at a multiple of `block_m` (padding rows read as zeros), so every row block belongs
+to exactly one expert and the kernel never needs a masked store. Slots = min(E, P) (static); unused slots have
 count 0 and their programs exit at once. Up to PAIRWISE_ROUTE_MAX_PAIRS pairs (decode) the layout comes from [P, P]
 comparisons in three stacked reductions instead of a sort and E-wide scatters / prefix sums (CPU HLO of the glue
-before the first kernel at 1 token: 10 top-level fusions instead of 41), and the routed rows are one gather of the
-nibble-major tokens (`gather_token_rows`) instead of repeat + scatter + reorder; same layout, same bits.
+before the first kernel at 1 token: 10 top-level fusions instead of 41). The gate/up kernel reads its rows from the
+M nibble-major tokens through a [R] row -> token map (`row_tokens`): the padded rows are never written out. Loads of
+padding rows are masked off, so they cost no memory traffic.
 
 Kernel grid (N tiles / n_per_program, slots), N tiles fastest so the programs running together share their slot's
 activation rows through L2. A program loops over its slot's row blocks (dynamic trip count) and, inside, over K tiles
@@ -244,15 +245,14 @@ def row_pairs(layout: RouteLayout, n_pairs: int) -> jax.Array:
                                                                              mode="drop")
 
 
-def gather_token_rows(x: jax.Array, layout: RouteLayout, top_k: int, words: int) -> jax.Array:
-    """x [M, K] tokens -> [R, 8*words] padded routed rows, nibble-major: one row gather (pair p = token p // k).
+def row_tokens(layout: RouteLayout, n_tokens: int, top_k: int) -> jax.Array:
+    """[R] the token row each padded row reads (pair p is token p // top_k; padding rows: token 0, never used).
 
-    Same values as `_nibble_major(scatter_rows(repeat(x, k)), words)`, but the column reorder touches only the M
-    token rows and no [P, K] copy or [R, K] scatter is made. Padding rows are zero."""
-    m = x.shape[0]
-    pairs = row_pairs(layout, m * top_k)
-    tokens = jnp.where(pairs < m * top_k, pairs // top_k, m)  # m: out of range, gathered as zeros
-    return _nibble_major(x, words).at[tokens].get(mode="fill", fill_value=0)
+    The gate/up kernel gathers its activation rows through this map straight from the M token rows, so the [R, K]
+    padded rows (R ~ P + S * (block_m - 1): 98 MB at a batch-8 B = 16 verify) are never written and read back."""
+    n_pairs = n_tokens * top_k
+    pairs = row_pairs(layout, n_pairs)
+    return jnp.where(pairs < n_pairs, pairs // top_k, 0).astype(jnp.int32)
 
 
 # ---- kernel -------------------------------------------------------------------------------------------------------
@@ -268,6 +268,7 @@ class _Plan:
     block_n: int
     block_w: int
     slots: int
+    gather: bool = False  # x holds token rows, read through a [R] row -> token map (`row_tokens`)
     split_k: int = 1  # programs per (N tile, slot), each over 1/split_k of the K tiles, writing fp32 partials
     tiled: bool = False  # weights tile-major (`tile_int4`): each K-loop tile is one contiguous block
     n_per_program: int = 1  # consecutive N tiles one program walks in one flat, pipelined loop
@@ -329,10 +330,13 @@ def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan: _Plan, swiglu: bool, precision,
+def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, *refs, plan: _Plan, swiglu: bool, precision,
             unpack: str, interpret: bool):
-    # slot_* [S] i32 | x_ref [R, 8*words] nibble-major | refs: (packed [E, N, words] i32, scale [E, N, words/gw])
-    # for each weight set, then out_ref [R, N] (split_k > 1: one fp32 [split_k, R, N] partial per weight set)
+    # slot_* [S] i32 | gather: token_ref [R] i32 | x_ref [R or M, 8*words] nibble-major | (packed [E, N, words] i32,
+    # scale [E, N, words/gw]) for each weight set, then out_ref [R, N] (split_k > 1: one fp32 [split_k, R, N]
+    # partial per weight set)
+    token_ref, refs = (refs[0], refs[1:]) if plan.gather else (None, refs)
+    x_ref, refs = refs[0], refs[1:]
     n_sets = 2 if swiglu else 1
     w_refs, out_refs = refs[:2 * n_sets], refs[2 * n_sets:]
     weights = [(w_refs[i], w_refs[i + 1]) for i in range(0, len(w_refs), 2)]
@@ -346,11 +350,18 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan:
     cdt = x_ref.dtype
     nt = (((1,), (1,)), ((), ()))  # a @ b.T
 
-    def accumulate(r0, jn, t, accs):
-        """accs + this K tile's products for N tile jn, K tile t."""
+    def load_x(rows, live, col):
+        """[bm, bw] activations at x rows `rows`, columns col.., padding rows 0 without a memory access."""
+        if interpret:  # the interpreter has no masked gather: load, then zero (same values)
+            return jnp.where(live, x_ref[rows, pl.ds(col, bw)], 0).astype(cdt)
+        return plt.load(x_ref.at[rows, pl.ds(col, bw)], mask=live, other=0)
+
+    def accumulate(rows, live, jn, t, accs):
+        """accs + this K tile's products for N tile jn, K tile t (rows: the block's x rows; live: [bm, bw], the
+        rows that hold pairs)."""
         w0 = pl.multiple_of(t * bw, bw)
         n0 = pl.multiple_of(jn * bn, bn)
-        xs = [x_ref[pl.ds(r0, bm), pl.ds(k * plan.words + w0, bw)] for k in range(NIBBLES_PER_WORD)]  # [bm, bw]
+        xs = [load_x(rows, live, k * plan.words + w0) for k in range(NIBBLES_PER_WORD)]  # [bm, bw] each
         new = []
         for (p_ref, s_ref), acc in zip(weights, accs):
             if plan.tiled:
@@ -379,18 +390,20 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, x_ref, *refs, plan:
 
     def row_block(rb, carry):
         r0 = pl.multiple_of(row0 + rb * bm, bm)
+        live = jnp.broadcast_to((lax.iota(jnp.int32, bm) < slot_count_ref[s] - rb * bm)[:, None], (bm, bw))
+        rows = token_ref[pl.ds(r0, bm)] if plan.gather else pl.ds(r0, bm)
         if plan.split_k > 1:
-            accs = lax.fori_loop(q * k_tiles, (q + 1) * k_tiles, lambda t, a: accumulate(r0, j, t, a), zeros)
+            accs = lax.fori_loop(q * k_tiles, (q + 1) * k_tiles, lambda t, a: accumulate(rows, live, j, t, a), zeros)
             for o_ref, acc in zip(out_refs, accs):
                 o_ref[q, pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bn, bn), bn)] = acc
         elif plan.n_per_program == 1:
-            store(r0, j, lax.fori_loop(0, k_tiles, lambda t, a: accumulate(r0, j, t, a), zeros))
+            store(r0, j, lax.fori_loop(0, k_tiles, lambda t, a: accumulate(rows, live, j, t, a), zeros))
         else:  # one flat loop over (N tile, K tile): the pipeline keeps loading across N tiles
 
             def step(f, accs):
                 kt = jnp.int32(k_tiles)  # lax, not jnp's floor div / mod: f >= 0, and Triton lowers lax.rem
                 jn, t = n_first + lax.div(f, kt), lax.rem(f, kt)
-                accs = accumulate(r0, jn, t, accs)
+                accs = accumulate(rows, live, jn, t, accs)
                 last = t == k_tiles - 1
                 pl.when(last)(lambda: store(r0, jn, accs))
                 return tuple(jnp.where(last, 0.0, a) for a in accs)
@@ -532,18 +545,21 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots, 
                  block_w=bw, slots=slots, split_k=split_k)
 
 
-def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: bool = False, out_dtype=None,
+def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token: jax.Array | None = None,
+                        swiglu: bool = False, out_dtype=None,
                         block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
                         num_stages: int = DEFAULT_STAGES, split_k: int = 1, n_per_program: int = 1,
                         nibble_major: bool = False, unpack: str | None = None,
                         interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their slot's expert: -> [R, N] (fp32 accumulation).
 
+    row_token [R] int32 (`row_tokens`): x instead holds token rows (any count) and padded row r reads x row
+    row_token[r]; the padded rows are never materialised. Either way padding rows read as zeros.
     weights: ((packed [E, N, K/8] i32, scale [E, N, K/G]),) or two such pairs (gate, up) with swiglu=True, which
     returns silu(x Wg^T) * (x Wu^T). Rows outside every slot's blocks are left unwritten (garbage).
     unpack: how weights are dequantized (UNPACK_MODES; None: bf16x2 for bf16 x, else f32); "bf16x2" needs bf16 x and
     gives the same bf16 weights.
-    nibble_major: x is already [R, 8*words'] in the kernel's column order (`gather_token_rows`), words' = K/8 padded
+    nibble_major: x is already [rows, 8*words'] in the kernel's column order (`moe_route`), words' = K/8 padded
     to whole K tiles; otherwise the wrapper reorders it (a copy of x).
     split_k > 1: each (N tile, slot) runs as split_k programs over consecutive K ranges (more programs, shorter
     loops, for few rows); their fp32 partial sums are added in XLA before the SwiGLU epilogue and the rounding, so
@@ -558,8 +574,11 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
         raise ValueError(f"grouped_int4_matmul: swiglu={swiglu} needs {2 if swiglu else 1} weight sets, "
                          f"got {len(weights)}")
     r, x_cols = x.shape
-    if r != layout.rows:
+    if row_token is None and r != layout.rows:
         raise ValueError(f"grouped_int4_matmul: x has {r} rows, layout has {layout.rows}")
+    if row_token is not None and (row_token.shape != (layout.rows,) or row_token.dtype != jnp.int32):
+        raise ValueError(f"grouped_int4_matmul: row_token must be int32 [{layout.rows}] (the layout's rows), got "
+                         f"{row_token.dtype} {row_token.shape}")
     shape = weights[0][0].shape
     tiled = len(shape) == 5
     if tiled:  # the tiles are the layout's
@@ -577,8 +596,8 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
             raise ValueError(f"grouped_int4_matmul: scale {i} {sc.shape} does not fit packed {shape}")
     k_in = words * NIBBLES_PER_WORD
     group_size = k_in // int4_scale_groups(weights[0][1])
-    plan = _make_plan(r, k_in, n_out, group_size, layout.block_m, block_n, block_w, layout.slot_expert.shape[0],
-                      split_k)
+    plan = _make_plan(layout.rows, k_in, n_out, group_size, layout.block_m, block_n, block_w,
+                      layout.slot_expert.shape[0], split_k)
     if tiled and (plan.n_out, plan.words) != (n_out, words):
         raise ValueError(f"grouped_int4_matmul: tile-major weights {shape} are not whole K tiles of "
                          f"{plan.block_w} words")
@@ -586,7 +605,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
     if n_per_program < 1 or n_tiles % n_per_program or (n_per_program > 1 and split_k > 1):
         raise ValueError(f"grouped_int4_matmul: n_per_program={n_per_program} must divide the {n_tiles} N tiles of "
                          f"{plan.block_n} columns (and needs split_k=1, got {split_k})")
-    plan = dataclasses.replace(plan, tiled=tiled, n_per_program=n_per_program)
+    plan = dataclasses.replace(plan, tiled=tiled, n_per_program=n_per_program, gather=row_token is not None)
     want_cols = plan.words * NIBBLES_PER_WORD if nibble_major else k_in
     if x_cols != want_cols:
         raise ValueError(f"grouped_int4_matmul: x has {x_cols} columns, the packed weights need {want_cols}"
@@ -597,12 +616,14 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, swiglu: b
     kernel = functools.partial(_kernel, plan=plan, swiglu=swiglu, precision=precision, unpack=unpack,
                                interpret=interpret)
     any_spec = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)
-    args = (layout.slot_expert, layout.slot_start, layout.slot_count, xp, *flat)
+    gather = () if row_token is None else (row_token,)
+    args = (layout.slot_expert, layout.slot_start, layout.slot_count, *gather, xp, *flat)
     grid = (n_tiles // n_per_program, plan.slots) + ((split_k,) if split_k > 1 else ())
+    rows = layout.rows
     if split_k == 1:
-        out_shape = [jax.ShapeDtypeStruct((r, plan.n_out), out_dtype or x.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((rows, plan.n_out), out_dtype or x.dtype)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((split_k, r, plan.n_out), jnp.float32) for _ in weights]
+        out_shape = [jax.ShapeDtypeStruct((split_k, rows, plan.n_out), jnp.float32) for _ in weights]
     outs = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages, grid=grid,
                        in_specs=[any_spec(a) for a in args], out_specs=[any_spec(o) for o in out_shape],
                        out_shape=out_shape, name="int4_swiglu" if swiglu else "int4_matmul")(*args)
@@ -625,8 +646,9 @@ def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert
                          f"{expert_ids.shape}")
     n_exp = packed.shape[0]
     layout = route_layout(expert_ids, n_exp, block_m or default_block_m(x.shape[0], n_exp))
-    y = grouped_int4_matmul(scatter_rows(x, layout), ((packed, scale),), layout, block_n=block_n, block_w=block_w,
-                            num_warps=num_warps, unpack=unpack, interpret=interpret)
+    pairs = row_pairs(layout, x.shape[0])  # pair p is row p of x
+    y = grouped_int4_matmul(x, ((packed, scale),), layout, row_token=jnp.where(pairs < x.shape[0], pairs, 0),
+                            block_n=block_n, block_w=block_w, num_warps=num_warps, unpack=unpack, interpret=interpret)
     return y.at[layout.dest].get(mode="fill", fill_value=0)
 
 
@@ -648,21 +670,22 @@ def _check_ffn(x, idx, weights, gate, up, down):
 
 
 def moe_route(x: jax.Array, idx: jax.Array, n_experts: int, *, group_size: int, block_m: int | None = None,
-              block_w: int | None = None) -> tuple[RouteLayout, jax.Array]:
-    """The glue before the first kernel: x [M, D], idx [M, k] -> (layout, [R, 8*words'] nibble-major routed rows)."""
+              block_w: int | None = None) -> tuple[RouteLayout, jax.Array, jax.Array]:
+    """The glue before the first kernel: x [M, D], idx [M, k] -> (layout, [M, 8*words'] nibble-major tokens,
+    [R] token of each padded row). Only the M token rows are reordered; the kernel gathers the routed rows."""
     m, d = x.shape
-    n_pairs = idx.size
-    layout = route_layout(idx.reshape(-1), n_experts, block_m or default_block_m(n_pairs, n_experts))
+    layout = route_layout(idx.reshape(-1), n_experts, block_m or default_block_m(idx.size, n_experts))
     _, words = _k_tiling(d, group_size, block_w)
-    return layout, gather_token_rows(x, layout, idx.shape[1], words)
+    return layout, _nibble_major(x, words), row_tokens(layout, m, idx.shape[1])
 
 
-def moe_gate_up(xp: jax.Array, layout: RouteLayout, gate, up, *, num_warps: int | None = None,
+def moe_gate_up(xt: jax.Array, layout: RouteLayout, row_token: jax.Array, gate, up, *, num_warps: int | None = None,
                 num_stages: int | None = None, n_per_program: int | None = None, **kw) -> jax.Array:
-    """Fused gate/up kernel on nibble-major routed rows: -> h [R, I] = silu(x Wg^T) * (x Wu^T) in xp's dtype.
-    Launch options left None come from GATE_UP_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
+    """Fused gate/up kernel on nibble-major token rows xt (`moe_route`): -> h [R, I] = silu(x Wg^T) * (x Wu^T) in
+    xt's dtype. Launch options left None come from GATE_UP_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
     launch = _launch_kw(GATE_UP_LAUNCH, gate[0], num_warps, num_stages, n_per_program)
-    return grouped_int4_matmul(xp, (gate, up), layout, swiglu=True, nibble_major=True, **launch, **kw)
+    return grouped_int4_matmul(xt, (gate, up), layout, row_token=row_token, swiglu=True, nibble_major=True,
+                               **launch, **kw)
 
 
 def moe_down(h: jax.Array, layout: RouteLayout, down, *, num_warps: int | None = None, num_stages: int | None = None,
@@ -700,8 +723,9 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, num_stages=num_stages, unpack=unpack,
               interpret=interpret)
     group = x.shape[1] // int4_scale_groups(gate_scale)
-    layout, xp = moe_route(x, idx, gate_packed.shape[0], group_size=group, block_m=block_m, block_w=route_w)
-    h = moe_gate_up(xp, layout, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k,
+    layout, xt, row_token = moe_route(x, idx, gate_packed.shape[0], group_size=group, block_m=block_m,
+                                      block_w=route_w)
+    h = moe_gate_up(xt, layout, row_token, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k,
                     n_per_program=gate_up_n_per_program, **kw)
     y = moe_down(h, layout, (down_packed, down_scale), n_per_program=down_n_per_program, **kw)  # [R, D]
     return moe_combine(y, layout, weights, out_dtype or x.dtype)

@@ -11,8 +11,8 @@ from kdtree_jax.quant import quant_int4
 from pallas_kernels import int4_moe
 from pallas_kernels._pallas import lower_for_h200
 from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
-                                     int4_expert_matmul, int4_moe_ffn, route_layout, route_layout_pairwise,
-                                     route_layout_sorted)
+                                     grouped_int4_matmul, int4_expert_matmul, int4_moe_ffn, route_layout,
+                                     route_layout_pairwise, route_layout_sorted)
 from pallas_kernels.int4_moe_ref import int4_expert_matmul_ref, int4_moe_ffn_ref
 
 TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -157,6 +157,9 @@ def test_bad_shapes_name_the_tensor(rng):
         int4_moe_ffn(x, idx[:2], weights, *w)
     with pytest.raises(ValueError, match="block_m"):
         int4_expert_matmul(jnp.ones((4, 64)), w[4][:, :, :4], w[5][:, :, :1], jnp.zeros(4, jnp.int32), block_m=24)
+    layout = route_layout(idx.reshape(-1), w[0].shape[0], 16)
+    with pytest.raises(ValueError, match=rf"row_token must be int32 \[{layout.rows}\]"):
+        grouped_int4_matmul(x, ((w[4], w[5]),), layout, row_token=jnp.zeros(layout.rows - 1, jnp.int32))
 
 
 # ---- Triton lowering for H200 -------------------------------------------------------------------------------------
@@ -333,17 +336,16 @@ def test_pairwise_route_equals_sorted_route(rng, p, e, block_m, absent):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("m,k,e", [(1, 8, 384), (5, 2, 8), (80, 8, 384)])  # 80 x 8 > PAIRWISE_ROUTE_MAX_PAIRS
-def test_gather_token_rows_equals_scatter_of_repeated_rows(rng, m, k, e):
-    """One row gather of the nibble-major tokens = the old repeat + scatter + reorder, bit for bit."""
-    d = 96  # 12 words: padded to 16 in nibble-major order
+def test_row_tokens_read_the_scattered_rows(rng, m, k, e):
+    """Token rows read through `row_tokens` = the repeat + scatter of the pairs, on every row that holds a pair."""
     idx, _ = routing_with_absent(rng, m, e, k)
-    x = jnp.asarray(rng.standard_normal((m, d)) + 3.0, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, 96)) + 3.0, jnp.bfloat16)
     layout = route_layout(jnp.asarray(idx.reshape(-1)), e, int4_moe.default_block_m(idx.size, e))
-    got = np.asarray(int4_moe.gather_token_rows(x, layout, k, 16).astype(jnp.float32))
-    rows = int4_moe.scatter_rows(jnp.repeat(x, k, axis=0), layout)
-    want = np.asarray(int4_moe._nibble_major(rows, 16).astype(jnp.float32))
-    np.testing.assert_array_equal(got, want)
-    assert np.count_nonzero(got.any(axis=1)) == int(((idx >= 0) & (idx < e)).sum())
+    token = np.asarray(int4_moe.row_tokens(layout, m, k))
+    assert token.shape == (layout.rows,) and ((token >= 0) & (token < m)).all()
+    held = np.asarray(layout.dest)[((idx >= 0) & (idx < e)).reshape(-1)]
+    want = np.asarray(int4_moe.scatter_rows(jnp.repeat(x, k, axis=0), layout).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32))[token[held]], want[held])
 
 
 def ffn_scatter_path(x, idx, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, *,
@@ -363,7 +365,8 @@ def ffn_scatter_path(x, idx, weights, gate_packed, gate_scale, up_packed, up_sca
                                                      (6, 160, 96, 16, 4, jnp.bfloat16)])
 @pytest.mark.heavy
 def test_ffn_bitwise_equals_scatter_path_and_matches_reference(rng, interpret, tokens, d, inter, e, k, dtype):
-    """The decode glue changes no output bit (absent pairs included) and the FFN still matches float64."""
+    """The decode glue (pairwise layout, token rows gathered in the kernel) changes no output bit against padded rows
+    scattered in XLA (absent pairs included), and the FFN still matches float64."""
     w = make_ffn(rng, d, inter, e)
     idx, weights = routing_with_absent(rng, tokens, e, k)
     x = as_input(rng.standard_normal((tokens, d)), dtype)
@@ -464,8 +467,8 @@ def _row_major_per_kernel_tiles(x, idx, weights, w, interpret=None):
     ws = list(map(jnp.asarray, w))
     group = x.shape[1] // ws[1].shape[-1]
     launch = lambda t: dict(num_warps=t.num_warps, num_stages=t.num_stages, n_per_program=t.n_per_program)  # noqa: E731
-    layout, xp = int4_moe.moe_route(x, idx, ws[0].shape[0], group_size=group, block_w=gate_t["block_w"])
-    h = int4_moe.moe_gate_up(xp, layout, (ws[0], ws[1]), (ws[2], ws[3]), interpret=interpret, **gate_t,
+    layout, xt, token = int4_moe.moe_route(x, idx, ws[0].shape[0], group_size=group, block_w=gate_t["block_w"])
+    h = int4_moe.moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), interpret=interpret, **gate_t,
                              **launch(int4_moe.GATE_UP_LAUNCH))
     y = int4_moe.moe_down(h, layout, (ws[4], ws[5]), interpret=interpret, **down_t, **launch(int4_moe.DOWN_LAUNCH))
     return int4_moe.moe_combine(y, layout, weights, x.dtype)
