@@ -26,7 +26,9 @@ Measured (median, warm-up, block_until_ready; cache donated and fed back):
     dequantizes every gathered or every expert), tried only up to --as-is-max-tokens routed tokens.
 Bytes that must move = every non-routed weight (attention, dense MLP, shared expert, router, norms, lm_head) + the
 distinct experts each MoE layer touched (INT4 words + scales, counted inside the same jitted call) + the latent
-cache prefix read. Roofline = bytes / copy bandwidth measured in the same run. A cost model
+cache prefix read. Roofline = bytes / copy bandwidth measured in the same run; part roofline = the sum over the
+attention core, the non-routed weights' matmuls and the routed experts of max(bytes / copy bandwidth, FLOPs / bf16
+matmul peak measured in the same run), which counts the compute of wide trees (`step_flops`). A cost model
 t = a + b * attention FLOPs + c * distinct-expert bytes + d * tokens (+ e * cache bytes), coefficients >= 0, fitted
 for the smallest worst-case relative error over the verify points of the kernel MoE, with the fit error per point
 and the leave-one-out worst error; `--refit results.json` refits a saved run without a GPU. Every config is guarded (OOM / compile failure recorded,
@@ -46,7 +48,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from trace_parts import command_buffers_off, gpu_kernels, hlo_scopes, part_times  # (no jax inside)
+from trace_parts import command_buffers_off, gpu_kernels, hlo_scopes, part_times, top_kernels  # (no jax inside)
 
 if __name__ == "__main__" and "--trace" in sys.argv[1:]:  # before jax reads XLA_FLAGS: kernels must name their op
     command_buffers_off()
@@ -352,6 +354,9 @@ class Runner:
         row["attn_bytes"] = self.wbytes["attention"] + cache
         row["cache_bytes"] = cache
         row["bytes"] = row["expert_bytes"] + row["attn_bytes"] + self.wbytes["other"]
+        if row["kind"] == "verify":
+            row["flops_by_part"] = step_flops(self.cfg, self.wbytes, row["batch"], row["nodes"], row["prefix"],
+                                              jnp.dtype(self.dtype).itemsize)
 
     def verify_configs(self):
         sw = self.sweep
@@ -408,25 +413,28 @@ class Runner:
                 row.update(per_step_ms(self.args.steps, [median_s(steps_of(k), min_reps=3, max_reps=10,
                                                                   min_total_s=0.1) for k in self.args.steps]))
                 if self.args.trace:
-                    row["parts_us_per_step"] = self.trace_parts(f"{mode}_{layout}_b{bt}_n{n}_p{prefix}", compiled,
-                                                                steps_of)
+                    row["parts_us_per_step"], row["top_kernels_us_per_step"] = self.trace_parts(
+                        f"{mode}_{layout}_b{bt}_n{n}_p{prefix}", compiled, steps_of)
                 self.bytes_of(row, np.mean(np.stack([np.asarray(d) for d in distinct]), axis=0), bt * prefix)
                 if mode == "skip":  # routed experts not read
                     row["bytes"] -= row["expert_bytes"]
                     row["expert_bytes"] = 0
+                    row["flops_by_part"]["experts"] = 0.0
                 self.record(row)
         except Exception as e:  # noqa: BLE001  (OOM / compile failure: record and go on)
             self.record({**base, "error": short_error(e), "oom": is_oom(e)})
 
-    def trace_parts(self, tag: str, compiled: dict, steps_of) -> dict[str, float]:
-        """µs of GPU kernel time per step by part (attention, experts, shared expert, router, dense MLP, head, other),
-        from a profiler trace of one call of the longest loop."""
+    def trace_parts(self, tag: str, compiled: dict, steps_of) -> tuple[dict[str, float], dict[str, dict]]:
+        """µs of GPU kernel time per step by part (attention, experts, shared expert, router, dense MLP, head, other)
+        and each part's largest kernels, from a profiler trace of one call of the longest loop."""
         k = max(compiled)
         scopes = hlo_scopes(compiled[k].as_text(), layer_part)
         trace_dir = os.path.join(self.args.trace, tag)
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             jax.block_until_ready(steps_of(k)())
-        return part_times(gpu_kernels(trace_dir), scopes, layer_part, LAYER_PALLAS_PARTS, "other", k)
+        kernels = gpu_kernels(trace_dir)
+        args = (kernels, scopes, layer_part, LAYER_PALLAS_PARTS, "other", k)
+        return part_times(*args), top_kernels(*args)
 
     def ar_breakdown(self):
         """The AR step (N = 1) side by side with the same step without the routed experts and with the head alone:
@@ -506,6 +514,28 @@ def attn_flops(cfg, bt: int, n: int, prefix: int) -> float:
         * cfg.num_hidden_layers
 
 
+def step_flops(cfg, wbytes: dict, bt: int, n: int, prefix: int, itemsize: int) -> dict[str, float]:
+    """FLOPs of one verify step in its three sequential parts, each bound by its own bytes or its own FLOPs: the
+    attention core (against the cache), the matmuls of the non-routed weights (attention projections, dense MLP,
+    shared expert, router, lm_head: 2 FLOPs per weight per token) and the routed experts (k per token)."""
+    tokens = bt * n
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return dict(attention=attn_flops(cfg, bt, n, prefix),
+                weights=2.0 * tokens * (wbytes["attention"] + wbytes["other"]) / itemsize,
+                experts=2.0 * tokens * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+                * moe_layers)
+
+
+def part_roofline_s(row: dict, bw: float, peak: float) -> float:
+    """Sum over the step's parts (`step_flops`) of max(bytes / copy rate, FLOPs / matmul peak): the roofline of
+    parts that run one after another. It departs from bytes / bandwidth where a part is compute-bound (the attention
+    core of wide trees at long prefixes)."""
+    f = row["flops_by_part"]
+    weight_bytes = row["bytes"] - row["cache_bytes"] - row["expert_bytes"]
+    return (max(row["cache_bytes"] / bw, f["attention"] / peak) + max(weight_bytes / bw, f["weights"] / peak)
+            + max(row["expert_bytes"] / bw, f["experts"] / peak))
+
+
 def _minimax_nonneg(x: np.ndarray, t: np.ndarray, iters: int = 300):
     """Coefficients c >= 0 minimising max_i |x_i . c / t_i - 1| (Lawson's reweighted least squares) over every subset
     of the columns; -> (max relative error, column indices, coefficients). Relative error: times span 1 ms..250 ms."""
@@ -573,12 +603,12 @@ def moe_label(r: dict) -> str:
 
 def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
     lines = ["| kind | MoE | batch | N / T | prefix | ms | distinct experts / layer | GB moved | roofline ms | "
-             "× roofline | fit ms (err) | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "× roofline | × part roofline | fit ms (err) | note |", "|---" * 13 + "|"]
     for r in rows:
         n = r.get("nodes", r.get("tokens"))
         if "ms" not in r:
             note = r.get("skipped") or ("OOM" if r.get("oom") else r.get("error", ""))
-            empty = " — |" * 7
+            empty = " — |" * 8
             lines.append(f"| {r['kind']} | {moe_label(r)} | {r['batch']} | {n} |{empty} {note} |")
             continue
         bw = r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw  # a refit of several runs: the row's own run's
@@ -587,12 +617,13 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
             roof = max(roof, r["flops"] / peak)
         fit = f"{r['fit_ms']:.2f} ({100 * r['fit_rel_err']:+.0f}%)" if "fit_ms" in r else "—"
         dist = "/".join(f"{d}" for d in r["distinct_experts"])
+        x_parts = f"{r['ms'] / 1e3 / part_roofline_s(r, bw, peak):.2f}" if "flops_by_part" in r else "—"
         notes = ["compute"] if "flops" in r and r["flops"] / peak > r["bytes"] / bw else []
         if r.get("ms_fixed_per_call", 0.0) < 0:  # a fixed cost cannot be negative: the two timings disagree
             notes.append(f"slope noisy: fixed cost {r['ms_fixed_per_call']:.2f} ms per call")
         lines.append(f"| {r['kind']} | {moe_label(r)} | {r['batch']} | {n} | {r.get('prefix', 0)} | {r['ms']:.2f} | "
-                     f"{dist} | {r['bytes'] / 1e9:.2f} | {roof * 1e3:.2f} | {r['ms'] / 1e3 / roof:.2f} | {fit} | "
-                     f"{'; '.join(notes)} |")
+                     f"{dist} | {r['bytes'] / 1e9:.2f} | {roof * 1e3:.2f} | {r['ms'] / 1e3 / roof:.2f} | {x_parts} | "
+                     f"{fit} | {'; '.join(notes)} |")
     traced = [r for r in rows if "parts_us_per_step" in r]
     if traced:
         parts = sorted({p for r in traced for p in r["parts_us_per_step"]})
@@ -616,10 +647,16 @@ def refit(paths: list[str], out: str | None) -> dict:
     layers = {r["layers"] for r in runs}
     if len(layers) != 1:
         raise SystemExit(f"--refit: runs of different layer counts {sorted(layers)} cannot share one cost model")
+    cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=layers.pop())
+    for run, row in ((run, row) for run in runs for row in run["rows"]):  # runs saved before the part roofline
+        if row.get("kind") == "verify" and "ms" in row and "flops_by_part" not in row and "weight_bytes" in run:
+            row["flops_by_part"] = step_flops(cfg, run["weight_bytes"], row["batch"], row["nodes"], row["prefix"],
+                                              jnp.dtype(jnp.bfloat16).itemsize)  # GPU runs are bf16
+            if row["moe"] == "skip":
+                row["flops_by_part"]["experts"] = 0.0
     result = dict(runs[0], sources=list(paths), rows=[dict(row, copy_gbps=run["copy_gbps"]) for run in runs
                                                      for row in run["rows"]])
     result["copy_gbps"] = min(run["copy_gbps"] for run in runs)
-    cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=layers.pop())
     result["fit"] = fit_cost_model(result["rows"], cfg)
     print(markdown(result["rows"], result["copy_gbps"] * 1e9, result["matmul_tflops"] * 1e12))
     print(f"\ncost model (kernel-MoE verify points): {json.dumps(result['fit'])}")

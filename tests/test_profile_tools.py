@@ -75,18 +75,25 @@ def test_kernels_attribute_to_round_parts(rng):
 def _check_attribution(rng, cases, scopes, part_of, pallas_parts, outside):
     """Events of fresh random durations for each (kernel name, hlo_op, part): each one attributes to its part, and
     part_times sums them per part over a random number of steps."""
-    events, want = [], {}
+    events, want, by_name = [], {}, {}
     steps = int(rng.integers(1, 6))
     for name, hlo_op, part in cases:
-        for _ in range(int(rng.integers(1, 4))):
+        for _ in range(int(rng.integers(1, 4))):  # launches of one kernel add up
             dur = float(rng.uniform(0.5, 50.0))
             events.append({"name": name, "args": {"hlo_op": hlo_op}, "dur": dur, "ts": 0.0})
             want[part] = want.get(part, 0.0) + dur / steps
+            by_name.setdefault(part, {}).setdefault(name, 0.0)
+            by_name[part][name] += dur / steps
         assert trace_parts.attribute(events[-1], scopes, part_of, pallas_parts, outside) == part, name
     got = trace_parts.part_times(events, scopes, part_of, pallas_parts, outside, steps)
     assert got.keys() == want.keys()
     for part, us in want.items():
         assert got[part] == pytest.approx(us, rel=1e-12)
+    top = trace_parts.top_kernels(events, scopes, part_of, pallas_parts, outside, steps, n=1)
+    assert top.keys() == want.keys()
+    for part, names in by_name.items():
+        name, us = max(names.items(), key=lambda kv: kv[1])
+        assert top[part] == {name: pytest.approx(us, abs=0.051)}
 
 
 def test_layer_kernels_attribute_to_step_parts(rng):
@@ -186,6 +193,40 @@ def test_step_table_flags_a_negative_fixed_cost(rng):
     notes = [line.split("|")[-2].strip() for line in lines]
     assert notes[0] == ""
     assert notes[1] == f"slope noisy: fixed cost {rows[1]['ms_fixed_per_call']:.2f} ms per call"
+
+
+def test_part_roofline_takes_each_part_at_its_bound(rng):
+    """bench_kimi_layer's part roofline: each of the step's three parts at the slower of its bytes and its FLOPs
+    (fresh random sizes, each part's bound drawn either way), in the table's "× part roofline" column."""
+    bw, peak = 4e12, 6e14
+    rows = []
+    for _ in range(3):
+        cache, weights, experts = rng.uniform(1e7, 5e9, 3)
+        flops = dict(zip(("attention", "weights", "experts"), rng.uniform(1e10, 3e12, 3)))
+        want = sum(max(b / bw, flops[p] / peak) for b, p in ((cache, "attention"), (weights, "weights"),
+                                                             (experts, "experts")))
+        rows.append(dict(kind="verify", moe="kernel", expert_layout="tile-major", batch=8, nodes=17, prefix=4096,
+                         ms=rng.uniform(1.0, 9.0), distinct_experts=[100.0], bytes=cache + weights + experts,
+                         cache_bytes=cache, expert_bytes=experts, flops_by_part=flops))
+        assert bench_kimi_layer.part_roofline_s(rows[-1], bw, peak) == pytest.approx(want, rel=1e-12)
+    header, _, *lines = bench_kimi_layer.markdown(rows, bw, peak).splitlines()
+    col = [c.strip() for c in header.split("|")].index("× part roofline")
+    for row, line in zip(rows, lines):
+        want = row["ms"] / 1e3 / bench_kimi_layer.part_roofline_s(row, bw, peak)
+        assert line.split("|")[col].strip() == f"{want:.2f}"
+
+
+def test_step_flops_count_every_matmul_once():
+    """step_flops at K2.6 width: 2 FLOPs per non-routed bf16 weight per token, 3 expert matrices per routed pair per
+    MoE layer, and the attention core of `attn_flops`."""
+    from kdtree_jax.config import kimi_k2_6
+
+    cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=2)  # layer 0 dense, layer 1 MoE
+    wbytes = dict(attention=4.0e8, other=3.2e9)
+    got = bench_kimi_layer.step_flops(cfg, wbytes, 8, 17, 4096, 2)
+    assert got["weights"] == 2 * 136 * 3.6e9 / 2
+    assert got["experts"] == 2 * 136 * 8 * 3 * 7168 * 2048
+    assert got["attention"] == bench_kimi_layer.attn_flops(cfg, 8, 17, 4096)
 
 
 def test_refit_fits_several_runs_as_one(rng, tmp_path):
