@@ -9,7 +9,7 @@ Weight layout (`int4_layout.py`, compressed-tensors pack-quantized; the model's 
 int32 [E, N, K/8] — nibble k of word j is input column 8j+k, offset 8 — and scale bf16 [E, N, K/G]:
 W[e, n, i] = (nib - 8) * scale[e, n, i // G]. The kernel also reads the same words tile-major (`tile_int4`:
 [E, N/bn, K/8/bw, bn, bw], scales alike), where each K step's tile is one contiguous block instead of bn strided
-runs: the engine's layout on one GPU, 1.18-1.50x faster at 1-64 tokens with each kernel's launch (BENCHMARKS.md §4a).
+runs: the engine's layout on one GPU, 1.29-1.33x faster at 8-136 tokens with each kernel's launch (BENCHMARKS.md §4a).
 
 Routing layout (XLA, outside the kernel): the P (token, expert) pairs are sorted by expert; each touched expert
 gets a *slot* whose rows start at a multiple of `block_m` (padding rows read as zeros), so every row block belongs
