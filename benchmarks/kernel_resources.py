@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.int4_moe import (DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, DEFAULT_WARPS,  # noqa: E402
-                                     UNPACK_MODES, int4_moe_ffn)
+                                     UNPACK_MODES, int4_moe_ffn, tile_ffn_int4)
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402
 from pallas_kernels.tree_build import tree_build  # noqa: E402
 from pallas_kernels.verify_attn import verify_attn  # noqa: E402
@@ -57,13 +57,16 @@ def tree_accept_case(bt: int, budget: int, depth: int = 15):
 
 
 def int4_moe_case(m: int, d: int = 7168, inter: int = 2048, e: int = 384, k: int = 8, dtype=jnp.bfloat16,
-                  unpack: str | None = None):
-    """unpack None: the kernel's default for the dtype (what the engine runs)."""
+                  unpack: str | None = None, tiled: bool = False):
+    """unpack None: the kernel's default for the dtype (what the engine runs); tiled: the experts tile-major, as the
+    engine stores them on one GPU (`tile_ffn_int4`), with each kernel's own launch."""
     specs = (SPEC((m, d), dtype), SPEC((m, k), jnp.int32), SPEC((m, k), jnp.float32),
              SPEC((e, inter, d // 8), jnp.int32), SPEC((e, inter, d // GROUP), jnp.bfloat16),
              SPEC((e, inter, d // 8), jnp.int32), SPEC((e, inter, d // GROUP), jnp.bfloat16),
              SPEC((e, d, inter // 8), jnp.int32), SPEC((e, d, inter // GROUP), jnp.bfloat16))
-    tag = "" if unpack is None else f" unpack={unpack}"
+    if tiled:
+        specs = specs[:3] + tuple(jax.eval_shape(tile_ffn_int4, *specs[3:]))
+    tag = ("" if unpack is None else f" unpack={unpack}") + (" tile-major" if tiled else "")
     return (f"int4_moe tokens={m} E={e} top-{k}{tag}", functools.partial(int4_moe_ffn, unpack=unpack, interpret=False),
             specs)
 
@@ -108,7 +111,8 @@ def mix_markdown(rows: list[dict]) -> str:
 
 def engine_cases() -> list:
     """The shapes the engine and the Kimi benchmarks launch: AR and tree verify, both dtypes; tree kernels up to
-    B = 256 at batch 64; the INT4 expert FFN from one token to a 512-token prefill chunk."""
+    B = 256 at batch 64; the INT4 expert FFN from one token to a 512-token prefill chunk, and tile-major up
+    to a batch-64 B = 16 verify (1088 tokens)."""
     return [
         verify_case(1, 1, 32768, jnp.bfloat16), verify_case(64, 1, 8192, jnp.bfloat16),
         verify_case(8, 17, 32768, jnp.bfloat16, layers=61),
@@ -116,6 +120,7 @@ def engine_cases() -> list:
         verify_case(2, 17, 4096, jnp.float32, heads=8), verify_case(8, 65, 4096, jnp.float32),
         tree_build_case(64, 64), tree_build_case(64, 256), tree_accept_case(64, 64), tree_accept_case(64, 256),
         int4_moe_case(1), int4_moe_case(64), int4_moe_case(512),
+        int4_moe_case(1, tiled=True), int4_moe_case(64, tiled=True), int4_moe_case(1088, tiled=True),
     ]
 
 

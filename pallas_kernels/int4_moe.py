@@ -82,14 +82,19 @@ class Launch:
     num_warps: int
     num_stages: int = DEFAULT_STAGES
     n_per_program: int = 1
+    max_block_m: int = MAX_BLOCK_M  # the largest row block the program runs in its registers and shared memory
 
 
 # The engine's launches on tile-major weights, from the H200 part tune (`bench_int4_moe.py --part-tune`, BENCHMARKS.md
 # 4a) at the routed tokens of AR batch 8 and 64: 4-warp programs, two or three per SM with independent pipelines,
 # beat one 8-warp program in both kernels (gate/up 1.24 / 1.14x, down 1.15 / 1.21x); down, only 4 K tiles of 64 words
 # per N tile at K2.6 width, walks 4 N tiles per program. Row-major weights keep DEFAULT_* (tuned on that layout).
-GATE_UP_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4)
-DOWN_LAUNCH = Launch(block_n=64, block_w=64, num_warps=4, n_per_program=4)
+# Both take row blocks up to 32 (sm_90 resource report, `benchmarks/kernel_resources.py`, K2.6 at 1088 tokens): at 64
+# rows they ask more shared memory than a block may have (237 / 299 KB of 227 KiB: a batch-64 B = 16 verify could not
+# launch); at 32 gate/up spills 792 B per thread (16 rows: none), which a batch-32 B = 16 verify runs with.
+TILE_MAJOR_MAX_BLOCK_M = 32
+GATE_UP_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4, max_block_m=TILE_MAJOR_MAX_BLOCK_M)
+DOWN_LAUNCH = Launch(block_n=64, block_w=64, num_warps=4, n_per_program=4, max_block_m=TILE_MAJOR_MAX_BLOCK_M)
 ROW_MAJOR_LAUNCH = Launch(block_n=DEFAULT_BLOCK_N, block_w=DEFAULT_BLOCK_W, num_warps=DEFAULT_WARPS)
 NIBBLE_BITS = 4
 NIBBLE_MASK = 0xF
@@ -484,11 +489,22 @@ def tile_ffn_int4(gate_packed, gate_scale, up_packed, up_scale, down_packed, dow
     return tuple(a for (p, s), t in zip(pairs, tiles) for a in tile_int4(p, s, **t))
 
 
+def _launch_of(launch: Launch, packed: jax.Array) -> Launch:
+    """`launch` on tile-major weights (where it was tuned), ROW_MAJOR_LAUNCH on row-major ones."""
+    return launch if packed.ndim == 5 else ROW_MAJOR_LAUNCH
+
+
+def ffn_block_m(n_pairs: int, n_experts: int, gate_packed: jax.Array, down_packed: jax.Array) -> int:
+    """The FFN's row block: `default_block_m`, capped by what both kernels' launches on these weights can run."""
+    return min(default_block_m(n_pairs, n_experts), _launch_of(GATE_UP_LAUNCH, gate_packed).max_block_m,
+               _launch_of(DOWN_LAUNCH, down_packed).max_block_m)
+
+
 def _launch_kw(launch: Launch, packed: jax.Array, num_warps, num_stages, n_per_program) -> dict:
     """The call's num_warps / num_stages / n_per_program: given values win, else `launch` on tile-major weights
     (where it was tuned; n_per_program only where it divides the N tiles) and ROW_MAJOR_LAUNCH on row-major ones."""
     tiled = packed.ndim == 5
-    launch = launch if tiled else ROW_MAJOR_LAUNCH
+    launch = _launch_of(launch, packed)
     if n_per_program is None:
         n_per_program = launch.n_per_program if tiled and packed.shape[1] % launch.n_per_program == 0 else 1
     return dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
@@ -723,6 +739,7 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, num_stages=num_stages, unpack=unpack,
               interpret=interpret)
     group = x.shape[1] // int4_scale_groups(gate_scale)
+    block_m = block_m or ffn_block_m(idx.size, gate_packed.shape[0], gate_packed, down_packed)
     layout, xt, row_token = moe_route(x, idx, gate_packed.shape[0], group_size=group, block_m=block_m,
                                       block_w=route_w)
     h = moe_gate_up(xt, layout, row_token, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k,

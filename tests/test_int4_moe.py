@@ -474,6 +474,20 @@ def _row_major_per_kernel_tiles(x, idx, weights, w, interpret=None):
     return int4_moe.moe_combine(y, layout, weights, x.dtype)
 
 
+@pytest.mark.parametrize("pairs", [8, 512, 4352, 8704])  # AR batch 1 and 64; batch 32 and 64 with B = 16
+def test_ffn_row_block_fits_each_kernels_launch(pairs):
+    """The FFN's row block is the routing default capped by both launches: on tile-major weights (4-warp programs) at
+    most 32 rows; row-major weights keep the default, up to 64."""
+    e = 384
+    row_major = jax.ShapeDtypeStruct((e, 2048, 7168 // 8), jnp.int32), jax.ShapeDtypeStruct((e, 7168, 256), jnp.int32)
+    scales = jax.ShapeDtypeStruct((e, 2048, 224), jnp.bfloat16), jax.ShapeDtypeStruct((e, 7168, 64), jnp.bfloat16)
+    tiled = jax.eval_shape(int4_moe.tile_ffn_int4, row_major[0], scales[0], row_major[0], scales[0], row_major[1],
+                           scales[1])
+    default = int4_moe.default_block_m(pairs, e)
+    assert int4_moe.ffn_block_m(pairs, e, *row_major) == default
+    assert int4_moe.ffn_block_m(pairs, e, tiled[0], tiled[4]) == min(default, 32)
+
+
 def test_engine_tiles_give_row_major_bits(rng, interpret):
     """`tile_ffn_int4` (gate/up and down in their own tiles, down walking several N tiles per program) gives the
     bits of row-major weights run in the same tiles, and matches the float64 reference."""

@@ -51,6 +51,18 @@ def test_default_tiles_fit_and_spill_little(which):
         assert k.stack_bytes <= SPILL_LIMIT, f"{which} / {k.name}: spills {k.stack_bytes} B stack ({k.spill_loads} LDL)"
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("tokens", [64, 1088])  # AR batch 64; batch 64 with B = 16 (32-row blocks)
+def test_tile_major_launches_fit_shared_memory(tokens):
+    """The engine's tile-major INT4 launches (4 warps) at their largest row block: both kernels fit one block's
+    shared memory (at 64 rows they did not, and a batch-64 B = 16 verify failed to launch on the H200)."""
+    _, fn, specs = cases.int4_moe_case(tokens, tiled=True)
+    kernels = report(fn, *specs)
+    assert {k.name for k in kernels} == {"int4_swiglu", "int4_matmul"}
+    for k in kernels:
+        assert k.shared_bytes <= SHARED_LIMIT, f"{tokens} tokens / {k.name}: {k.shared_bytes} B of shared memory"
+
+
 @pytest.mark.parametrize("which", [k for k in ENGINE_SIZES if k.startswith("verify_attn bf16")])
 def test_verify_attn_loads_are_pipelined_and_resident(which):
     """The KV loads are asynchronous copies (cp.async: software pipelining overlaps them with the dots), and a block
