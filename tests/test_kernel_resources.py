@@ -54,8 +54,9 @@ def test_default_tiles_fit_and_spill_little(which):
 @pytest.mark.heavy
 @pytest.mark.parametrize("tokens", [64, 1088])  # AR batch 64; batch 64 with B = 16 (32-row blocks)
 def test_tile_major_launches_fit_shared_memory(tokens):
-    """The engine's tile-major INT4 launches (4 warps) at their largest row block: both kernels fit one block's
-    shared memory (at 64 rows they did not, and a batch-64 B = 16 verify failed to launch on the H200)."""
+    """The engine's tile-major INT4 launches (4 warps) at AR batch 64 (16-row blocks) and at their largest row block
+    (32 rows at 1088 tokens): both kernels fit one block's shared memory. At 64 rows they did not, and a batch-64
+    B = 16 verify failed to launch on the H200."""
     _, fn, specs = cases.int4_moe_case(tokens, tiled=True)
     kernels = report(fn, *specs)
     assert {k.name for k in kernels} == {"int4_swiglu", "int4_matmul"}
