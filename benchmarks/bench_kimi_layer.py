@@ -648,12 +648,13 @@ def refit(paths: list[str], out: str | None) -> dict:
     if len(layers) != 1:
         raise SystemExit(f"--refit: runs of different layer counts {sorted(layers)} cannot share one cost model")
     cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=layers.pop())
-    for run, row in ((run, row) for run in runs for row in run["rows"]):  # runs saved before the part roofline
-        if row.get("kind") == "verify" and "ms" in row and "flops_by_part" not in row and "weight_bytes" in run:
-            row["flops_by_part"] = step_flops(cfg, run["weight_bytes"], row["batch"], row["nodes"], row["prefix"],
-                                              jnp.dtype(jnp.bfloat16).itemsize)  # GPU runs are bf16
-            if row["moe"] == "skip":
-                row["flops_by_part"]["experts"] = 0.0
+    for run in runs:  # runs saved before the part roofline: the FLOPs from each row's shape
+        for row in run["rows"]:
+            if row.get("kind") == "verify" and "ms" in row and "flops_by_part" not in row and "weight_bytes" in run:
+                row["flops_by_part"] = step_flops(cfg, run["weight_bytes"], row["batch"], row["nodes"], row["prefix"],
+                                                  jnp.dtype(jnp.bfloat16).itemsize)  # GPU runs are bf16
+                if row["moe"] == "skip":
+                    row["flops_by_part"]["experts"] = 0.0
     result = dict(runs[0], sources=list(paths), rows=[dict(row, copy_gbps=run["copy_gbps"]) for run in runs
                                                      for row in run["rows"]])
     result["copy_gbps"] = min(run["copy_gbps"] for run in runs)

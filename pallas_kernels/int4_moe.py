@@ -462,7 +462,7 @@ def tile_int4(packed: jax.Array, scale: jax.Array, *, block_n: int | None = None
     if k_in % scale.shape[-1]:
         raise ValueError(f"tile_int4: scale {scale.shape} does not fit packed {packed.shape}")
     if block_n is None:
-        block_n = min(GATE_UP_LAUNCH.block_n, max(MIN_DOT, next_pow2(n_out)))
+        block_n = _capped_block_n(GATE_UP_LAUNCH.block_n, n_out)
     plan = _make_plan(0, k_in, n_out, k_in // scale.shape[-1], MIN_DOT, block_n, block_w, 0)
     if (plan.n_out, plan.words) != (n_out, words):
         raise ValueError(f"tile_int4: N={n_out} and K/8={words} must be multiples of the tiles (block_n="
@@ -475,10 +475,15 @@ def tile_int4(packed: jax.Array, scale: jax.Array, *, block_n: int | None = None
     return tiles(packed, bw), tiles(scale, bw // gw)
 
 
+def _capped_block_n(block_n: int, n_out: int) -> int:
+    """A launch's N tile, capped at N rounded up to a power of two (small test widths)."""
+    return min(block_n, max(MIN_DOT, next_pow2(n_out)))
+
+
 def ffn_tiles(gate_n: int, up_n: int, down_n: int) -> list[dict]:
     """`tile_int4` tiles of gate, up and down with N output rows each: GATE_UP_LAUNCH's and DOWN_LAUNCH's, the N
     tile capped at N rounded up to a power of two (small test widths)."""
-    return [dict(block_n=min(t.block_n, max(MIN_DOT, next_pow2(n))), block_w=t.block_w)
+    return [dict(block_n=_capped_block_n(t.block_n, n), block_w=t.block_w)
             for n, t in zip((gate_n, up_n, down_n), (GATE_UP_LAUNCH, GATE_UP_LAUNCH, DOWN_LAUNCH))]
 
 
@@ -662,8 +667,7 @@ def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert
                          f"{expert_ids.shape}")
     n_exp = packed.shape[0]
     layout = route_layout(expert_ids, n_exp, block_m or default_block_m(x.shape[0], n_exp))
-    pairs = row_pairs(layout, x.shape[0])  # pair p is row p of x
-    y = grouped_int4_matmul(x, ((packed, scale),), layout, row_token=jnp.where(pairs < x.shape[0], pairs, 0),
+    y = grouped_int4_matmul(x, ((packed, scale),), layout, row_token=row_tokens(layout, x.shape[0], 1),  # row p: pair p
                             block_n=block_n, block_w=block_w, num_warps=num_warps, unpack=unpack, interpret=interpret)
     return y.at[layout.dest].get(mode="fill", fill_value=0)
 
