@@ -1,10 +1,11 @@
 """INT4 routed-expert FFN on one GPU: the Pallas grouped kernel vs dequantize-then-matmul in XLA vs bf16 experts.
 
     python benchmarks/bench_int4_moe.py [--quick] [--out results.json] [--tune] [--kernel-only] [--unpack f32,bf16x2]
-                                        [--breakdown] [--budget-s 200]
+                                        [--breakdown] [--budget-s 200] [--skew 1.5]
 
 K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
-routing is uniform random (distinct experts per token); N_SETS input sets (x and routing) run back to back inside
+routing is random (distinct experts per token; uniform, or Zipf-skewed with --skew, and each row gives the row blocks
+of its block_m that the experts' rows fill); N_SETS input sets (x and routing) run back to back inside
 one jit (`bench_util.per_call_s`: host dispatch amortised, and L2 never holds the previous call's experts). Bytes = the distinct touched experts' packed words + scales (gate, up,
 down); "% copy" = achieved bandwidth / a device copy measured in the same run. The bf16 column runs the same routed
 shape with bf16 experts through XLA (`ragged_dot`, and `gather` for small counts). Every config is guarded: an OOM or
@@ -42,7 +43,7 @@ import numpy as np  # noqa: E402
 from bench_util import copy_ceiling, per_call_s  # noqa: E402
 from pallas_kernels.int4_moe import (DOWN_LAUNCH, GATE_UP_LAUNCH, UNPACK_BF16X2, UNPACK_F32,  # noqa: E402
                                      UNPACK_MODES, Launch, _nibble_major, bf16_gather_ffn, bf16_ragged_dot_ffn,
-                                     dequant_then_matmul_ffn,
+                                     dequant_then_matmul_ffn, ffn_block_m,
                                      grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route,
                                      tile_ffn_int4, tile_int4)
 
@@ -59,6 +60,7 @@ class Shape:
     group: int = 32
     tokens: tuple[int, ...] = (1, 8, 16, 64, 256, 512)
     copy_bytes: int = 2 << 30
+    skew: float = 0.0  # routing: expert e drawn with weight (e + 1) ** -skew (Zipf); 0 = uniform
 
 
 FULL = Shape()
@@ -155,12 +157,15 @@ def int4_expert_bytes(shape: Shape) -> int:
 
 
 def make_sets(shape: Shape, tokens: int, dtype, seed: int):
-    """N_SETS (x [M, D], idx [M, k] distinct uniform experts, weights [M, k]) made on the device."""
+    """N_SETS (x [M, D], idx [M, k] distinct experts, weights [M, k]) made on the device. Each token's k experts
+    are drawn without replacement with weights (e + 1) ** -skew (Gumbel top-k): skew 0 is uniform; larger skews put
+    many tokens on a few experts, as tokens of one context (a verify tree) do."""
     sets = []
+    log_w = -shape.skew * jnp.log(jnp.arange(1, shape.experts + 1, dtype=jnp.float32))
     for i in range(N_SETS):
         kx, kr, kw = jax.random.split(jax.random.key(seed * 100 + i), 3)
         x = jax.random.normal(kx, (tokens, shape.d), dtype)
-        _, idx = jax.lax.top_k(jax.random.uniform(kr, (tokens, shape.experts)), shape.top_k)
+        _, idx = jax.lax.top_k(jax.random.gumbel(kr, (tokens, shape.experts)) + log_w, shape.top_k)
         w = jax.random.uniform(kw, (tokens, shape.top_k), jnp.float32, 0.2, 1.0)
         sets.append((x, idx.astype(jnp.int32), w))
     return sets
@@ -168,6 +173,13 @@ def make_sets(shape: Shape, tokens: int, dtype, seed: int):
 
 def distinct_experts(sets) -> float:
     return float(np.mean([len(np.unique(np.asarray(idx))) for _, idx, _ in sets]))
+
+
+def row_blocks(sets, n_experts: int, block_m: int) -> float:
+    """Mean used row blocks of `block_m` rows (each expert's rows rounded up to whole blocks): the weight passes a
+    kernel reading each expert once per block would make, against `distinct_experts` passes."""
+    counts = [np.bincount(np.asarray(idx).ravel(), minlength=n_experts) for _, idx, _ in sets]
+    return float(np.mean([np.sum(-(-c // block_m)) for c in counts]))
 
 
 # ---- sweep ---------------------------------------------------------------------------------------------------------
@@ -386,7 +398,9 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
     for tokens in shape.tokens:
         sets = make_sets(shape, tokens, dtype, seed=tokens)
         n_dist = distinct_experts(sets)
-        row = dict(tokens=tokens, pairs=tokens * shape.top_k, distinct_experts=n_dist,
+        block_m = ffn_block_m(tokens * shape.top_k, shape.experts, w4[0], w4[4])
+        row = dict(tokens=tokens, pairs=tokens * shape.top_k, skew=shape.skew, distinct_experts=n_dist,
+                   block_m=block_m, row_blocks=row_blocks(sets, shape.experts, block_m),
                    bytes=n_dist * int4_expert_bytes(shape))
         if interpret and UNPACK_BF16X2 in unpacks:
             row["unpack_note"] = CPU_UNPACK_NOTE
@@ -480,9 +494,9 @@ def unpack_markdown(rows: list[dict], copy_bw: float, unpacks) -> str:
 
 
 def markdown(rows: list[dict], copy_bw: float) -> str:
-    lines = ["| tokens | distinct experts | INT4 MB | roofline ms | pallas ms | GB/s | % copy | xla dequant ms | "
-             "bf16 ragged_dot ms | bf16 gather ms | bf16 roofline ms | rel diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | skew | distinct experts | row blocks | INT4 MB | roofline ms | pallas ms | GB/s | % copy | "
+             "xla dequant ms | bf16 ragged_dot ms | bf16 gather ms | bf16 roofline ms | rel diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         roof = r["bytes"] / copy_bw * 1e3
         if "pallas_int4_ms" in r:
@@ -492,7 +506,8 @@ def markdown(rows: list[dict], copy_bw: float) -> str:
             bw = "— | —"
         bf16_roof = f"{r['bf16_bytes'] / copy_bw * 1e3:.3f}" if "bf16_bytes" in r else "—"
         diff = f"{r['rel_diff_vs_xla']:.1e}" if "rel_diff_vs_xla" in r else "—"
-        lines.append(f"| {r['tokens']} | {r['distinct_experts']:.1f} | {r['bytes'] / 1e6:.0f} | {roof:.3f} | "
+        lines.append(f"| {r['tokens']} | {r.get('skew', 0.0):g} | {r['distinct_experts']:.1f} | "
+                     f"{r.get('row_blocks', float('nan')):.1f} | {r['bytes'] / 1e6:.0f} | {roof:.3f} | "
                      f"{ms(r, 'pallas_int4')} | {bw} | {ms(r, 'xla_dequant')} | {ms(r, 'bf16_ragged_dot')} | "
                      f"{ms(r, 'bf16_gather')} | {bf16_roof} | {diff} |")
     return "\n".join(lines)
@@ -574,6 +589,9 @@ def main(argv=None):
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="start no --tune config after this many seconds of the run")
     parser.add_argument("--kernel-only", action="store_true", help="skip the XLA and bf16 baselines")
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="route expert e with weight (e + 1) ** -skew (Zipf; 0 = uniform, 1.5: ~150 distinct "
+                             "experts at 136 tokens)")
     parser.add_argument("--layouts", action="store_true",
                         help="also time the default kernel on tile-major weights (`tile_int4`) next to row-major")
     parser.add_argument("--part-tune", action="store_true",
@@ -586,6 +604,7 @@ def main(argv=None):
     shape = (QUICK if args.quick else FULL) if on_gpu else CPU_SMOKE
     if args.tokens and on_gpu:
         shape = dataclasses.replace(shape, tokens=tuple(args.tokens))
+    shape = dataclasses.replace(shape, skew=args.skew)
     dtype = jnp.bfloat16 if on_gpu or UNPACK_BF16X2 in unpacks else jnp.float32
     if not on_gpu:
         print(f"warning: backend {jax.default_backend()}: tiny smoke sweep in the Pallas interpreter "

@@ -14,15 +14,18 @@ runs: the engine's layout on one GPU, 1.29-1.33x faster at 8-136 tokens with eac
 Routing layout (XLA, outside the kernel): the P (token, expert) pairs are sorted by expert; each touched expert
 gets a *slot* whose rows start at a multiple of `block_m` (padding rows read as zeros), so every row block belongs
 to exactly one expert and the kernel never needs a masked store. Slots = min(E, P) (static); unused slots have
-count 0 and their programs exit at once. Up to PAIRWISE_ROUTE_MAX_PAIRS pairs (decode) the layout comes from [P, P]
+count 0 and no row blocks. Up to PAIRWISE_ROUTE_MAX_PAIRS pairs (decode) the layout comes from [P, P]
 comparisons in three stacked reductions instead of a sort and E-wide scatters / prefix sums (CPU HLO of the glue
 before the first kernel at 1 token: 10 top-level fusions instead of 41). The gate/up kernel reads its rows from the
 M nibble-major tokens through a [R] row -> token map (`row_tokens`): the padded rows are never written out. Loads of
 padding rows are masked off, so they cost no memory traffic.
 
-Kernel grid (N tiles / n_per_program, slots), N tiles fastest so the programs running together share their slot's
-activation rows through L2. A program loops over its slot's row blocks (dynamic trip count) and, inside, over K tiles
-of `block_w` packed words (with n_per_program > 1, over n_per_program N tiles' K tiles in one flat loop, writing
+Kernel grid (N tiles / n_per_program, row blocks R / block_m), N tiles fastest so the programs running together
+share their block's activation rows through L2, and the blocks of one expert (adjacent) run at about the same time,
+so its weight tiles come from HBM once and from L2 for the other blocks. (A program per slot that looped over its
+row blocks read an expert's weights once per block: at a batch-8 B = 16 verify, 1088 pairs on ~135 experts in
+16-row blocks, the kernels ran at 52% of copy against 70% at 512 pairs on ~132 experts.) Unused blocks
+(`block_rows` 0) exit at once. A program loops over K tiles of `block_w` packed words (with n_per_program > 1, over n_per_program N tiles' K tiles in one flat loop, writing
 each N tile when its last K tile is in): it loads the [block_n, block_w] int32 tile once and, for each nibble
 position k, forms W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates
 x_k @ W_k^T in fp32. x_k are the input columns {8j + k}: the wrapper stores the activations nibble-major
@@ -45,7 +48,7 @@ The default (`unpack=None`) is bf16x2 for bf16 activations: 1.32-1.34x faster on
 same output bits (BENCHMARKS.md §4a); f32 otherwise.
 
 Axes: M tokens, k experts per token, P = M*k pairs, E experts, D hidden, I expert width, K input dim, N output dim,
-R padded routed rows, S slots.
+R padded routed rows, S slots, RB = R / block_m row blocks.
 """
 from __future__ import annotations
 
@@ -120,19 +123,38 @@ class RouteLayout:
 
     slot_expert [S] expert of each slot (ascending; unused slots 0), slot_start [S] first padded row (a multiple of
     block_m), slot_count [S] rows of the slot (0 = unused), dest [P] padded row of pair p. `rows` R (static) bounds
-    the padded row space; `block_m` is the row block the layout was built for.
+    the padded row space; `block_m` is the row block the layout was built for. The kernels' grid walks row blocks:
+    block_expert [R / block_m] the expert of block b (rows b*block_m ..), block_rows its rows that hold pairs (0 =
+    unused block, 1..block_m otherwise).
     """
 
     slot_expert: jax.Array
     slot_start: jax.Array
     slot_count: jax.Array
     dest: jax.Array
+    block_expert: jax.Array
+    block_rows: jax.Array
     rows: int
     block_m: int
 
 
-jax.tree_util.register_dataclass(RouteLayout, data_fields=["slot_expert", "slot_start", "slot_count", "dest"],
+jax.tree_util.register_dataclass(RouteLayout, data_fields=["slot_expert", "slot_start", "slot_count", "dest",
+                                                           "block_expert", "block_rows"],
                                  meta_fields=["rows", "block_m"])
+
+
+def _with_blocks(slot_expert, slot_start, slot_count, dest, rows: int, block_m: int) -> RouteLayout:
+    """The layout with its per-block view. Used slots tile [0, their padded total) in slot order and unused ones
+    start and end at that total, so block b's slot is the number of slots that end at or before its first row (S:
+    past the used rows). One [R / block_m, S] comparison sum: a single fused reduction."""
+    s = slot_expert.shape[0]
+    first_row = jnp.arange(rows // block_m, dtype=jnp.int32) * block_m  # [RB]
+    ends = slot_start + (slot_count + block_m - 1) // block_m * block_m  # [S]
+    slot = jnp.sum(ends[None, :] <= first_row[:, None], axis=1, dtype=jnp.int32)  # [RB]
+    inside = jnp.minimum(slot, s - 1)
+    live = jnp.clip(slot_count[inside] - (first_row - slot_start[inside]), 0, block_m)
+    block_rows = jnp.where(slot < s, live, 0).astype(jnp.int32)
+    return RouteLayout(slot_expert, slot_start, slot_count, dest, slot_expert[inside], block_rows, rows, block_m)
 
 
 def default_block_m(n_pairs: int, n_experts: int) -> int:
@@ -186,7 +208,7 @@ def route_layout_sorted(expert_ids: jax.Array, n_experts: int, block_m: int) -> 
     rows = _padded_rows(p, s, block_m)
     dest_sorted = jnp.where(present[order], dest_sorted, rows)
     dest = jnp.zeros((p,), jnp.int32).at[order].set(dest_sorted.astype(jnp.int32))  # [P]
-    return RouteLayout(slot_expert, slot_start.astype(jnp.int32), slot_count.astype(jnp.int32), dest, rows, block_m)
+    return _with_blocks(slot_expert, slot_start.astype(jnp.int32), slot_count.astype(jnp.int32), dest, rows, block_m)
 
 
 def route_layout_pairwise(expert_ids: jax.Array, n_experts: int, block_m: int) -> RouteLayout:
@@ -217,7 +239,7 @@ def route_layout_pairwise(expert_ids: jax.Array, n_experts: int, block_m: int) -
     per_slot = [hit * v[:, None] for v in (key, count, start)] + [hit, last_rows]
     slot_expert, slot_count, slot_start, used, total = _masked_sums(jnp.stack(per_slot, axis=-1), axis=0)  # [S]
     slot_start = jnp.where(used > 0, slot_start, total)  # unused slots start after the last used one
-    return RouteLayout(slot_expert, slot_start, slot_count, dest, rows, block_m)
+    return _with_blocks(slot_expert, slot_start, slot_count, dest, rows, block_m)
 
 
 def _masked_sums(stacked: jax.Array, axis: int) -> list[jax.Array]:
@@ -272,9 +294,9 @@ class _Plan:
     block_m: int
     block_n: int
     block_w: int
-    slots: int
+    row_blocks: int  # R / block_m: the grid's second axis
     gather: bool = False  # x holds token rows, read through a [R] row -> token map (`row_tokens`)
-    split_k: int = 1  # programs per (N tile, slot), each over 1/split_k of the K tiles, writing fp32 partials
+    split_k: int = 1  # programs per (N tile, row block), each over 1/split_k of the K tiles, writing fp32 partials
     tiled: bool = False  # weights tile-major (`tile_int4`): each K-loop tile is one contiguous block
     n_per_program: int = 1  # consecutive N tiles one program walks in one flat, pipelined loop
 
@@ -335,9 +357,9 @@ def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, *refs, plan: _Plan, swiglu: bool, precision,
-            unpack: str, interpret: bool):
-    # slot_* [S] i32 | gather: token_ref [R] i32 | x_ref [R or M, 8*words] nibble-major | (packed [E, N, words] i32,
+def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, precision, unpack: str,
+            interpret: bool):
+    # block_expert / block_rows [R / block_m] i32 | gather: token_ref [R] i32 | x_ref [R or M, 8*words] nibble-major | (packed [E, N, words] i32,
     # scale [E, N, words/gw]) for each weight set, then out_ref [R, N] (split_k > 1: one fp32 [split_k, R, N]
     # partial per weight set)
     token_ref, refs = (refs[0], refs[1:]) if plan.gather else (None, refs)
@@ -345,13 +367,12 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, *refs, plan: _Plan,
     n_sets = 2 if swiglu else 1
     w_refs, out_refs = refs[:2 * n_sets], refs[2 * n_sets:]
     weights = [(w_refs[i], w_refs[i + 1]) for i in range(0, len(w_refs), 2)]
-    j, s = pl.program_id(0), pl.program_id(1)
+    j, b = pl.program_id(0), pl.program_id(1)
     q = pl.program_id(2) if plan.split_k > 1 else 0  # K range (read here: the interpreter has no program_id in loops)
     k_tiles = plan.words // plan.block_w // plan.split_k
     bm, bn, bw, gw = plan.block_m, plan.block_n, plan.block_w, plan.group_words
-    e = slot_expert_ref[s]
-    row0 = slot_start_ref[s]
-    n_blocks = (slot_count_ref[s] + bm - 1) // bm  # 0 for unused slots: the program exits at once
+    e = block_expert_ref[b]
+    n_live = block_rows_ref[b]  # 0 for unused blocks: the program exits at once
     cdt = x_ref.dtype
     nt = (((1,), (1,)), ((), ()))  # a @ b.T
 
@@ -393,9 +414,9 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, *refs, plan: _Plan,
     zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in weights)
     n_first = j * plan.n_per_program
 
-    def row_block(rb, carry):
-        r0 = pl.multiple_of(row0 + rb * bm, bm)
-        live = jnp.broadcast_to((lax.iota(jnp.int32, bm) < slot_count_ref[s] - rb * bm)[:, None], (bm, bw))
+    def row_block():
+        r0 = pl.multiple_of(b * bm, bm)
+        live = jnp.broadcast_to((lax.iota(jnp.int32, bm) < n_live)[:, None], (bm, bw))
         rows = token_ref[pl.ds(r0, bm)] if plan.gather else pl.ds(r0, bm)
         if plan.split_k > 1:
             accs = lax.fori_loop(q * k_tiles, (q + 1) * k_tiles, lambda t, a: accumulate(rows, live, j, t, a), zeros)
@@ -414,9 +435,8 @@ def _kernel(slot_expert_ref, slot_start_ref, slot_count_ref, *refs, plan: _Plan,
                 return tuple(jnp.where(last, 0.0, a) for a in accs)
 
             lax.fori_loop(0, plan.n_per_program * k_tiles, step, zeros)
-        return carry
 
-    lax.fori_loop(0, n_blocks, row_block, 0)
+    pl.when(n_live > 0)(row_block)
 
 
 def _resolve_unpack(unpack: str | None, dtype) -> str:
@@ -463,7 +483,7 @@ def tile_int4(packed: jax.Array, scale: jax.Array, *, block_n: int | None = None
         raise ValueError(f"tile_int4: scale {scale.shape} does not fit packed {packed.shape}")
     if block_n is None:
         block_n = _capped_block_n(GATE_UP_LAUNCH.block_n, n_out)
-    plan = _make_plan(0, k_in, n_out, k_in // scale.shape[-1], MIN_DOT, block_n, block_w, 0)
+    plan = _make_plan(0, k_in, n_out, k_in // scale.shape[-1], MIN_DOT, block_n, block_w)
     if (plan.n_out, plan.words) != (n_out, words):
         raise ValueError(f"tile_int4: N={n_out} and K/8={words} must be multiples of the tiles (block_n="
                          f"{plan.block_n}, block_w={plan.block_w})")
@@ -549,7 +569,7 @@ def _k_tiling(k_in: int, group_size: int, block_w: int | None) -> tuple[int, int
     return bw, -(-words // bw) * bw
 
 
-def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots, split_k: int = 1) -> _Plan:
+def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, split_k: int = 1) -> _Plan:
     if group_size % NIBBLES_PER_WORD:
         raise ValueError(f"int4 matmul: group_size {group_size} must be a multiple of 8")
     gw = group_size // NIBBLES_PER_WORD
@@ -563,7 +583,7 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, slots, 
         raise ValueError(f"int4 matmul: split_k={split_k} must divide the {words // bw} K tiles of {bw} words")
     bn = block_n or min(DEFAULT_BLOCK_N, max(MIN_DOT, next_pow2(n_out)))
     return _Plan(rows=rows, words=words, n_out=-(-n_out // bn) * bn, group_words=gw, block_m=block_m, block_n=bn,
-                 block_w=bw, slots=slots, split_k=split_k)
+                 block_w=bw, row_blocks=rows // block_m, split_k=split_k)
 
 
 def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token: jax.Array | None = None,
@@ -582,7 +602,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     gives the same bf16 weights.
     nibble_major: x is already [rows, 8*words'] in the kernel's column order (`moe_route`), words' = K/8 padded
     to whole K tiles; otherwise the wrapper reorders it (a copy of x).
-    split_k > 1: each (N tile, slot) runs as split_k programs over consecutive K ranges (more programs, shorter
+    split_k > 1: each (N tile, row block) runs as split_k programs over consecutive K ranges (more programs, shorter
     loops, for few rows); their fp32 partial sums are added in XLA before the SwiGLU epilogue and the rounding, so
     results match the unsplit kernel to fp32 summation order, not bit for bit.
     n_per_program > 1: each program walks that many consecutive N tiles in one flat loop over (N tile, K tile), so the
@@ -617,8 +637,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
             raise ValueError(f"grouped_int4_matmul: scale {i} {sc.shape} does not fit packed {shape}")
     k_in = words * NIBBLES_PER_WORD
     group_size = k_in // int4_scale_groups(weights[0][1])
-    plan = _make_plan(layout.rows, k_in, n_out, group_size, layout.block_m, block_n, block_w,
-                      layout.slot_expert.shape[0], split_k)
+    plan = _make_plan(layout.rows, k_in, n_out, group_size, layout.block_m, block_n, block_w, split_k)
     if tiled and (plan.n_out, plan.words) != (n_out, words):
         raise ValueError(f"grouped_int4_matmul: tile-major weights {shape} are not whole K tiles of "
                          f"{plan.block_w} words")
@@ -638,8 +657,8 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                                interpret=interpret)
     any_spec = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)
     gather = () if row_token is None else (row_token,)
-    args = (layout.slot_expert, layout.slot_start, layout.slot_count, *gather, xp, *flat)
-    grid = (n_tiles // n_per_program, plan.slots) + ((split_k,) if split_k > 1 else ())
+    args = (layout.block_expert, layout.block_rows, *gather, xp, *flat)
+    grid = (n_tiles // n_per_program, plan.row_blocks) + ((split_k,) if split_k > 1 else ())
     rows = layout.rows
     if split_k == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, plan.n_out), out_dtype or x.dtype)]

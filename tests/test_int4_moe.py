@@ -99,6 +99,15 @@ def test_route_layout_invariants(rng, p, e, block_m):
     for row, ex in zip(lay.dest, ids):
         s = slot_of[int(ex)]
         assert lay.slot_start[s] <= row < lay.slot_start[s] + lay.slot_count[s]
+    # the per-block view, rebuilt row by row: a block holds the pairs of one expert, padding rows last
+    held = np.full(lay.rows, -1)
+    held[lay.dest] = ids
+    blocks = held.reshape(-1, block_m)
+    want_rows = (blocks >= 0).sum(axis=1)
+    np.testing.assert_array_equal(lay.block_rows, want_rows)
+    live = want_rows > 0
+    np.testing.assert_array_equal(lay.block_expert[live], blocks[live, 0])
+    assert all((blk[:n] == blk[0]).all() and (blk[n:] < 0).all() for blk, n in zip(blocks, want_rows))
 
 
 # ---- fused FFN --------------------------------------------------------------------------------------------------
@@ -304,7 +313,7 @@ def test_bf16x2_compiled_matches_interpreted(rng):
 
 
 # ---- decode glue: pairwise routing, one-gather rows, split-K ---------------------------------------------------
-LAYOUT_FIELDS = ("slot_expert", "slot_start", "slot_count", "dest")
+LAYOUT_FIELDS = ("slot_expert", "slot_start", "slot_count", "dest", "block_expert", "block_rows")
 
 
 def routing_with_absent(rng, m, e, k, absent_frac=0.3):
