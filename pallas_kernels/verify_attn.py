@@ -83,14 +83,19 @@ def _prev_pow2(n: int) -> int:
     return 1 << (int(n).bit_length() - 1)
 
 
-def _default_splits(programs: int, max_splits: int, resident: int) -> int:
-    """Split-K count for `programs` (query tiles x Bt) equal programs, `resident` of which fit one SM at once (a wave
-    is SM_COUNT x resident programs): the fewest splits whose predicted time, waves / splits (a program's work
-    shrinks as 1 / splits, a partly filled last wave costs a whole one), is within WAVE_SLACK of the best. With one
-    resident program, 8 programs at 32k get 16 splits (128 blocks, one wave) where cdiv(132, 8) = 17 splits gave 136
-    blocks: a second wave of 4."""
+def _default_splits(programs: int, max_splits: int, resident: int, seq: int = 1, program_rows: float = 0.0,
+                    merge_rows: float = 0.0) -> int:
+    """Split-K count for `programs` (query tiles x Bt) equal programs over a `seq`-row cache, `resident` of which fit
+    one SM at once (a wave is SM_COUNT x resident programs): the fewest splits whose predicted time is within
+    WAVE_SLACK of the best. Time in cache rows of one program's work: waves x (program_rows + seq / splits), a partly
+    filled last wave costing a whole one, plus splits x programs / wave x merge_rows for writing and merging each
+    split's partial output. With one resident program and no overheads, 8 programs at 32k get 16 splits (128 blocks,
+    one wave) where cdiv(132, 8) = 17 splits gave 136 blocks: a second wave of 4. The overheads are the backend's
+    (`verify_attn_mgpu.PROGRAM_ROWS`, `MERGE_ROWS`): with them a batch-8 B = 16 verify (136 tiles) takes 5 splits, not
+    13, whose 320-row shares of a 4k prefix cost less than the fixed work of their programs."""
     wave = SM_COUNT * resident
-    cost = {sp: pl.cdiv(programs * sp, wave) / sp for sp in range(1, max(1, max_splits) + 1)}
+    cost = {sp: pl.cdiv(programs * sp, wave) * (program_rows + seq / sp) + sp * programs / wave * merge_rows
+            for sp in range(1, max(1, max_splits) + 1)}
     best = min(cost.values())
     return min(sp for sp, c in cost.items() if c <= best * (1 + WAVE_SLACK))
 
@@ -105,11 +110,12 @@ def _busy_splits(n_blocks: int, splits: int, min_split_blocks: int) -> int:
     return max(1, pl.cdiv(n_blocks, per_split))
 
 
-def _auto_splits(programs: int, seq: int, block_k: int, resident: int) -> tuple[int, int]:
-    """(split count, blocks each split reads at least) when the caller gives none, both backends: whole waves of
-    `programs` x splits, trimmed to busy splits, each reading >= MIN_SPLIT_ROWS of a `seq`-row cache."""
+def _auto_splits(programs: int, seq: int, block_k: int, resident: int, program_rows: float = 0.0,
+                 merge_rows: float = 0.0) -> tuple[int, int]:
+    """(split count, blocks each split reads at least) when the caller gives none, both backends: `_default_splits`
+    of `programs`, trimmed to busy splits, each reading >= MIN_SPLIT_ROWS of a `seq`-row cache."""
     min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, block_k)
-    splits = _default_splits(programs, seq // MIN_SPLIT_ROWS, resident)
+    splits = _default_splits(programs, seq // MIN_SPLIT_ROWS, resident, seq, program_rows, merge_rows)
     return _busy_splits(pl.cdiv(seq, block_k), splits, min_split_blocks), min_split_blocks
 
 
@@ -342,7 +348,8 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
     tiles = pl.cdiv(rows, verify_attn_mgpu.ROWS)
     min_split_blocks = 1
     if num_splits is None:  # one 190 KiB program per SM
-        num_splits, min_split_blocks = _auto_splits(bt * tiles, cache.shape[2], verify_attn_mgpu.BLOCK_K, 1)
+        num_splits, min_split_blocks = _auto_splits(bt * tiles, cache.shape[2], verify_attn_mgpu.BLOCK_K, 1,
+                                                    verify_attn_mgpu.PROGRAM_ROWS, verify_attn_mgpu.MERGE_ROWS)
     q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * verify_attn_mgpu.ROWS)  # padding rows: computed, dropped
     o, lse = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r,
                                           n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,

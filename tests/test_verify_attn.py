@@ -102,20 +102,39 @@ def test_matches_reference_bf16(rng, interpret, splits):
     assert_close(out, ref, TOL[jnp.bfloat16], f"bf16 splits={splits}")
 
 
-@pytest.mark.parametrize("programs,max_splits,resident", [(8, 128, 1), (4, 128, 1), (64, 32, 1), (256, 32, 1),
-                                                          (544, 32, 1), (1, 32, 1), (3, 1, 1), (8, 128, 2),
-                                                          (64, 32, 2)])
-def test_split_count_fills_whole_waves(programs, max_splits, resident):
-    """The default split count is within WAVE_SLACK of the best waves / splits over every allowed count, and no
-    smaller count is: e.g. 8 programs get 16 splits (128 blocks, one wave) rather than 17 (136: a second wave)."""
-    wave = va.SM_COUNT * resident
-    time = lambda sp: -(-programs * sp // wave) / sp  # noqa: E731
+@pytest.mark.parametrize("programs,max_splits,resident,overheads", [
+    (8, 128, 1, (0, 0)), (4, 128, 1, (0, 0)), (64, 32, 1, (0, 0)), (256, 32, 1, (0, 0)), (544, 32, 1, (0, 0)),
+    (1, 32, 1, (0, 0)), (3, 1, 1, (0, 0)), (8, 128, 2, (0, 0)), (64, 32, 2, (0, 0)), (136, 128, 1, (188, 148)),
+    (8, 128, 1, (188, 148)), (544, 128, 1, (188, 148)), (136, 128, 1, (2000, 0)), (136, 128, 1, (0, 2000))])
+def test_split_count_fills_whole_waves(programs, max_splits, resident, overheads):
+    """The default split count is within WAVE_SLACK of the best predicted time over every allowed count, and no
+    smaller count is: e.g. 8 programs get 16 splits (128 blocks, one wave) rather than 17 (136: a second wave).
+    Time, in cache rows: waves x (fixed rows per program + rows per split) + the merge's rows per split and wave."""
+    seq, wave = 32768, va.SM_COUNT * resident
+    program_rows, merge_rows = overheads
+
+    def time(sp):
+        return -(-programs * sp // wave) * (program_rows + seq / sp) + sp * programs / wave * merge_rows
+
     best = min(time(sp) for sp in range(1, max_splits + 1))
-    got = va._default_splits(programs, max_splits, resident)
+    got = va._default_splits(programs, max_splits, resident, seq, program_rows, merge_rows)
     assert 1 <= got <= max_splits and time(got) <= best * (1 + va.WAVE_SLACK)
     assert all(time(sp) > best * (1 + va.WAVE_SLACK) for sp in range(1, got))
-    if (programs, max_splits, resident) == (8, 128, 1):
+    if (programs, max_splits, resident, overheads) == (8, 128, 1, (0, 0)):
         assert programs * got <= wave < programs * -(-wave // programs)  # the old cdiv rule overflowed the wave
+    if overheads != (0, 0):  # overheads only ever take splits away
+        assert got <= va._default_splits(programs, max_splits, resident)
+
+
+def test_mosaic_overheads_take_splits_from_many_tiles():
+    """With the wgmma kernel's overheads a batch-8 B = 16 verify (136 tiles) in a 32k cache runs fewer splits than the
+    wave rule alone gives (13), while a decode batch (8 tiles) keeps its 16."""
+    def splits(programs, *overheads):
+        return va._auto_splits(programs, 32792, va.verify_attn_mgpu.BLOCK_K, 1, *overheads)[0]
+
+    costs = (va.verify_attn_mgpu.PROGRAM_ROWS, va.verify_attn_mgpu.MERGE_ROWS)
+    assert splits(136) == 13 and splits(136, *costs) < 8
+    assert splits(8) == splits(8, *costs) == 16
 
 
 @pytest.mark.parametrize("n_blocks,splits,min_blocks", [(512, 122, 4), (128, 31, 4), (512, 16, 4), (9, 3, 4),
