@@ -20,18 +20,18 @@ before the first kernel at 1 token: 10 top-level fusions instead of 41). The gat
 M nibble-major tokens through a [R] row -> token map (`row_tokens`): the padded rows are never written out. Loads of
 padding rows are masked off, so they cost no memory traffic.
 
-Kernel grid (N tiles / n_per_program, row blocks R / block_m), N tiles fastest so the programs running together
-share their block's activation rows through L2, and the blocks of one expert (adjacent) run at about the same time,
-so its weight tiles come from HBM once and from L2 for the other blocks. (A program per slot that looped over its
-row blocks read an expert's weights once per block: at a batch-8 B = 16 verify, 1088 pairs on ~135 experts in
-16-row blocks, the kernels ran at 52% of copy against 70% at 512 pairs on ~132 experts.) Unused blocks
-(`block_rows` 0) exit at once. A program loops over K tiles of `block_w` packed words (with n_per_program > 1, over n_per_program N tiles' K tiles in one flat loop, writing
-each N tile when its last K tile is in): it loads the [block_n, block_w] int32 tile once and, for each nibble
-position k, forms W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates
-x_k @ W_k^T in fp32. x_k are the input columns {8j + k}: the wrapper stores the activations nibble-major
-(`_nibble_major`: column k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile and no
-value is ever gathered or reshaped across the nibble axis (Pallas' Triton lowering takes power-of-two blocks and
-no value gathers: `jax/_src/pallas/triton/lowering.py`).
+Kernel grid (N tiles / n_per_program, row blocks R / block_m), N tiles fastest so the programs running together share
+their block's activation rows through L2, and the blocks of one expert (adjacent) run at about the same time, so the
+later blocks can find its weight tiles in L2. (A program per slot looping over its row blocks read an expert's weights
+once per block: at a batch-8 B = 16 verify, 1088 pairs on ~135 experts in 16-row blocks, the kernels ran at 52% of copy,
+60% with a program per block; BENCHMARKS.md §4b.) Unused blocks (`block_rows` 0) exit at once. A program loops over K
+tiles of `block_w` packed words (with n_per_program > 1, over n_per_program N tiles' K tiles in one flat loop, writing
+each N tile when its last K tile is in): it loads the [block_n, block_w] int32 tile once and, for each nibble position
+k, forms W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates x_k @ W_k^T in
+fp32. x_k are the input columns {8j + k}: the wrapper stores the activations nibble-major (`_nibble_major`: column
+k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile and no value is ever gathered or
+reshaped across the nibble axis (Pallas' Triton lowering takes power-of-two blocks and no value gathers:
+`jax/_src/pallas/triton/lowering.py`).
 
 With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly. The FFN
 launches each of its two kernels in its own tiles and program shape (GATE_UP_LAUNCH, DOWN_LAUNCH; `tile_ffn_int4`
@@ -359,9 +359,9 @@ def _silu_mul(g, u):
 
 def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, precision, unpack: str,
             interpret: bool):
-    # block_expert / block_rows [R / block_m] i32 | gather: token_ref [R] i32 | x_ref [R or M, 8*words] nibble-major | (packed [E, N, words] i32,
-    # scale [E, N, words/gw]) for each weight set, then out_ref [R, N] (split_k > 1: one fp32 [split_k, R, N]
-    # partial per weight set)
+    # block_expert / block_rows [R / block_m] i32 | gather: token_ref [R] i32 | x_ref [R or M, 8*words] nibble-major
+    # | (packed [E, N, words] i32, scale [E, N, words/gw]) for each weight set, then out_ref [R, N] (split_k > 1:
+    # one fp32 [split_k, R, N] partial per weight set)
     token_ref, refs = (refs[0], refs[1:]) if plan.gather else (None, refs)
     x_ref, refs = refs[0], refs[1:]
     n_sets = 2 if swiglu else 1

@@ -302,14 +302,20 @@ def test_k26_unpack_variants_bitwise_on_gpu(rng, m):
 
 @pytest.mark.gpu
 def test_bf16x2_compiled_matches_interpreted(rng):
-    """The inline PTX against its jnp stand-in (what CPU runs): identical bits on a small expert matmul."""
+    """The inline PTX against its jnp stand-in (what CPU runs) on a small expert matmul. The weights they form are the
+    same bits, but the tensor cores and the CPU dot add the fp32 products in different orders, so a rare output can
+    round to the neighbouring bf16 value (1 of 3072 in one H200 run): at most 1 ulp apart, and almost all equal. A
+    wrong nibble or scale would move whole rows by many ulps."""
     packed, scale = random_int4(rng, E, 128, 256)
     ids = rng.integers(0, E, 24).astype(np.int32)
     x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
     args = (x, jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids))
     got = int4_expert_matmul(*args, unpack="bf16x2", interpret=False)
     want = int4_expert_matmul(*args, unpack="bf16x2", interpret=True)
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    bits = [np.asarray(jax.lax.bitcast_convert_type(a, jnp.int16)).astype(np.int32) for a in (got, want)]
+    ulps = np.abs(bits[0] - bits[1])
+    assert np.isfinite(np.asarray(want.astype(jnp.float32))).all() and np.abs(bits[1]).max() > 0
+    assert ulps.max() <= 1 and (ulps > 0).mean() < 0.01, f"max {ulps.max()} ulp, {(ulps > 0).mean():.2%} differ"
 
 
 # ---- decode glue: pairwise routing, one-gather rows, split-K ---------------------------------------------------
