@@ -29,8 +29,9 @@ distinct experts each MoE layer touched (INT4 words + scales, counted inside the
 cache prefix read. Roofline = bytes / copy bandwidth measured in the same run; part roofline = the sum over the
 attention core, the non-routed weights' matmuls and the routed experts of max(bytes / copy bandwidth, FLOPs / bf16
 matmul peak measured in the same run), which counts the compute of wide trees (`step_flops`). A cost model
-t = a + b * attention FLOPs + c * distinct-expert bytes + d * tokens (+ e * cache bytes), coefficients >= 0, fitted
-for the smallest worst-case relative error over the verify points of the kernel MoE, with the fit error per point
+t = a + b * attention roofline + c * distinct-expert bytes + d * tokens, the attention roofline being max(cache bytes
+/ copy rate, attention FLOPs / matmul peak) of the row's own run, coefficients >= 0, fitted for the smallest
+worst-case relative error over the verify points of the kernel MoE, with the fit error per point
 and the leave-one-out worst error; `--refit results.json` refits a saved run without a GPU. Every config is guarded (OOM / compile failure recorded,
 sweep continues) and the whole run stops starting new configs after --budget-s seconds. On a CPU backend it runs a
 tiny-config smoke sweep (numbers meaningless).
@@ -503,7 +504,10 @@ def prefill_flops(cfg, bt: int, t: int, wbytes: dict) -> float:
     return float(bt * (2 * t * active + attn))
 
 
-COST_TERMS = ("intercept", "attn_flops", "expert_bytes", "tokens", "cache_bytes")  # candidate cost-model terms
+# candidate cost-model terms. The attention core is one term at its own roofline: a sum of FLOP and cache-byte terms
+# cannot follow it from bandwidth-bound decode to compute-bound trees (leave-one-out 24% on the 14 points of
+# BENCHMARKS.md §4b, against 15% with the roofline)
+COST_TERMS = ("intercept", "attn_roofline", "expert_bytes", "tokens")
 
 
 def attn_flops(cfg, bt: int, n: int, prefix: int) -> float:
@@ -526,14 +530,19 @@ def step_flops(cfg, wbytes: dict, bt: int, n: int, prefix: int, itemsize: int) -
                 * moe_layers)
 
 
+def attn_roofline_s(cache_bytes: float, flops: float, bw: float, peak: float) -> float:
+    """The attention core's roofline: its cache read at the copy rate or its FLOPs at the matmul peak."""
+    return max(cache_bytes / bw, flops / peak)
+
+
 def part_roofline_s(row: dict, bw: float, peak: float) -> float:
     """Sum over the step's parts (`step_flops`) of max(bytes / copy rate, FLOPs / matmul peak): the roofline of
     parts that run one after another. It departs from bytes / bandwidth where a part is compute-bound (the attention
     core of wide trees at long prefixes)."""
     f = row["flops_by_part"]
     weight_bytes = row["bytes"] - row["cache_bytes"] - row["expert_bytes"]
-    return (max(row["cache_bytes"] / bw, f["attention"] / peak) + max(weight_bytes / bw, f["weights"] / peak)
-            + max(row["expert_bytes"] / bw, f["experts"] / peak))
+    return (attn_roofline_s(row["cache_bytes"], f["attention"], bw, peak)
+            + max(weight_bytes / bw, f["weights"] / peak) + max(row["expert_bytes"] / bw, f["experts"] / peak))
 
 
 def _minimax_nonneg(x: np.ndarray, t: np.ndarray, iters: int = 300):
@@ -561,10 +570,12 @@ def _minimax_nonneg(x: np.ndarray, t: np.ndarray, iters: int = 300):
     return best
 
 
-def fit_cost_model(rows: list[dict], cfg) -> dict:
+def fit_cost_model(rows: list[dict], cfg, copy_bw: float, peak: float) -> dict:
     """Verify time t = sum_k c_k * term_k, c_k >= 0, over the kernel-MoE verify points, terms from COST_TERMS (the
     subset with the smallest worst-case relative error); also the leave-one-out worst error (each point predicted by
-    a fit without it), the honest figure for a model with this many terms."""
+    a fit without it), the honest figure for a model with this many terms. Each row's attention roofline uses its
+    own run's copy rate and matmul peak where it carries them (a refit of several runs), else copy_bw and peak, which
+    the result keeps as the rates its attention coefficient is relative to."""
     kernel = [r for r in rows if r.get("kind") == "verify" and r.get("moe") == "kernel" and "ms" in r]
     layouts = {r.get("expert_layout", ROW_MAJOR) for r in kernel}  # runs before the layout field: row-major
     fit_layout = ENGINE_LAYOUT if ENGINE_LAYOUT in layouts else ROW_MAJOR
@@ -573,8 +584,10 @@ def fit_cost_model(rows: list[dict], cfg) -> dict:
         return dict(error=f"only {len(pts)} points")
 
     def terms(r):
-        return [1.0, attn_flops(cfg, r["batch"], r["nodes"], r["prefix"]), r["expert_bytes"],
-                r["batch"] * r["nodes"], r["cache_bytes"]]
+        bw = r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw
+        pk = r["matmul_tflops"] * 1e12 if "matmul_tflops" in r else peak
+        attn = attn_roofline_s(r["cache_bytes"], attn_flops(cfg, r["batch"], r["nodes"], r["prefix"]), bw, pk)
+        return [1.0, attn, r["expert_bytes"], r["batch"] * r["nodes"]]
 
     x, t = np.array([terms(r) for r in pts]), np.array([r["ms"] / 1e3 for r in pts])
     err, cols, coef = _minimax_nonneg(x, t)
@@ -589,10 +602,9 @@ def fit_cost_model(rows: list[dict], cfg) -> dict:
         loo.append(float(x[i, c_cols] @ c / t[i] - 1))
     named = {COST_TERMS[j]: float(v) for j, v in zip(cols, coef)}
     return dict(expert_layout=fit_layout, terms=named, a_ms=named.get("intercept", 0.0) * 1e3,
-                attn_tflops=1 / named["attn_flops"] / 1e12 if named.get("attn_flops") else None,
+                attn_x_roofline=named.get("attn_roofline", 0.0),
                 expert_GBps=1 / named["expert_bytes"] / 1e9 if named.get("expert_bytes") else None,
-                us_per_token=named.get("tokens", 0.0) * 1e6,
-                cache_GBps=1 / named["cache_bytes"] / 1e9 if named.get("cache_bytes") else None,
+                us_per_token=named.get("tokens", 0.0) * 1e6, copy_gbps=copy_bw / 1e9, matmul_tflops=peak / 1e12,
                 max_abs_rel_err=err, loo_max_abs_rel_err=float(np.abs(loo).max()), points=len(pts))
 
 
@@ -655,10 +667,12 @@ def refit(paths: list[str], out: str | None) -> dict:
                                                   jnp.dtype(jnp.bfloat16).itemsize)  # GPU runs are bf16
                 if row["moe"] == "skip":
                     row["flops_by_part"]["experts"] = 0.0
-    result = dict(runs[0], sources=list(paths), rows=[dict(row, copy_gbps=run["copy_gbps"]) for run in runs
-                                                     for row in run["rows"]])
+    result = dict(runs[0], sources=list(paths), rows=[dict(row, copy_gbps=run["copy_gbps"],
+                                                           matmul_tflops=run["matmul_tflops"])
+                                                      for run in runs for row in run["rows"]])
     result["copy_gbps"] = min(run["copy_gbps"] for run in runs)
-    result["fit"] = fit_cost_model(result["rows"], cfg)
+    result["matmul_tflops"] = min(run["matmul_tflops"] for run in runs)
+    result["fit"] = fit_cost_model(result["rows"], cfg, result["copy_gbps"] * 1e9, result["matmul_tflops"] * 1e12)
     print(markdown(result["rows"], result["copy_gbps"] * 1e9, result["matmul_tflops"] * 1e12))
     print(f"\ncost model (kernel-MoE verify points): {json.dumps(result['fit'])}")
     if out:
@@ -735,7 +749,7 @@ def main(argv=None):
             runner.prefill_configs()
     finally:  # partial tables on any failure
         rows = runner.rows if runner else []
-        result["fit"] = fit_cost_model(rows, cfg)
+        result["fit"] = fit_cost_model(rows, cfg, copy_bw, peak)
         result["rows"] = rows
         result["total_s"] = time.perf_counter() - t0
         print("\n" + markdown(rows, copy_bw, peak), flush=True)

@@ -1,7 +1,7 @@
 """A bytes-and-FLOPs model of one DDTree round of Kimi K2.6 on 8 H200s, and the budget it would pick (no GPU).
 
     python benchmarks/predict_k26.py [--mesh 1x1x8] [--bandwidth 2683 4300] [--allreduce-us 15] [--drafter-gb 2.0]
-                                     [--layer-fit benchmarks/results/bench_kimi_layer/h200.json]
+                                     [--layer-fit benchmarks/results/bench_kimi_layer/h200_fit.json]
 
 Per GPU and verify step of N = 1 + B tree slots at batch Bt and cache prefix P, with the engine's own sharding
 rules (`kdtree_jax/sharding.py`, applied to an abstract K2.6 INT4 model on a simulated 8-device mesh):
@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_kimi_layer import attn_flops  # noqa: E402
+from bench_kimi_layer import COST_TERMS, attn_flops, attn_roofline_s  # noqa: E402
 from kdtree_jax import sharding as sh  # noqa: E402
 from kdtree_jax.checkpoint_io import abstract_sharded_state  # noqa: E402
 from kdtree_jax.config import kimi_k2_6  # noqa: E402
@@ -105,20 +105,26 @@ def measured_step(cfg, w: dict, mesh, fit: dict, nonrouted_bytes_fit: float, *, 
                   allreduce_s: float, drafter_bytes: float, bandwidth: float, rng) -> dict:
     """t_step on the mesh from the terms measured on one GPU (`bench_kimi_layer.py`'s cost model, 2 layers):
     the fixed cost scales with the non-routed bytes each GPU reads (the fit's effective bandwidth for them), the
-    attention and per-token terms with layers / model-parallel ways, the expert term with the busiest GPU's experts,
-    the cache term with the whole cache of all layers / data-parallel ways (absorbed MLA's one latent head: every
-    tensor-parallel GPU reads its requests' whole cache)."""
+    per-token term with layers / model-parallel ways, the expert term with the busiest GPU's experts, the attention
+    term with its roofline on one GPU of the mesh at the fit's copy rate and peak: the FLOPs of all layers /
+    model-parallel ways against the whole cache of all layers / data-parallel ways (absorbed MLA's one latent head:
+    every tensor-parallel GPU reads its requests' whole cache)."""
     terms = fit["terms"]
+    unknown = set(terms) - set(COST_TERMS)
+    if unknown:
+        raise ValueError(f"predict_k26: the layer fit has terms {sorted(unknown)} outside {COST_TERMS}: refit the "
+                         f"run with bench_kimi_layer.py --refit")
     ways = mesh.size // mesh.shape["data"]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     layers = cfg.num_hidden_layers
     experts = experts_per_gpu(rng, bt * n, cfg, mesh)
     parts = dict(  # fixed: each GPU's non-routed weights at the rate the fit's fixed cost read the fit's
         fixed=terms.get("intercept", 0.0) * w["other"] / nonrouted_bytes_fit,
-        attention=terms.get("attn_flops", 0.0) * attn_flops(cfg, bt, n, prefix) / ways,
+        attention=terms.get("attn_roofline", 0.0) * attn_roofline_s(
+            cache_bytes(cfg, bt, prefix) / mesh.shape["data"], attn_flops(cfg, bt, n, prefix) / ways,
+            fit["copy_gbps"] * 1e9, fit["matmul_tflops"] * 1e12),
         experts=terms.get("expert_bytes", 0.0) * experts * w["expert_bytes"] * n_moe,
         tokens=terms.get("tokens", 0.0) * bt * n * layers / 2 / ways,  # the fit's 2 layers -> per layer
-        cache=terms.get("cache_bytes", 0.0) * cache_bytes(cfg, bt, prefix) / mesh.shape["data"],
         collectives=2 * layers * allreduce_s,
         drafter=drafter_bytes / mesh.size / bandwidth,
     )
@@ -154,13 +160,13 @@ def print_measured(args, cfg, w, mesh, rng):
     bw = max(args.bandwidth) * 1e9
     print(f"### from the measured layer ({args.layer_fit}: worst fit error {100 * fit['max_abs_rel_err']:.1f}%, "
           f"leave-one-out {100 * fit['loo_max_abs_rel_err']:.1f}%), all-reduce {args.allreduce_us:.0f} µs\n")
-    parts = ("fixed", "attention", "experts", "tokens", "cache", "collectives", "drafter")
+    parts = ("fixed", "attention", "experts", "tokens", "collectives", "drafter")
 
     def step(bt, n, prefix, drafter_bytes):
         return measured_step(cfg, w, mesh, fit, nonrouted, bt=bt, n=n, prefix=prefix, bandwidth=bw, rng=rng,
                              allreduce_s=args.allreduce_us * 1e-6, drafter_bytes=drafter_bytes)
 
-    print_modes(args, step, "busiest-GPU experts/layer | fixed | attention | experts | per-token | cache | "
+    print_modes(args, step, "busiest-GPU experts/layer | fixed | attention | experts | per-token | "
                 "collectives | drafter | t_step ms",
                 lambda r: f"{r['experts']:.1f} | " + " | ".join(f"{r['parts'][k] * 1e3:.2f}" for k in parts)
                 + f" | {r['t'] * 1e3:.2f}")

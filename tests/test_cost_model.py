@@ -17,7 +17,12 @@ sys.modules[_spec.name] = bench  # its dataclasses look their module up
 _spec.loader.exec_module(bench)
 
 CFG = dataclasses.replace(kimi_k2_6(), num_hidden_layers=2)
-TRUE = {"intercept": 1.4e-3, "attn_flops": 1.3e-14, "expert_bytes": 8.5e-13, "tokens": 5e-6}
+TRUE = {"intercept": 1.4e-3, "attn_roofline": 1.7, "expert_bytes": 8.5e-13, "tokens": 5e-6}
+BW, PEAK = 4.2e12, 670e12  # the run's copy rate and matmul peak
+
+
+def attn_roofline(bt, n, prefix, cache_bytes, bw=BW, peak=PEAK):
+    return max(cache_bytes / bw, bench.attn_flops(CFG, bt, n, prefix) / peak)
 
 
 def synthetic_rows(rng, n_points=16, noise=0.0):
@@ -26,11 +31,12 @@ def synthetic_rows(rng, n_points=16, noise=0.0):
         bt, n = int(rng.choice([1, 8])), int(rng.choice([1, 17, 65, 257]))
         prefix = int(rng.integers(1000, 40000))
         expert_bytes = float(rng.uniform(8, 200)) * 24.77e6
-        t = (TRUE["intercept"] + TRUE["attn_flops"] * bench.attn_flops(CFG, bt, n, prefix)
+        cache_bytes = bt * prefix * CFG.latent_dim * 2 * 2
+        t = (TRUE["intercept"] + TRUE["attn_roofline"] * attn_roofline(bt, n, prefix, cache_bytes)
              + TRUE["expert_bytes"] * expert_bytes + TRUE["tokens"] * bt * n)
         t *= 1 + noise * rng.uniform(-1, 1)
         rows.append(dict(kind="verify", moe="kernel", batch=bt, nodes=n, prefix=prefix, ms=t * 1e3,
-                         expert_bytes=expert_bytes, cache_bytes=bt * prefix * CFG.latent_dim * 2 * 2))
+                         expert_bytes=expert_bytes, cache_bytes=cache_bytes))
     rows.append(dict(kind="verify", moe="as_is", batch=1, nodes=1, prefix=4096, ms=99.0, expert_bytes=1.0,
                      cache_bytes=1.0))  # not a kernel-MoE point: ignored
     return rows
@@ -38,19 +44,32 @@ def synthetic_rows(rng, n_points=16, noise=0.0):
 
 def test_exact_data_recovers_the_coefficients(rng):
     rows = synthetic_rows(rng)
-    fit = bench.fit_cost_model(rows, CFG)
+    fit = bench.fit_cost_model(rows, CFG, BW, PEAK)
     assert fit["points"] == 16
     assert fit["max_abs_rel_err"] < 1e-6 and fit["loo_max_abs_rel_err"] < 1e-5
     for name, want in TRUE.items():
         assert fit["terms"][name] == pytest.approx(want, rel=1e-3), name
-    assert fit["terms"].get("cache_bytes", 0.0) == pytest.approx(0.0, abs=1e-15)
+    assert (fit["copy_gbps"], fit["matmul_tflops"]) == (BW / 1e9, PEAK / 1e12)
     assert "fit_ms" not in rows[-1]
+
+
+def test_attention_roofline_uses_each_rows_own_rates(rng):
+    """Rows of a refit carry their run's copy rate and peak: the roofline term takes those, not the fit's."""
+    rows = synthetic_rows(rng)
+    for r in rows[:-1]:  # rates this row's "run" measured; its time follows them
+        bw, peak = BW * float(rng.uniform(0.9, 1.1)), PEAK * float(rng.uniform(0.9, 1.1))
+        shift = TRUE["attn_roofline"] * (attn_roofline(r["batch"], r["nodes"], r["prefix"], r["cache_bytes"], bw, peak)
+                                         - attn_roofline(r["batch"], r["nodes"], r["prefix"], r["cache_bytes"]))
+        r.update(copy_gbps=bw / 1e9, matmul_tflops=peak / 1e12, ms=r["ms"] + shift * 1e3)
+    fit = bench.fit_cost_model(rows, CFG, BW, PEAK)
+    assert fit["max_abs_rel_err"] < 1e-6
+    assert fit["terms"]["attn_roofline"] == pytest.approx(TRUE["attn_roofline"], rel=1e-3)
 
 
 @pytest.mark.heavy
 def test_noisy_data_error_is_what_the_fit_reports(rng):
     rows = synthetic_rows(rng, noise=0.1)
-    fit = bench.fit_cost_model(rows, CFG)
+    fit = bench.fit_cost_model(rows, CFG, BW, PEAK)
     assert all(v >= 0 for v in fit["terms"].values())
     errs = [r["fit_ms"] / r["ms"] - 1 for r in rows if "fit_ms" in r]
     assert max(abs(e) for e in errs) == pytest.approx(fit["max_abs_rel_err"], rel=1e-9)
@@ -59,4 +78,4 @@ def test_noisy_data_error_is_what_the_fit_reports(rng):
 
 
 def test_too_few_points_is_reported():
-    assert "error" in bench.fit_cost_model(synthetic_rows(np.random.default_rng(0), n_points=3), CFG)
+    assert "error" in bench.fit_cost_model(synthetic_rows(np.random.default_rng(0), n_points=3), CFG, BW, PEAK)

@@ -231,29 +231,34 @@ def test_step_flops_count_every_matmul_once():
 
 def test_refit_fits_several_runs_as_one(rng, tmp_path):
     """bench_kimi_layer --refit A B: the AR-step run and the verify run share one cost model; points made by a known
-    model of all five terms (fresh random coefficients) are fitted exactly, and runs of other layer counts refuse."""
+    model of all four terms (fresh random coefficients), each run's attention roofline at that run's own copy rate and
+    matmul peak, are fitted exactly, and runs of other layer counts refuse."""
     from kdtree_jax.config import kimi_k2_6
 
     cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=2)
-    coef = rng.uniform(0.5, 2.0, 5) * np.array([1e-3, 1 / 500e12, 1 / 2e12, 2e-6, 1 / 7e12])
+    coef = rng.uniform(0.5, 2.0, 4) * np.array([1e-3, 1.5, 1 / 2e12, 2e-6])
 
-    def row(bt, n, prefix):
-        experts = float(rng.uniform(8, 130)) * 24.77e6
-        cache = bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers
-        terms = [1.0, bench_kimi_layer.attn_flops(cfg, bt, n, prefix), experts, bt * n, cache]
-        return dict(kind="verify", moe="kernel", batch=bt, nodes=n, prefix=prefix, expert_bytes=experts,
-                    cache_bytes=cache, bytes=experts + cache + 4e9, ms=float(np.dot(coef, terms)) * 1e3,
-                    distinct_experts=[1.0])
+    def run_rows(shapes, bw, peak):
+        rows = []
+        for bt, n, prefix in shapes:
+            experts = float(rng.uniform(8, 130)) * 24.77e6
+            cache = bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers
+            attn = max(cache / bw, bench_kimi_layer.attn_flops(cfg, bt, n, prefix) / peak)
+            rows.append(dict(kind="verify", moe="kernel", batch=bt, nodes=n, prefix=prefix, expert_bytes=experts,
+                             cache_bytes=cache, bytes=experts + cache + 4e9, distinct_experts=[1.0],
+                             ms=float(np.dot(coef, [1.0, attn, experts, bt * n])) * 1e3))
+        return rows
 
-    def run(rows, layers=2):
-        return dict(layers=layers, copy_gbps=float(rng.uniform(4000, 4300)), matmul_tflops=700.0, rows=rows)
+    def run(shapes, layers=2):
+        bw, peak = float(rng.uniform(4000, 4300)), float(rng.uniform(650, 720))
+        return dict(layers=layers, copy_gbps=bw, matmul_tflops=peak, rows=run_rows(shapes, bw * 1e9, peak * 1e12))
 
-    ar = [row(bt, 1, p) for bt in (1, 8, 32, 64) for p in (4096, 32768)]
-    verify = [row(bt, n, p) for bt, n in ((1, 17), (8, 17), (1, 65)) for p in (4096, 32768)]
+    ar = [(bt, 1, p) for bt in (1, 8, 32, 64) for p in (4096, 32768)]
+    verify = [(bt, n, p) for bt, n in ((1, 17), (8, 17), (1, 65)) for p in (4096, 32768)]
     paths = []
-    for i, rows in enumerate((ar, verify)):
+    for i, shapes in enumerate((ar, verify)):
         paths.append(tmp_path / f"run{i}.json")
-        paths[-1].write_text(json.dumps(run(rows)))
+        paths[-1].write_text(json.dumps(run(shapes)))
     out = tmp_path / "fit.json"
     result = bench_kimi_layer.refit([str(p) for p in paths], str(out))
     fit = result["fit"]
@@ -266,19 +271,27 @@ def test_refit_fits_several_runs_as_one(rng, tmp_path):
 
 
 def test_predicted_step_reads_the_cache_once_per_data_shard(rng):
-    """predict_k26 from a measured fit: the cache term is the fitted cost per byte times the whole latent cache of
-    the step's requests, split only by data-parallel ways (every tensor-parallel GPU reads its requests' cache)."""
+    """predict_k26 from a measured fit: the attention term is the fitted coefficient times the attention roofline of
+    one GPU, whose cache read is the whole latent cache of the step's requests split only by data-parallel ways
+    (every tensor-parallel GPU reads its requests' cache) and whose FLOPs split over the model-parallel ways. A
+    decode step (N = 1) is bound by the cache bytes, a 257-node tree by the FLOPs. Old fits' terms are refused."""
     predict = _load("predict_k26")
     from kdtree_jax.config import kimi_k2_6
 
     cfg = kimi_k2_6()
-    per_byte = float(rng.uniform(1e-13, 3e-13))
-    fit = {"terms": {"cache_bytes": per_byte}}
+    coef, bw, peak = float(rng.uniform(1.0, 2.0)), 4.2e12, 670e12
+    fit = {"terms": {"attn_roofline": coef}, "copy_gbps": bw / 1e9, "matmul_tflops": peak / 1e12}
     bt, prefix = int(rng.integers(1, 65)), int(rng.integers(1024, 40000))
-    for data in (1, 2):
+    for data, n in ((1, 1), (2, 1), (1, 257), (2, 257)):
         mesh = type("Mesh", (), {"size": 8, "shape": {"data": data, "tensor": 8 // data, "expert": 1}})()
-        got = predict.measured_step(cfg, {"other": 4e9, "expert_bytes": 24.77e6}, mesh, fit, 1e9, bt=bt, n=1,
+        got = predict.measured_step(cfg, {"other": 4e9, "expert_bytes": 24.77e6}, mesh, fit, 1e9, bt=bt, n=n,
                                     prefix=prefix, allreduce_s=0.0, drafter_bytes=0.0, bandwidth=4e12, rng=rng)
-        want = per_byte * bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers / data
-        assert got["parts"]["cache"] == pytest.approx(want, rel=1e-12)
-        assert got["t"] == pytest.approx(want, rel=1e-12)  # no other term in this fit
+        cache_s = bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers / data / bw
+        flops_s = bench_kimi_layer.attn_flops(cfg, bt, n, prefix) / (8 // data) / peak
+        assert (cache_s > flops_s) == (n == 1)
+        assert got["parts"]["attention"] == pytest.approx(coef * max(cache_s, flops_s), rel=1e-12)
+        assert got["t"] == pytest.approx(got["parts"]["attention"], rel=1e-12)  # no other term in this fit
+    with pytest.raises(ValueError, match="cache_bytes"):
+        predict.measured_step(cfg, {"other": 4e9, "expert_bytes": 24.77e6}, mesh, {"terms": {"cache_bytes": 1e-13}},
+                              1e9, bt=1, n=1, prefix=4096, allreduce_s=0.0, drafter_bytes=0.0, bandwidth=4e12,
+                              rng=rng)
