@@ -506,7 +506,7 @@ def prefill_flops(cfg, bt: int, t: int, wbytes: dict) -> float:
 
 # candidate cost-model terms. The attention core is one term at its own roofline: a sum of FLOP and cache-byte terms
 # cannot follow it from bandwidth-bound decode to compute-bound trees (leave-one-out 24% on the 14 points of
-# BENCHMARKS.md §4b, against 15% with the roofline)
+# BENCHMARKS.md §4b, against 15.4% with the roofline)
 COST_TERMS = ("intercept", "attn_roofline", "expert_bytes", "tokens")
 
 

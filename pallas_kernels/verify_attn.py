@@ -17,8 +17,8 @@ and writes the output; with several (chosen when Bt * tiles alone would leave SM
 (normalised output, log-sum-exp) and XLA merges the active ones (flash-decoding): a fused reduction over the split
 axis, parallel over rows, where a Pallas merge loop over splits measured latency-bound on the H200. Splits read
 >= MIN_SPLIT_ROWS cache rows each, so a short prefix uses few of them and idle splits neither compute nor write.
-The split count fills whole waves of SMs (`_default_splits`): a grid of 136 equal programs on 132 SMs takes two
-program times, as long as 264.
+The split count fills whole waves of SMs (`_default_splits`: a grid of 136 equal programs on 132 SMs takes two
+program times, as long as 264) and, on the wgmma path, prices each program's fixed work and each split's merge.
 
 Triton constraints (the rules of `jax/_src/pallas/triton/lowering.py`) and how they are met:
   - power-of-two tiles only: R and rope dims are padded to powers of two >= 16 in the wrapper only when they are not

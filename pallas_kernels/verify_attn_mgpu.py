@@ -47,7 +47,7 @@ LOG2E = math.log2(math.e)
 # The split rule's overheads (`verify_attn._default_splits`), in cache rows of one program's prefix work (35 ns a row
 # per 64-row tile): a program's fixed work (q tile load, pipeline fill, output stores) and the merge of one split's
 # partial outputs per wave of programs. Fitted to an H200 trace of batch-8 B = 16 verify steps at 13 splits, 4k and
-# 32k prefixes: 17.8 and 96.5 µs per wave, merges 69 µs (BENCHMARKS.md §4b).
+# 32k prefixes: 17.8 and 96.5 µs per wave, 69 µs per layer's merge (BENCHMARKS.md §4b).
 PROGRAM_ROWS, MERGE_ROWS = 188, 148
 # per-thread registers after rebalancing: the two compute warpgroups hold a [64, 256] fp32 accumulator each (128
 # registers); 2 x 232 + 40 fits the 3 x 170 a 64K-register file gives three warpgroups

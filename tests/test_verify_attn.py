@@ -122,7 +122,7 @@ def test_split_count_fills_whole_waves(programs, max_splits, resident, overheads
     assert all(time(sp) > best * (1 + va.WAVE_SLACK) for sp in range(1, got))
     if (programs, max_splits, resident, overheads) == (8, 128, 1, (0, 0)):
         assert programs * got <= wave < programs * -(-wave // programs)  # the old cdiv rule overflowed the wave
-    if overheads != (0, 0):  # overheads only ever take splits away
+    if overheads != (0, 0):  # in these cases the overheads take splits away, never add them
         assert got <= va._default_splits(programs, max_splits, resident)
 
 
