@@ -88,14 +88,20 @@ def cache_bytes(cfg, bt: int, prefix: int) -> float:
     return bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers
 
 
+def group_batch(bt: int, mesh) -> int:
+    """Requests of the busiest data-parallel group: each data shard owns whole requests (`kdtree_jax/sharding.py`)."""
+    return -(-bt // mesh.shape["data"])
+
+
 def step_model(cfg, w: dict, mesh, *, bt: int, n: int, prefix: int, bandwidth: float, allreduce_s: float,
                drafter_bytes: float, rng) -> dict:
-    n_gpus = mesh.size
+    n_gpus, ways, bt_g = mesh.size, mesh.size // mesh.shape["data"], group_batch(bt, mesh)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    experts = experts_per_gpu(rng, bt * n, cfg, mesh)
-    nbytes = w["other"] + n_moe * experts * w["expert_bytes"] + cache_bytes(cfg, bt, prefix)  # cache: on every GPU
+    experts = experts_per_gpu(rng, bt_g * n, cfg, mesh)
+    # the group's whole cache on every GPU of the group (absorbed MLA's one latent head is not split over heads)
+    nbytes = w["other"] + n_moe * experts * w["expert_bytes"] + cache_bytes(cfg, bt_g, prefix)
     active = w["other_params"] + n_moe * cfg.num_experts_per_tok * w["expert_params"]  # params one token uses
-    flops = (2 * active * bt * n + attn_flops(cfg, bt, n, prefix)) / n_gpus
+    flops = (2 * active * bt_g * n + attn_flops(cfg, bt_g, n, prefix)) / ways
     t_mem, t_mma = nbytes / bandwidth, flops / MATMUL_PEAK
     t = max(t_mem, t_mma) + 2 * cfg.num_hidden_layers * allreduce_s + drafter_bytes / n_gpus / bandwidth
     return dict(bytes=nbytes, experts=experts, t_mem=t_mem, t_mma=t_mma, t=t)
@@ -104,27 +110,28 @@ def step_model(cfg, w: dict, mesh, *, bt: int, n: int, prefix: int, bandwidth: f
 def measured_step(cfg, w: dict, mesh, fit: dict, nonrouted_bytes_fit: float, *, bt: int, n: int, prefix: int,
                   allreduce_s: float, drafter_bytes: float, bandwidth: float, rng) -> dict:
     """t_step on the mesh from the terms measured on one GPU (`bench_kimi_layer.py`'s cost model, 2 layers):
-    the fixed cost scales with the non-routed bytes each GPU reads (the fit's effective bandwidth for them), the
-    per-token term with layers / model-parallel ways, the expert term with the busiest GPU's experts, the attention
-    term with its roofline on one GPU of the mesh at the fit's copy rate and peak: the FLOPs of all layers /
-    model-parallel ways against the whole cache of all layers / data-parallel ways (absorbed MLA's one latent head:
-    every tensor-parallel GPU reads its requests' whole cache)."""
+    the fixed cost scales with the non-routed bytes each GPU reads (the fit's effective bandwidth for them); the
+    rest follows the busiest data-parallel group's requests (`group_batch`): the per-token term with layers /
+    model-parallel ways, the expert term with the busiest GPU's experts for the group's tokens, the attention term
+    with its roofline on one GPU at the fit's copy rate and peak: the group's FLOPs of all layers / model-parallel
+    ways against the group's whole cache of all layers (absorbed MLA's one latent head: every tensor-parallel GPU
+    reads its requests' whole cache)."""
     terms = fit["terms"]
     unknown = set(terms) - set(COST_TERMS)
     if unknown:
         raise ValueError(f"predict_k26: the layer fit has terms {sorted(unknown)} outside {COST_TERMS}: refit the "
                          f"run with bench_kimi_layer.py --refit")
-    ways = mesh.size // mesh.shape["data"]
+    ways, bt_g = mesh.size // mesh.shape["data"], group_batch(bt, mesh)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     layers = cfg.num_hidden_layers
-    experts = experts_per_gpu(rng, bt * n, cfg, mesh)
+    experts = experts_per_gpu(rng, bt_g * n, cfg, mesh)
     parts = dict(  # fixed: each GPU's non-routed weights at the rate the fit's fixed cost read the fit's
         fixed=terms.get("intercept", 0.0) * w["other"] / nonrouted_bytes_fit,
         attention=terms.get("attn_roofline", 0.0) * attn_roofline_s(
-            cache_bytes(cfg, bt, prefix) / mesh.shape["data"], attn_flops(cfg, bt, n, prefix) / ways,
+            cache_bytes(cfg, bt_g, prefix), attn_flops(cfg, bt_g, n, prefix) / ways,
             fit["copy_gbps"] * 1e9, fit["matmul_tflops"] * 1e12),
         experts=terms.get("expert_bytes", 0.0) * experts * w["expert_bytes"] * n_moe,
-        tokens=terms.get("tokens", 0.0) * bt * n * layers / 2 / ways,  # the fit's 2 layers -> per layer
+        tokens=terms.get("tokens", 0.0) * bt_g * n * layers / 2 / ways,  # the fit's 2 layers -> per layer
         collectives=2 * layers * allreduce_s,
         drafter=drafter_bytes / mesh.size / bandwidth,
     )

@@ -270,24 +270,26 @@ def test_refit_fits_several_runs_as_one(rng, tmp_path):
         bench_kimi_layer.refit([str(paths[0]), str(tmp_path / "other.json")], None)
 
 
-def test_predicted_step_reads_the_cache_once_per_data_shard(rng):
+def test_predicted_step_reads_each_data_groups_cache(rng):
     """predict_k26 from a measured fit: the attention term is the fitted coefficient times the attention roofline of
-    one GPU, whose cache read is the whole latent cache of the step's requests split only by data-parallel ways
-    (every tensor-parallel GPU reads its requests' cache) and whose FLOPs split over the model-parallel ways. A
-    decode step (N = 1) is bound by the cache bytes, a 257-node tree by the FLOPs. Old fits' terms are refused."""
+    one GPU, whose cache read is the whole latent cache of its data-parallel group's requests (every tensor-parallel
+    GPU reads its requests' cache; an odd batch's busiest group holds one more) and whose FLOPs, the group's, split
+    over the model-parallel ways. A decode step (N = 1) is bound by the cache bytes, a 257-node tree by the FLOPs.
+    Old fits' terms are refused."""
     predict = _load("predict_k26")
     from kdtree_jax.config import kimi_k2_6
 
     cfg = kimi_k2_6()
     coef, bw, peak = float(rng.uniform(1.0, 2.0)), 4.2e12, 670e12
     fit = {"terms": {"attn_roofline": coef}, "copy_gbps": bw / 1e9, "matmul_tflops": peak / 1e12}
-    bt, prefix = int(rng.integers(1, 65)), int(rng.integers(1024, 40000))
+    bt, prefix = int(rng.integers(1, 33)) * 2 + 1, int(rng.integers(1024, 40000))  # odd: data groups of 2 differ
     for data, n in ((1, 1), (2, 1), (1, 257), (2, 257)):
         mesh = type("Mesh", (), {"size": 8, "shape": {"data": data, "tensor": 8 // data, "expert": 1}})()
         got = predict.measured_step(cfg, {"other": 4e9, "expert_bytes": 24.77e6}, mesh, fit, 1e9, bt=bt, n=n,
                                     prefix=prefix, allreduce_s=0.0, drafter_bytes=0.0, bandwidth=4e12, rng=rng)
-        cache_s = bt * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers / data / bw
-        flops_s = bench_kimi_layer.attn_flops(cfg, bt, n, prefix) / (8 // data) / peak
+        group = (bt + data - 1) // data
+        cache_s = group * prefix * cfg.latent_dim * 2 * cfg.num_hidden_layers / bw
+        flops_s = bench_kimi_layer.attn_flops(cfg, group, n, prefix) / (8 // data) / peak
         assert (cache_s > flops_s) == (n == 1)
         assert got["parts"]["attention"] == pytest.approx(coef * max(cache_s, flops_s), rel=1e-12)
         assert got["t"] == pytest.approx(got["parts"]["attention"], rel=1e-12)  # no other term in this fit
@@ -295,3 +297,23 @@ def test_predicted_step_reads_the_cache_once_per_data_shard(rng):
         predict.measured_step(cfg, {"other": 4e9, "expert_bytes": 24.77e6}, mesh, {"terms": {"cache_bytes": 1e-13}},
                               1e9, bt=1, n=1, prefix=4096, allreduce_s=0.0, drafter_bytes=0.0, bandwidth=4e12,
                               rng=rng)
+
+
+def test_bytes_model_reads_each_data_groups_cache_and_experts(rng):
+    """predict_k26's bytes-and-FLOPs model: a GPU reads its non-routed weights, the experts its data group's tokens
+    touch and that group's whole cache; with 2 data groups an odd batch's busiest group holds one more request."""
+    predict = _load("predict_k26")
+    from kdtree_jax.config import kimi_k2_6
+
+    cfg = kimi_k2_6()
+    w = {"other": 4e9, "expert_bytes": 24.77e6, "other_params": 2e9, "expert_params": 44e6}
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    bt, prefix = int(rng.integers(1, 8)) * 2 + 1, int(rng.integers(1024, 40000))
+    for data in (1, 2):
+        mesh = type("Mesh", (), {"size": 8, "shape": {"data": data, "tensor": 8 // data, "expert": 1}})()
+        got = predict.step_model(cfg, w, mesh, bt=bt, n=1, prefix=prefix, bandwidth=4e12, allreduce_s=0.0,
+                                 drafter_bytes=0.0, rng=rng)
+        group = (bt + data - 1) // data
+        experts = min(cfg.n_routed_experts, group * cfg.num_experts_per_tok)
+        want = w["other"] + n_moe * experts * w["expert_bytes"] + predict.cache_bytes(cfg, group, prefix)
+        assert got["experts"] == experts and got["bytes"] == pytest.approx(want, rel=1e-12)
