@@ -120,7 +120,7 @@ def baseline_splits(rule: str, bt: int, n: int, h: int, s: int, block_q: int | N
     plan = _make_plan(bt, n, h, s, 512, 64, block_q, None, 1, 2)  # K2 widths, bf16
     if rule == CDIV_RULE:
         return min(-(-SM_COUNT // (bt * plan.n_q)), max(1, s // MIN_SPLIT_ROWS))
-    return _default_splits(bt * plan.n_q, s // MIN_SPLIT_ROWS, 1)
+    return _default_splits(bt * plan.n_q, s // MIN_SPLIT_ROWS, 1, s)
 
 
 def ancestor_masks(rng, bt: int, n: int) -> np.ndarray:

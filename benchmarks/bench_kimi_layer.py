@@ -356,8 +356,7 @@ class Runner:
         row["cache_bytes"] = cache
         row["bytes"] = row["expert_bytes"] + row["attn_bytes"] + self.wbytes["other"]
         if row["kind"] == "verify":
-            row["flops_by_part"] = step_flops(self.cfg, self.wbytes, row["batch"], row["nodes"], row["prefix"],
-                                              jnp.dtype(self.dtype).itemsize)
+            row["flops_by_part"] = row_flops(self.cfg, self.wbytes, row, jnp.dtype(self.dtype).itemsize)
 
     def verify_configs(self):
         sw = self.sweep
@@ -420,7 +419,6 @@ class Runner:
                 if mode == "skip":  # routed experts not read
                     row["bytes"] -= row["expert_bytes"]
                     row["expert_bytes"] = 0
-                    row["flops_by_part"]["experts"] = 0.0
                 self.record(row)
         except Exception as e:  # noqa: BLE001  (OOM / compile failure: record and go on)
             self.record({**base, "error": short_error(e), "oom": is_oom(e)})
@@ -528,6 +526,14 @@ def step_flops(cfg, wbytes: dict, bt: int, n: int, prefix: int, itemsize: int) -
                 weights=2.0 * tokens * (wbytes["attention"] + wbytes["other"]) / itemsize,
                 experts=2.0 * tokens * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
                 * moe_layers)
+
+
+def row_flops(cfg, wbytes: dict, row: dict, itemsize: int) -> dict[str, float]:
+    """`step_flops` of a verify row's shape; a row with the routed experts skipped does none of theirs."""
+    flops = step_flops(cfg, wbytes, row["batch"], row["nodes"], row["prefix"], itemsize)
+    if row["moe"] == "skip":
+        flops["experts"] = 0.0
+    return flops
 
 
 def attn_roofline_s(cache_bytes: float, flops: float, bw: float, peak: float) -> float:
@@ -663,10 +669,8 @@ def refit(paths: list[str], out: str | None) -> dict:
     for run in runs:  # runs saved before the part roofline: the FLOPs from each row's shape
         for row in run["rows"]:
             if row.get("kind") == "verify" and "ms" in row and "flops_by_part" not in row and "weight_bytes" in run:
-                row["flops_by_part"] = step_flops(cfg, run["weight_bytes"], row["batch"], row["nodes"], row["prefix"],
-                                                  jnp.dtype(jnp.bfloat16).itemsize)  # GPU runs are bf16
-                if row["moe"] == "skip":
-                    row["flops_by_part"]["experts"] = 0.0
+                row["flops_by_part"] = row_flops(cfg, run["weight_bytes"], row,
+                                                 jnp.dtype(jnp.bfloat16).itemsize)  # GPU runs are bf16
     result = dict(runs[0], sources=list(paths), rows=[dict(row, copy_gbps=run["copy_gbps"],
                                                            matmul_tflops=run["matmul_tflops"])
                                                       for run in runs for row in run["rows"]])

@@ -146,7 +146,7 @@ jax.tree_util.register_dataclass(RouteLayout, data_fields=["slot_expert", "slot_
 def _with_blocks(slot_expert, slot_start, slot_count, dest, rows: int, block_m: int) -> RouteLayout:
     """The layout with its per-block view. Used slots tile [0, their padded total) in slot order and unused ones
     start and end at that total, so block b's slot is the number of slots that end at or before its first row (S:
-    past the used rows). One [R / block_m, S] comparison sum: a single fused reduction."""
+    past the used rows): one [R / block_m, S] comparison sum."""
     s = slot_expert.shape[0]
     first_row = jnp.arange(rows // block_m, dtype=jnp.int32) * block_m  # [RB]
     ends = slot_start + (slot_count + block_m - 1) // block_m * block_m  # [S]
@@ -581,7 +581,7 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, split_k
     bw, words = _k_tiling(k_in, group_size, block_w)
     if split_k < 1 or (words // bw) % split_k:
         raise ValueError(f"int4 matmul: split_k={split_k} must divide the {words // bw} K tiles of {bw} words")
-    bn = block_n or min(DEFAULT_BLOCK_N, max(MIN_DOT, next_pow2(n_out)))
+    bn = block_n or _capped_block_n(DEFAULT_BLOCK_N, n_out)
     return _Plan(rows=rows, words=words, n_out=-(-n_out // bn) * bn, group_words=gw, block_m=block_m, block_n=bn,
                  block_w=bw, row_blocks=rows // block_m, split_k=split_k)
 
@@ -592,7 +592,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                         num_stages: int = DEFAULT_STAGES, split_k: int = 1, n_per_program: int = 1,
                         nibble_major: bool = False, unpack: str | None = None,
                         interpret: bool | None = None) -> jax.Array:
-    """Rows of x [R, K] (padded layout) times their slot's expert: -> [R, N] (fp32 accumulation).
+    """Rows of x [R, K] (padded layout) times their row block's expert: -> [R, N] (fp32 accumulation).
 
     row_token [R] int32 (`row_tokens`): x instead holds token rows (any count) and padded row r reads x row
     row_token[r]; the padded rows are never materialised. Either way padding rows read as zeros.

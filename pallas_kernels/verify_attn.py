@@ -83,7 +83,7 @@ def _prev_pow2(n: int) -> int:
     return 1 << (int(n).bit_length() - 1)
 
 
-def _default_splits(programs: int, max_splits: int, resident: int, seq: int = 1, program_rows: float = 0.0,
+def _default_splits(programs: int, max_splits: int, resident: int, seq: int, program_rows: float = 0.0,
                     merge_rows: float = 0.0) -> int:
     """Split-K count for `programs` (query tiles x Bt) equal programs over a `seq`-row cache, `resident` of which fit
     one SM at once (a wave is SM_COUNT x resident programs): the fewest splits whose predicted time is within

@@ -123,7 +123,7 @@ def test_split_count_fills_whole_waves(programs, max_splits, resident, overheads
     if (programs, max_splits, resident, overheads) == (8, 128, 1, (0, 0)):
         assert programs * got <= wave < programs * -(-wave // programs)  # the old cdiv rule overflowed the wave
     if overheads != (0, 0):  # in these cases the overheads take splits away, never add them
-        assert got <= va._default_splits(programs, max_splits, resident)
+        assert got <= va._default_splits(programs, max_splits, resident, seq)
 
 
 def test_mosaic_overheads_take_splits_from_many_tiles():
