@@ -15,8 +15,8 @@ each variant's output against the first one's on one input set (they should agre
 variant runs its jnp stand-in in the interpreter (inline PTX needs a GPU), and the smoke sweep uses bf16 activations
 when it is asked for (bf16x2 requires them).
 --breakdown times the parts of one `int4_moe_ffn` call alone, each on the previous part's precomputed outputs and
-in its own back-to-back jit: the routing glue before the first kernel (`moe_route`), the fused gate/up kernel, the
-reorder of h to nibble-major, the down kernel, the combine; each part's share of the whole call (timed alongside).
+in its own back-to-back jit: the routing glue before the first kernel (`moe_route`), the fused gate/up kernel (h
+written nibble-major), the down kernel, the combine; each part's share of the whole call (timed alongside).
 --tune times TUNE configs (block_n, block_w, warps, num_stages, split_k, weight layout) with the default unpack at
 TUNE_TOKENS and reports the best per token count; no new config starts after --budget-s seconds (one GPU call has a
 hard limit). --part-tune times the gate/up and the down kernel each alone under PART_TUNE configs (tiles, warps,
@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 
 from bench_util import copy_ceiling, per_call_s  # noqa: E402
 from pallas_kernels.int4_moe import (DOWN_LAUNCH, GATE_UP_LAUNCH, UNPACK_BF16X2, UNPACK_F32,  # noqa: E402
-                                     UNPACK_MODES, Launch, _nibble_major, bf16_gather_ffn, bf16_ragged_dot_ffn,
+                                     UNPACK_MODES, Launch, bf16_gather_ffn, bf16_ragged_dot_ffn,
                                      dequant_then_matmul_ffn, ffn_block_m,
                                      grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route,
                                      tile_ffn_int4, tile_int4)
@@ -113,7 +113,7 @@ PART_TUNE = {
              Launch(64, 64, 4, n_per_program=2), Launch(64, 64, 4, n_per_program=8), Launch(64, 64, 2, n_per_program=4),
              Launch(64, 64, 4, num_stages=4, n_per_program=4)),
 }
-BREAKDOWN_PARTS = ("route", "gate_up", "h_reorder", "down", "combine")
+BREAKDOWN_PARTS = ("route", "gate_up", "down", "combine")
 
 
 CPU_UNPACK_NOTE = "CPU: bf16x2 runs its jnp stand-in in the Pallas interpreter, not the inline PTX (needs a GPU)"
@@ -242,16 +242,12 @@ def stage_fns(shape: Shape, interpret: bool):
     compute alone (a gather or reorder sliced to one element costs nothing)."""
     kw = dict(interpret=interpret)
     bar = jax.lax.optimization_barrier
-    words = shape.inter // 8
 
     def route(x, i, w, *ws):
         return bar(moe_route(x, i, shape.experts, group_size=shape.group))
 
     def gate_up(layout, xt, token, *ws):
-        return bar(moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), **kw))
-
-    def h_reorder(h):
-        return bar(_nibble_major(h, words))
+        return bar(moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), out_nibble_major=True, **kw))
 
     def down(layout, hp, *ws):
         return bar(grouped_int4_matmul(hp, ((ws[4], ws[5]),), layout, nibble_major=True, **kw))
@@ -259,7 +255,7 @@ def stage_fns(shape: Shape, interpret: bool):
     def combine(y, layout, w):
         return bar(moe_combine(y, layout, w, y.dtype))
 
-    return dict(route=route, gate_up=gate_up, h_reorder=h_reorder, down=down, combine=combine)
+    return dict(route=route, gate_up=gate_up, down=down, combine=combine)
 
 
 def run_breakdown(row: dict, sets, w4, shape: Shape, interpret: bool, whole) -> None:
@@ -268,11 +264,10 @@ def run_breakdown(row: dict, sets, w4, shape: Shape, interpret: bool, whole) -> 
     ws = tuple(w4)
     try:
         routed = [jax.jit(fns["route"])(*s, *ws) for s in sets]
-        hs = [jax.jit(fns["gate_up"])(*r, *ws) for r in routed]
-        hps = [jax.jit(fns["h_reorder"])(h) for h in hs]
-        ys = [jax.jit(fns["down"])(r[0], hp, *ws) for r, hp in zip(routed, hps)]
+        hs = [jax.jit(fns["gate_up"])(*r, *ws) for r in routed]  # nibble-major, as down reads it
+        ys = [jax.jit(fns["down"])(r[0], h, *ws) for r, h in zip(routed, hs)]
         part_args = dict(route=[s + ws for s in sets], gate_up=[tuple(r) + ws for r in routed],
-                         h_reorder=[(h,) for h in hs], down=[(r[0], hp) + ws for r, hp in zip(routed, hps)],
+                         down=[(r[0], h) + ws for r, h in zip(routed, hs)],
                          combine=[(y, r[0], s[2]) for y, r, s in zip(ys, routed, sets)])
         row["bd_whole_ms"] = per_call_s(lambda *a: jax.lax.optimization_barrier(whole(*a)),
                                         [s + ws for s in sets]) * 1e3
@@ -315,8 +310,8 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                 else:
                     if hs is None:  # h from the engine's gate/up, nibble-major (what down reads)
                         gu = [a for i in (0, 1) for a in tile(w4[2 * i], w4[2 * i + 1])]
-                        hs = [jax.jit(lambda layout, xt, token, *w: _nibble_major(
-                            moe_gate_up(xt, layout, token, (w[0], w[1]), (w[2], w[3]), **kw), shape.inter // 8))(
+                        hs = [jax.jit(lambda layout, xt, token, *w: moe_gate_up(
+                            xt, layout, token, (w[0], w[1]), (w[2], w[3]), out_nibble_major=True, **kw))(
                                 *r, *gu) for r in routed]
                         del gu
                     fn = lambda layout, hp, *w, o=opts: jax.lax.optimization_barrier(  # noqa: E731

@@ -33,7 +33,9 @@ k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile 
 reshaped across the nibble axis (Pallas' Triton lowering takes power-of-two blocks and no value gathers:
 `jax/_src/pallas/triton/lowering.py`).
 
-With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly. The FFN
+With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly, in the FFN
+already in the down kernel's nibble-major column order (each program transposes its output tile in registers before
+the store), so no reorder of h runs between the two kernels. The FFN
 launches each of its two kernels in its own tiles and program shape (GATE_UP_LAUNCH, DOWN_LAUNCH; `tile_ffn_int4`
 lays the experts out in those tiles).
 `split_k` (static) splits the K loop over more programs, for few rows: fp32 partials, added in XLA (not bit-identical
@@ -299,6 +301,7 @@ class _Plan:
     split_k: int = 1  # programs per (N tile, row block), each over 1/split_k of the K tiles, writing fp32 partials
     tiled: bool = False  # weights tile-major (`tile_int4`): each K-loop tile is one contiguous block
     n_per_program: int = 1  # consecutive N tiles one program walks in one flat, pipelined loop
+    out_nibble_major: bool = False  # write y nibble-major (`_nibble_major` of y): the next kernel's input order
 
 
 def _nibble_f32(words, k: int):
@@ -407,9 +410,13 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
         return tuple(new)
 
     def store(r0, jn, accs):
-        n0 = pl.multiple_of(jn * bn, bn)
-        y = _silu_mul(*accs) if swiglu else accs[0]
-        out_refs[0][pl.ds(r0, bm), pl.ds(n0, bn)] = y.astype(out_refs[0].dtype)
+        y = (_silu_mul(*accs) if swiglu else accs[0]).astype(out_refs[0].dtype)
+        if plan.out_nibble_major:  # out [R, 8, N/8]: column 8i + k of this tile goes to [k, jn*bn/8 + i]
+            w0 = pl.multiple_of(jn * (bn // NIBBLES_PER_WORD), bn // NIBBLES_PER_WORD)
+            y = y.reshape(bm, bn // NIBBLES_PER_WORD, NIBBLES_PER_WORD).swapaxes(1, 2)
+            out_refs[0][pl.ds(r0, bm), :, pl.ds(w0, bn // NIBBLES_PER_WORD)] = y
+        else:
+            out_refs[0][pl.ds(r0, bm), pl.ds(pl.multiple_of(jn * bn, bn), bn)] = y
 
     zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in weights)
     n_first = j * plan.n_per_program
@@ -590,7 +597,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                         swiglu: bool = False, out_dtype=None,
                         block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
                         num_stages: int = DEFAULT_STAGES, split_k: int = 1, n_per_program: int = 1,
-                        nibble_major: bool = False, unpack: str | None = None,
+                        nibble_major: bool = False, out_nibble_major: bool = False, unpack: str | None = None,
                         interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their row block's expert: -> [R, N] (fp32 accumulation).
 
@@ -602,6 +609,9 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     gives the same bf16 weights.
     nibble_major: x is already [rows, 8*words'] in the kernel's column order (`moe_route`), words' = K/8 padded
     to whole K tiles; otherwise the wrapper reorders it (a copy of x).
+    out_nibble_major: the output comes nibble-major ([R, N], column k*N/8 + j holding column 8j + k: `_nibble_major`
+    of the plain output), as a kernel reading it over K = N expects, so that no reorder runs between the two. Each
+    program transposes its tile in registers before the store. N must be whole N tiles and a multiple of 8.
     split_k > 1: each (N tile, row block) runs as split_k programs over consecutive K ranges (more programs, shorter
     loops, for few rows); their fp32 partial sums are added in XLA before the SwiGLU epilogue and the rounding, so
     results match the unsplit kernel to fp32 summation order, not bit for bit.
@@ -645,7 +655,11 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     if n_per_program < 1 or n_tiles % n_per_program or (n_per_program > 1 and split_k > 1):
         raise ValueError(f"grouped_int4_matmul: n_per_program={n_per_program} must divide the {n_tiles} N tiles of "
                          f"{plan.block_n} columns (and needs split_k=1, got {split_k})")
-    plan = dataclasses.replace(plan, tiled=tiled, n_per_program=n_per_program, gather=row_token is not None)
+    if out_nibble_major and (plan.n_out != n_out or n_out % NIBBLES_PER_WORD):
+        raise ValueError(f"grouped_int4_matmul: out_nibble_major needs N={n_out} to be whole N tiles of "
+                         f"{plan.block_n} columns and a multiple of {NIBBLES_PER_WORD}")
+    plan = dataclasses.replace(plan, tiled=tiled, n_per_program=n_per_program, gather=row_token is not None,
+                               out_nibble_major=out_nibble_major and split_k == 1)
     want_cols = plan.words * NIBBLES_PER_WORD if nibble_major else k_in
     if x_cols != want_cols:
         raise ValueError(f"grouped_int4_matmul: x has {x_cols} columns, the packed weights need {want_cols}"
@@ -660,17 +674,23 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     args = (layout.block_expert, layout.block_rows, *gather, xp, *flat)
     grid = (n_tiles // n_per_program, plan.row_blocks) + ((split_k,) if split_k > 1 else ())
     rows = layout.rows
-    if split_k == 1:
+    if plan.out_nibble_major:
+        out_shape = [jax.ShapeDtypeStruct((rows, NIBBLES_PER_WORD, plan.n_out // NIBBLES_PER_WORD),
+                                          out_dtype or x.dtype)]
+    elif split_k == 1:
         out_shape = [jax.ShapeDtypeStruct((rows, plan.n_out), out_dtype or x.dtype)]
     else:
         out_shape = [jax.ShapeDtypeStruct((split_k, rows, plan.n_out), jnp.float32) for _ in weights]
     outs = pallas_call(kernel, interpret=interpret, num_warps=num_warps, num_stages=num_stages, grid=grid,
                        in_specs=[any_spec(a) for a in args], out_specs=[any_spec(o) for o in out_shape],
                        out_shape=out_shape, name="int4_swiglu" if swiglu else "int4_matmul")(*args)
+    if plan.out_nibble_major:
+        return outs[0].reshape(rows, n_out)
     if split_k == 1:
         return outs[0][:, :n_out]
     accs = [o[:, :, :n_out].sum(axis=0) for o in outs]  # fp32 partials, added in split order
-    return (_silu_mul(*accs) if swiglu else accs[0]).astype(out_dtype or x.dtype)
+    y = (_silu_mul(*accs) if swiglu else accs[0]).astype(out_dtype or x.dtype)
+    return _nibble_major(y, n_out // NIBBLES_PER_WORD) if out_nibble_major else y  # fused into the partials' sum
 
 
 def int4_expert_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, expert_ids: jax.Array, *,
@@ -721,7 +741,8 @@ def moe_route(x: jax.Array, idx: jax.Array, n_experts: int, *, group_size: int, 
 def moe_gate_up(xt: jax.Array, layout: RouteLayout, row_token: jax.Array, gate, up, *, num_warps: int | None = None,
                 num_stages: int | None = None, n_per_program: int | None = None, **kw) -> jax.Array:
     """Fused gate/up kernel on nibble-major token rows xt (`moe_route`): -> h [R, I] = silu(x Wg^T) * (x Wu^T) in
-    xt's dtype. Launch options left None come from GATE_UP_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
+    xt's dtype (out_nibble_major=True: in the order `moe_down` reads). Launch options left None come from
+    GATE_UP_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
     launch = _launch_kw(GATE_UP_LAUNCH, gate[0], num_warps, num_stages, n_per_program)
     return grouped_int4_matmul(xt, (gate, up), layout, row_token=row_token, swiglu=True, nibble_major=True,
                                **launch, **kw)
@@ -729,10 +750,21 @@ def moe_gate_up(xt: jax.Array, layout: RouteLayout, row_token: jax.Array, gate, 
 
 def moe_down(h: jax.Array, layout: RouteLayout, down, *, num_warps: int | None = None, num_stages: int | None = None,
              n_per_program: int | None = None, **kw) -> jax.Array:
-    """Down kernel (reorders h to nibble-major first): h [R, I] -> y [R, D]. Launch options left None come from
-    DOWN_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
+    """Down kernel: h [R, I] -> y [R, D] (nibble_major=True: h is already in the kernel's column order, else it is
+    reordered first). Launch options left None come from DOWN_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
     launch = _launch_kw(DOWN_LAUNCH, down[0], num_warps, num_stages, n_per_program)
     return grouped_int4_matmul(h, (down,), layout, **launch, **kw)
+
+
+def _h_nibble_major(gate_packed, down_packed, down_scale, block_n: int | None, block_w: int | None) -> bool:
+    """Whether gate/up can write h straight in down's column order: I is whole gate/up N tiles (no padded columns)
+    and whole down K tiles (no padded words). K2.6 (I = 2048) is; the reorder it saves cost 29-36 µs a step at a
+    batch-64 B = 16 verify (BENCHMARKS.md §4b)."""
+    _, inter, _ = int4_dims(gate_packed)
+    gate_n = gate_packed.shape[3] if gate_packed.ndim == 5 else block_n or _capped_block_n(DEFAULT_BLOCK_N, inter)
+    down_w = down_packed.shape[4] if down_packed.ndim == 5 else block_w
+    down_group = inter // int4_scale_groups(down_scale)
+    return inter % gate_n == 0 and _k_tiling(inter, down_group, down_w)[1] * NIBBLES_PER_WORD == inter
 
 
 def moe_combine(y: jax.Array, layout: RouteLayout, weights: jax.Array, out_dtype) -> jax.Array:
@@ -765,9 +797,11 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     block_m = block_m or ffn_block_m(idx.size, gate_packed.shape[0], gate_packed, down_packed)
     layout, xt, row_token = moe_route(x, idx, gate_packed.shape[0], group_size=group, block_m=block_m,
                                       block_w=route_w)
+    h_nibble_major = _h_nibble_major(gate_packed, down_packed, down_scale, block_n, block_w)
     h = moe_gate_up(xt, layout, row_token, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k,
-                    n_per_program=gate_up_n_per_program, **kw)
-    y = moe_down(h, layout, (down_packed, down_scale), n_per_program=down_n_per_program, **kw)  # [R, D]
+                    n_per_program=gate_up_n_per_program, out_nibble_major=h_nibble_major, **kw)
+    y = moe_down(h, layout, (down_packed, down_scale), n_per_program=down_n_per_program, nibble_major=h_nibble_major,
+                 **kw)  # [R, D]
     return moe_combine(y, layout, weights, out_dtype or x.dtype)
 
 

@@ -584,3 +584,73 @@ def test_k26_n_per_program_bitwise_on_gpu(rng, m):
     many = jax.jit(functools.partial(int4_moe_ffn, gate_up_n_per_program=2, down_n_per_program=4))(*args, *w)
     assert np.isfinite(one).all() and np.abs(one).max() > 0
     np.testing.assert_array_equal(np.asarray(many.astype(jnp.float32)), one)
+
+
+# ---- h written in the down kernel's column order ----------------------------------------------------------------------
+def _gate_up_both_orders(args, w, e, split_k, **kw):
+    """gate/up h of the used rows, plain then written nibble-major (the FFN's order), as float32 numpy."""
+    x, idx = args[0], args[1]
+    layout, xt, token = int4_moe.moe_route(x, idx, e, group_size=GROUP, block_w=kw.pop("route_w", None))
+    hs = [int4_moe.moe_gate_up(xt, layout, token, (w[0], w[1]), (w[2], w[3]), split_k=split_k,
+                               out_nibble_major=nib, **kw)[layout.dest] for nib in (False, True)]
+    return [np.asarray(h.astype(jnp.float32)) for h in hs]
+
+
+@pytest.mark.parametrize("tiled,split_k,dtype", [(False, 1, np.float32), (True, 1, jnp.bfloat16),
+                                                 (True, 2, jnp.bfloat16)])
+def test_gate_up_writes_h_nibble_major_bit_for_bit(rng, interpret, tiled, split_k, dtype):
+    """out_nibble_major: the kernel's own transposed store (split-K: the XLA epilogue) gives exactly the plain h
+    reordered nibble-major, rows of several experts and blocks alike; the FFN built on it matches the reference."""
+    tokens, d, inter = 13, 256, 128
+    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
+    idx, weights = random_routing(rng, tokens)
+    x = as_input(rng.standard_normal((tokens, d)), dtype)
+    args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
+    ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
+    kw = dict(interpret=interpret) | (dict(route_w=16) if tiled else dict(block_n=32, block_w=16, route_w=16))
+    plain, nib = _gate_up_both_orders(args, ws, E, split_k, **kw)
+    assert np.abs(plain).max() > 0
+    want = np.asarray(int4_moe._nibble_major(jnp.asarray(plain), inter // 8))
+    np.testing.assert_array_equal(nib, want)
+    assert not np.array_equal(nib, plain)  # the order did change
+    assert int4_moe._h_nibble_major(ws[0], ws[4], ws[5], 32, 16)
+    out = int4_moe_ffn(*args, *ws, split_k=split_k, **({} if tiled else dict(block_n=32)), block_w=16,
+                       interpret=interpret)
+    assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[dtype], "FFN on nibble-major h")
+
+
+def test_h_stays_plain_where_the_tiles_do_not_fit(rng, interpret):
+    """An expert width that is not whole tiles (96: gate/up N tiles of 64, down K tiles of 16 words = 128 columns)
+    keeps the plain h and the reorder, and still matches the reference; asking for the nibble-major store there
+    names N."""
+    d, inter = 256, 96
+    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
+    ws = list(map(jnp.asarray, w))
+    assert not int4_moe._h_nibble_major(ws[0], ws[4], ws[5], None, None)
+    idx, weights = random_routing(rng, 3)
+    x = as_input(rng.standard_normal((3, d)), np.float32)
+    out = int4_moe_ffn(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(weights), *ws, interpret=interpret)
+    assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[np.float32], "FFN on plain h")
+    layout, xt, token = int4_moe.moe_route(jnp.asarray(x), jnp.asarray(idx), E, group_size=GROUP)
+    with pytest.raises(ValueError, match="out_nibble_major needs N=96"):
+        int4_moe.moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), out_nibble_major=True)
+
+
+def test_k26_ffn_writes_h_nibble_major():
+    """At K2.6 widths, in the engine's tiles and row-major alike, the FFN takes the nibble-major store."""
+    specs = ffn_specs(8, 7168, 2048, 384, 8, jnp.bfloat16)[3:]
+    tiled = jax.eval_shape(int4_moe.tile_ffn_int4, *specs)
+    assert int4_moe._h_nibble_major(tiled[0], tiled[4], tiled[5], None, None)
+    assert int4_moe._h_nibble_major(specs[0], specs[4], specs[5], None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_k26_gate_up_nibble_major_bitwise_on_gpu(rng, m):
+    """Compiled at K2.6 shapes in the engine's tiles: the transposed store gives the plain h reordered, bit for bit."""
+    w = _tiled(_k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384))
+    idx, weights = random_routing(rng, m, 384, 8)
+    args = (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
+    plain, nib = _gate_up_both_orders(args, w, 384, 1, route_w=32)
+    assert np.isfinite(plain).all() and np.abs(plain).max() > 0
+    np.testing.assert_array_equal(nib, np.asarray(int4_moe._nibble_major(jnp.asarray(plain), 2048 // 8)))
