@@ -503,8 +503,8 @@ def prefill_flops(cfg, bt: int, t: int, wbytes: dict) -> float:
 
 
 # candidate cost-model terms. The attention core is one term at its own roofline: a sum of FLOP and cache-byte terms
-# cannot follow it from bandwidth-bound decode to compute-bound trees (leave-one-out 24% on the 14 points of
-# BENCHMARKS.md §4b, against 15.4% with the roofline)
+# cannot follow it from bandwidth-bound decode to compute-bound trees (leave-one-out 24% against 15.4% with the
+# roofline on the 14 points of results/bench_kimi_layer/h200_block_grid_{ar,verify,verify_b64}.json)
 COST_TERMS = ("intercept", "attn_roofline", "expert_bytes", "tokens")
 
 

@@ -758,8 +758,8 @@ def moe_down(h: jax.Array, layout: RouteLayout, down, *, num_warps: int | None =
 
 def _h_nibble_major(gate_packed, down_packed, down_scale, block_n: int | None, block_w: int | None) -> bool:
     """Whether gate/up can write h straight in down's column order: I is whole gate/up N tiles (no padded columns)
-    and whole down K tiles (no padded words). K2.6 (I = 2048) is; the reorder it saves cost 29-36 µs a step at a
-    batch-64 B = 16 verify (BENCHMARKS.md §4b)."""
+    and whole down K tiles (no padded words). K2.6 (I = 2048) is; the reorder it saves ran as its own XLA transpose,
+    33 µs a step at a batch-8 B = 16 verify (the trace in BENCHMARKS.md §4b)."""
     _, inter, _ = int4_dims(gate_packed)
     gate_n = gate_packed.shape[3] if gate_packed.ndim == 5 else block_n or _capped_block_n(DEFAULT_BLOCK_N, inter)
     down_w = down_packed.shape[4] if down_packed.ndim == 5 else block_w
