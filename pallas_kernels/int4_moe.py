@@ -33,9 +33,9 @@ k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile 
 reshaped across the nibble axis (Pallas' Triton lowering takes power-of-two blocks and no value gathers:
 `jax/_src/pallas/triton/lowering.py`).
 
-With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly, in the FFN
-already in the down kernel's nibble-major column order (each program transposes its output tile in registers before
-the store), so no reorder of h runs between the two kernels. The FFN
+With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly. In the FFN it
+writes that h already in the down kernel's nibble-major column order (each program transposes its output tile in
+registers before the store), so no reorder of h runs between the two kernels. The FFN
 launches each of its two kernels in its own tiles and program shape (GATE_UP_LAUNCH, DOWN_LAUNCH; `tile_ffn_int4`
 lays the experts out in those tiles).
 `split_k` (static) splits the K loop over more programs, for few rows: fp32 partials, added in XLA (not bit-identical
