@@ -21,6 +21,10 @@ Measured (median, warm-up, block_until_ready; cache donated and fed back):
     ~3.4x the attention FLOPs per score (576 + 512 wide instead of 192 + 128), so its roofline is a lower bound.
   - --expert-layouts: the kernel MoE with its experts row-major (as loaded) and / or tile-major (as the engine stores
     them on one GPU, `kdtree_jax.moe.tile_experts`), side by side; the cost model fits the engine's layout.
+  - --expert-pools P..: each kernel-MoE point again with the routed experts folded onto the first P experts (expert
+    e -> e mod P, after the router: a token may then meet one expert twice), so that the distinct experts a step
+    reads vary at a fixed batch and token count: the points that separate the cost model's expert-byte and per-token
+    terms, which rise together over batch sizes.
   - MoE two ways: "kernel" = the model's expert path swapped (locally, by patching kdtree_jax.moe's expert functions
     while tracing) for `pallas_kernels.int4_moe.int4_moe_ffn`; "as_is" = the model's own path (gather / dense, which
     dequantizes every gathered or every expert), tried only up to --as-is-max-tokens routed tokens.
@@ -181,10 +185,10 @@ def int4_expert_bytes(cfg) -> int:
 
 # ---- MoE swap (local wrapper, active only while tracing) ---------------------------------------------------------
 @contextlib.contextmanager
-def moe_experts(mode: str, record: list, interpret: bool):
+def moe_experts(mode: str, record: list, interpret: bool, expert_pool: int | None = None):
     """Route the model's MoE expert computation through `mode` ("kernel" | "as_is" | "skip"), recording each layer's
     idx. "skip" returns zeros for the routed experts (router, shared expert and the rest still run): the AR breakdown's
-    step without the routed experts.
+    step without the routed experts. expert_pool P ("kernel" only): expert ids folded to id mod P before the kernel.
 
     The model's own path choice is pinned to the XLA shape rule (gather / dense) while tracing, so that on a GPU,
     where "auto" would pick the kernel itself, both modes pass through the recording wrappers below."""
@@ -194,6 +198,7 @@ def moe_experts(mode: str, record: list, interpret: bool):
                                            else "dense")
 
     def kernel(moe, x, weights, idx):
+        idx = idx if expert_pool is None else idx % expert_pool
         record.append(idx)
         ws = [getattr(moe, n)[...] for n in ROUTED]
         return int4_moe_ffn(x, idx, weights, *ws, interpret=interpret).astype(x.dtype)
@@ -228,7 +233,8 @@ def _distinct(record: list, n_experts: int) -> jax.Array:
     return jnp.stack([jnp.zeros((n_experts,), jnp.int32).at[i.reshape(-1)].set(1).sum() for i in record])
 
 
-def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool, attn_backend: str | None = None):
+def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool, attn_backend: str | None = None,
+                expert_pool: int | None = None):
     """One jit running a verify step once per token set ([calls, Bt, N]) in a loop that threads the cache: the
     host dispatch (tens of µs) is paid once per `calls` steps, as in the engine's compiled decode loop. Returns
     (a logit sum that keeps every step alive, the cache, mean distinct experts per MoE layer)."""
@@ -240,7 +246,7 @@ def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool, att
         def step(i, carry):
             cache, acc, distinct = carry
             record = []
-            with moe_experts(mode, record, interpret):
+            with moe_experts(mode, record, interpret, expert_pool):
                 out = forward_verify(model, token_sets[i], positions, start, mask, cache, use_pallas=use_pallas,
                                      interpret=interpret, attn_backend=attn_backend)
             return out.cache, acc + out.logits[0, 0, 0], distinct + _distinct(record, cfg.n_routed_experts)
@@ -371,17 +377,23 @@ class Runner:
                         self.record({**base, "skipped": f"as-is MoE above {self.args.as_is_max_tokens} tokens "
                                                         "(dequantizes every gathered / every expert)"})
                         continue
-                    if self.out_of_time():
-                        self.record({**base, "skipped": "time budget"})
-                        continue
-                    self.verify_one(base, bt, n, capacity, mode, layout)
+                    for pool in self.pools(mode):
+                        row_base = base if pool is None else {**base, "expert_pool": pool}
+                        if self.out_of_time():
+                            self.record({**row_base, "skipped": "time budget"})
+                            continue
+                        self.verify_one(row_base, bt, n, capacity, mode, layout, pool)
 
-    def verify_one(self, base, bt, n, capacity, mode, layout: str = ROW_MAJOR):
+    def pools(self, mode: str) -> list:
+        """The expert pools a mode runs at: the router's own choice (None), then --expert-pools for the kernel."""
+        return [None] + (list(self.args.expert_pools or []) if mode == "kernel" else [])
+
+    def verify_one(self, base, bt, n, capacity, mode, layout: str = ROW_MAJOR, expert_pool: int | None = None):
         cfg, rng, state = self.cfg, np.random.default_rng(bt * 1000 + n), self.states[layout]
         try:
             t_c = time.perf_counter()
             jitted = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret,
-                                 self.attn_backend)
+                                 self.attn_backend, expert_pool)
             cache = LatentCache(latent=jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, bt, capacity,
                                                                              cfg.latent_dim), self.dtype))
             mask = ancestor_mask(rng, bt, n)
@@ -443,7 +455,9 @@ class Runner:
             for mode, layout in [("kernel", layout) for layout in self.layouts] + [("skip", ROW_MAJOR)]:
                 base = dict(kind="verify", moe=mode, batch=bt, nodes=1, pallas_attn=not self.args.no_pallas_attn,
                             expert_layout=layout)
-                self.verify_one(base, bt, 1, capacity, mode, layout)
+                for pool in self.pools(mode):
+                    self.verify_one(base if pool is None else {**base, "expert_pool": pool}, bt, 1, capacity, mode,
+                                    layout, pool)
             fn = make_head(self.graphdef, self.cfg)
             rng = np.random.default_rng(bt)
             secs = [median_s(lambda: fn(self.state, tokens), min_reps=3, max_reps=10, min_total_s=0.1)
@@ -615,8 +629,11 @@ def fit_cost_model(rows: list[dict], cfg, copy_bw: float, peak: float) -> dict:
 
 
 def moe_label(r: dict) -> str:
-    """The MoE column: the kernel's rows name their expert layout."""
-    return f"{r['moe']} {r.get('expert_layout', ROW_MAJOR)}" if r.get("moe") == "kernel" else r["moe"]
+    """The MoE column: the kernel's rows name their expert layout (and an expert pool, if folded onto one)."""
+    if r.get("moe") != "kernel":
+        return r["moe"]
+    pool = f", {r['expert_pool']} experts" if "expert_pool" in r else ""
+    return f"{r['moe']} {r.get('expert_layout', ROW_MAJOR)}{pool}"
 
 
 def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
@@ -711,12 +728,17 @@ def main(argv=None):
     parser.add_argument("--expert-layouts", nargs="+", choices=EXPERT_LAYOUTS, default=[ENGINE_LAYOUT],
                         help="how the kernel MoE's experts are stored, each timed side by side (row-major = as "
                              "loaded; tile-major = as the engine stores them, kdtree_jax.moe.tile_experts)")
+    parser.add_argument("--expert-pools", type=int, nargs="+", metavar="P",
+                        help="also run each kernel-MoE point with the expert ids folded onto the first P experts "
+                             "(distinct experts varied at a fixed batch, for the cost model)")
     parser.add_argument("--refit", metavar="JSON", nargs="+",
                         help="refit the cost model of saved --out files, as one (no GPU needed)")
     args = parser.parse_args(argv)
     if len(args.steps) not in (1, 2) or min(args.steps) < 1 or len(set(args.steps)) != len(args.steps):
         parser.error(f"--steps takes one length or two different lengths >= 1, got {args.steps}")
     args.steps = tuple(sorted(args.steps))
+    if args.expert_pools and min(args.expert_pools) < 1:
+        parser.error(f"--expert-pools takes expert counts >= 1, got {args.expert_pools}")
     if args.refit:
         return refit(args.refit, args.out)
 

@@ -79,3 +79,34 @@ def test_noisy_data_error_is_what_the_fit_reports(rng):
 
 def test_too_few_points_is_reported():
     assert "error" in bench.fit_cost_model(synthetic_rows(np.random.default_rng(0), n_points=3), CFG, BW, PEAK)
+
+
+def test_expert_pool_folds_the_routed_ids(rng):
+    """--expert-pools: the swapped kernel path runs (and records) expert ids mod P, so the distinct experts of a step
+    can vary at a fixed token count; the output is the reference FFN of the folded routing, duplicates included."""
+    import types
+
+    import jax.numpy as jnp
+
+    from kdtree_jax.quant import quant_int4
+    from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref
+
+    e, d, inter, m, k, pool = 8, 64, 32, 6, 3, 3
+    arrays = {}
+    for name, (n_out, n_in) in zip(("gate", "up", "down"), ((inter, d), (inter, d), (d, inter))):
+        packed, scale = quant_int4(rng.standard_normal((e, n_out, n_in)) / np.sqrt(n_in), 32)
+        arrays[f"{name}_packed"], arrays[f"{name}_scale"] = jnp.asarray(packed), jnp.asarray(scale)
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(m)]).astype(np.int32)
+    idx[0] = rng.permutation([0, pool, 1])  # experts 0 and P fold onto one
+    weights = rng.uniform(0.2, 1.0, (m, k)).astype(np.float32)
+    record = []
+    with bench.moe_experts("kernel", record, interpret=True, expert_pool=pool):
+        out = bench.moe_mod._experts_gather(types.SimpleNamespace(**arrays), jnp.asarray(x), jnp.asarray(weights),
+                                            jnp.asarray(idx))
+    folded = idx % pool
+    np.testing.assert_array_equal(np.asarray(record[0]), folded)
+    assert (folded[:, :, None] == folded[:, None, :]).sum() > m * k  # some token meets one expert twice
+    want = int4_moe_ffn_ref(x, folded, weights, *(np.asarray(arrays[n]) for n in bench.ROUTED))
+    got = np.asarray(out, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
