@@ -18,6 +18,10 @@
 #   k26-ar-step     the K2.6 AR step inside a compiled loop, per step from two loop lengths (bench_kimi_layer.py)
 #   k26-batches     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, per step from two loop
 #                   lengths, each part by part from a profiler trace (bench_kimi_layer.py --trace)
+#   k26-serving     BENCHMARKS.md §4b's serving table: the K2.6 AR step at batch 1-64 (8- and 64-step loops) and
+#                   the verify step at batch 8, 32 and 64 with B = 16 (8- and 32-step loops), for the cost model's refit
+#   k26-expert-pools  the AR step at batch 8 and 32 again with the routed experts folded onto 48 and 128 experts
+#                   (bench_kimi_layer.py --expert-pools): distinct experts varied at a fixed batch, for the refit
 #   k26-layouts     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, with the experts row-major
 #                   (as loaded) and tile-major (as the engine stores them) side by side (bench_kimi_layer.py)
 #   k26-round       one K2.6-width round part by part, from a profiler trace (benchmarks/profile_round.py)
@@ -87,6 +91,12 @@ target() {
         --trace /tmp/k26_trace --budget-s 240 --out "$OUT/k26_ar_batches.json" &&
         "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
         --trace /tmp/k26_trace --budget-s 120 --out "$OUT/k26_verify_b8.json" ;;
+    k26-serving) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 64 --batches 1 8 32 64 \
+        --budget-s 200 --out "$OUT/k26_serving_ar.json" &&
+        "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 32 64 --nodes 17 --skip-prefill \
+        --budget-s 150 --out "$OUT/k26_serving_verify.json" ;;
+    k26-expert-pools) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 64 --batches 8 32 \
+        --expert-pools 48 128 --budget-s 200 --out "$OUT/k26_expert_pools.json" ;;
     k26-layouts) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --batches 1 8 32 64 \
         --expert-layouts row-major tile-major --budget-s 240 --out "$OUT/k26_ar_layouts.json" &&
         "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
