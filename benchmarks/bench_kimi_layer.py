@@ -377,23 +377,23 @@ class Runner:
                         self.record({**base, "skipped": f"as-is MoE above {self.args.as_is_max_tokens} tokens "
                                                         "(dequantizes every gathered / every expert)"})
                         continue
-                    for pool in self.pools(mode):
-                        row_base = base if pool is None else {**base, "expert_pool": pool}
+                    for row_base in self.pooled(base):
                         if self.out_of_time():
                             self.record({**row_base, "skipped": "time budget"})
                             continue
-                        self.verify_one(row_base, bt, n, capacity, mode, layout, pool)
+                        self.verify_one(row_base, bt, n, capacity, mode, layout)
 
-    def pools(self, mode: str) -> list:
-        """The expert pools a mode runs at: the router's own choice (None), then --expert-pools for the kernel."""
-        return [None] + (list(self.args.expert_pools or []) if mode == "kernel" else [])
+    def pooled(self, base: dict) -> list[dict]:
+        """A point's rows: the router's own experts, then (kernel MoE) each --expert-pools P (`expert_pool`)."""
+        pools = (self.args.expert_pools or []) if base["moe"] == "kernel" else []
+        return [base] + [{**base, "expert_pool": pool} for pool in pools]
 
-    def verify_one(self, base, bt, n, capacity, mode, layout: str = ROW_MAJOR, expert_pool: int | None = None):
+    def verify_one(self, base, bt, n, capacity, mode, layout: str = ROW_MAJOR):
         cfg, rng, state = self.cfg, np.random.default_rng(bt * 1000 + n), self.states[layout]
         try:
             t_c = time.perf_counter()
             jitted = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret,
-                                 self.attn_backend, expert_pool)
+                                 self.attn_backend, base.get("expert_pool"))
             cache = LatentCache(latent=jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, bt, capacity,
                                                                              cfg.latent_dim), self.dtype))
             mask = ancestor_mask(rng, bt, n)
@@ -455,9 +455,8 @@ class Runner:
             for mode, layout in [("kernel", layout) for layout in self.layouts] + [("skip", ROW_MAJOR)]:
                 base = dict(kind="verify", moe=mode, batch=bt, nodes=1, pallas_attn=not self.args.no_pallas_attn,
                             expert_layout=layout)
-                for pool in self.pools(mode):
-                    self.verify_one(base if pool is None else {**base, "expert_pool": pool}, bt, 1, capacity, mode,
-                                    layout, pool)
+                for row_base in self.pooled(base):
+                    self.verify_one(row_base, bt, 1, capacity, mode, layout)
             fn = make_head(self.graphdef, self.cfg)
             rng = np.random.default_rng(bt)
             secs = [median_s(lambda: fn(self.state, tokens), min_reps=3, max_reps=10, min_total_s=0.1)

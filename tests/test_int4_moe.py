@@ -431,6 +431,13 @@ def _tiled(w, **tiles):
     return [a for p, s in zip(w[::2], w[1::2]) for a in int4_moe.tile_int4(jnp.asarray(p), jnp.asarray(s), **tiles)]
 
 
+def _k26_case(rng, m):
+    """Row-major K2.6 experts made on the device and FFN inputs (x bf16, idx, weights) for m tokens at top-8."""
+    w = _k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384)
+    idx, weights = random_routing(rng, m, 384, 8)
+    return w, (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
+
+
 @pytest.mark.parametrize("tokens,d,inter,split_k,dtype", [(3, 512, 256, 1, np.float32), (9, 256, 128, 2, jnp.bfloat16)])
 def test_tile_major_weights_give_row_major_bits(rng, interpret, tokens, d, inter, split_k, dtype):
     """Same kernel, weights re-laid tile by tile: the same output bits, several N and K tiles per call, both kernels."""
@@ -524,9 +531,7 @@ def test_engine_tiles_give_row_major_bits(rng, interpret):
 def test_k26_tile_major_bitwise_on_gpu(rng, m):
     """Compiled at K2.6 shapes: tile-major weights in the engine's tiles give the bits of row-major weights run in
     the same tiles and launch."""
-    w = _k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384)
-    idx, weights = random_routing(rng, m, 384, 8)
-    args = (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
+    w, args = _k26_case(rng, m)
     row = np.asarray(jax.jit(_row_major_per_kernel_tiles)(*args, w).astype(jnp.float32))
     tile = np.asarray(jax.jit(int4_moe_ffn)(*args, *_tiled(w)).astype(jnp.float32))
     assert np.isfinite(row).all() and np.abs(row).max() > 0
@@ -576,9 +581,8 @@ def test_n_per_program_lowers_for_h200(m):
 @pytest.mark.parametrize("m", [8, 64])
 def test_k26_n_per_program_bitwise_on_gpu(rng, m):
     """Compiled at K2.6 shapes, tile-major: 2 and 4 N tiles per program give one tile per program's bits."""
-    w = _tiled(_k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384))
-    idx, weights = random_routing(rng, m, 384, 8)
-    args = (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
+    w, args = _k26_case(rng, m)
+    w = _tiled(w)
     one = jax.jit(functools.partial(int4_moe_ffn, gate_up_n_per_program=1, down_n_per_program=1))(*args, *w)
     one = np.asarray(one.astype(jnp.float32))
     many = jax.jit(functools.partial(int4_moe_ffn, gate_up_n_per_program=2, down_n_per_program=4))(*args, *w)
@@ -587,10 +591,11 @@ def test_k26_n_per_program_bitwise_on_gpu(rng, m):
 
 
 # ---- h written in the down kernel's column order ----------------------------------------------------------------------
-def _gate_up_both_orders(args, w, e, split_k, **kw):
-    """gate/up h of the used rows, plain then written nibble-major (the FFN's order), as float32 numpy."""
+def _gate_up_both_orders(args, w, e, split_k, route_w, **kw):
+    """gate/up h of the used rows, plain then written nibble-major (the FFN's order), as float32 numpy; route_w: the
+    gate/up K tile the tokens are laid out for."""
     x, idx = args[0], args[1]
-    layout, xt, token = int4_moe.moe_route(x, idx, e, group_size=GROUP, block_w=kw.pop("route_w", None))
+    layout, xt, token = int4_moe.moe_route(x, idx, e, group_size=GROUP, block_w=route_w)
     hs = [int4_moe.moe_gate_up(xt, layout, token, (w[0], w[1]), (w[2], w[3]), split_k=split_k,
                                out_nibble_major=nib, **kw)[layout.dest] for nib in (False, True)]
     return [np.asarray(h.astype(jnp.float32)) for h in hs]
@@ -607,8 +612,8 @@ def test_gate_up_writes_h_nibble_major_bit_for_bit(rng, interpret, tiled, split_
     x = as_input(rng.standard_normal((tokens, d)), dtype)
     args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
     ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
-    kw = dict(interpret=interpret) | (dict(route_w=16) if tiled else dict(block_n=32, block_w=16, route_w=16))
-    plain, nib = _gate_up_both_orders(args, ws, E, split_k, **kw)
+    kw = dict(interpret=interpret) | ({} if tiled else dict(block_n=32, block_w=16))
+    plain, nib = _gate_up_both_orders(args, ws, E, split_k, 16, **kw)
     assert np.abs(plain).max() > 0
     want = np.asarray(int4_moe._nibble_major(jnp.asarray(plain), inter // 8))
     np.testing.assert_array_equal(nib, want)
@@ -648,9 +653,8 @@ def test_k26_ffn_writes_h_nibble_major():
 @pytest.mark.parametrize("m", [1, 64])
 def test_k26_gate_up_nibble_major_bitwise_on_gpu(rng, m):
     """Compiled at K2.6 shapes in the engine's tiles: the transposed store gives the plain h reordered, bit for bit."""
-    w = _tiled(_k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384))
-    idx, weights = random_routing(rng, m, 384, 8)
-    args = (jnp.asarray(rng.standard_normal((m, 7168)), jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
-    plain, nib = _gate_up_both_orders(args, w, 384, 1, route_w=32)
+    w, args = _k26_case(rng, m)
+    w = _tiled(w)
+    plain, nib = _gate_up_both_orders(args, w, 384, 1, 32)
     assert np.isfinite(plain).all() and np.abs(plain).max() > 0
     np.testing.assert_array_equal(nib, np.asarray(int4_moe._nibble_major(jnp.asarray(plain), 2048 // 8)))
