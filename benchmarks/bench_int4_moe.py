@@ -112,7 +112,7 @@ PART_TUNE = {
     "gate_up": (GATE_UP_LAUNCH, Launch(128, 32, 8), Launch(64, 32, 4), Launch(64, 64, 4),
                 Launch(128, 32, 4, num_stages=2), Launch(128, 32, 4, num_stages=4), Launch(256, 32, 8),
                 Launch(128, 64, 4), Launch(128, 16, 4), Launch(128, 16, 4, num_stages=4)),
-    "down": (DOWN_LAUNCH, Launch(128, 32, 8), Launch(128, 64, 4, n_per_program=4), Launch(128, 32, 4, n_per_program=4),
+    "down": (DOWN_LAUNCH, Launch(128, 32, 8), Launch(128, 64, 4, n_per_program=4), Launch(64, 64, 4, n_per_program=4),
              Launch(64, 64, 4, n_per_program=2), Launch(64, 64, 4, n_per_program=8), Launch(64, 64, 2, n_per_program=4),
              Launch(64, 64, 4, num_stages=4, n_per_program=4), Launch(64, 32, 4, n_per_program=4),
              Launch(64, 16, 4, num_stages=4, n_per_program=4)),

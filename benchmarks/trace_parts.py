@@ -107,7 +107,7 @@ def part_times(kernels: list[dict], scopes: Mapping[str, str], part_of: PartOf, 
 
 
 def top_kernels(kernels: list[dict], scopes: Mapping[str, str], part_of: PartOf, pallas_parts: Mapping[str, str],
-                outside: str, per: int, n: int = 4) -> dict[str, dict[str, float]]:
+                outside: str, per: int, n: int = 8) -> dict[str, dict[str, float]]:
     """The n kernels (by name, launches of one name added) that take the most µs per `per` in each part: what a
     part's time is made of, for finding where a part loses to its roofline."""
     acc: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

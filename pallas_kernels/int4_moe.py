@@ -91,15 +91,16 @@ class Launch:
 
 
 # The engine's launches on tile-major weights, from the H200 part tune (`bench_int4_moe.py --part-tune`, BENCHMARKS.md
-# 4a) at the routed tokens of AR batch 8 and 64: 4-warp programs, two or three per SM with independent pipelines,
-# beat one 8-warp program in both kernels (gate/up 1.24 / 1.14x, down 1.15 / 1.21x); down, only 4 K tiles of 64 words
-# per N tile at K2.6 width, walks 4 N tiles per program. Row-major weights keep DEFAULT_* (tuned on that layout).
+# 4a) at the routed tokens of AR batch 8 to a batch-8 B = 16 verify: 4-warp programs, two or three per SM with
+# independent pipelines, beat one 8-warp program in both kernels (gate/up 1.24 / 1.14x, down 1.15 / 1.21x at 8 / 64
+# tokens); down, only 8 K tiles of 32 words per N tile at K2.6 width, walks 4 N tiles per program, and its 128-column
+# tiles beat 64 x 64 words by 1.04-1.07x from 32 tokens on. Row-major weights keep DEFAULT_* (tuned on that layout).
 # Both take row blocks up to 32 (sm_90 resource report, `benchmarks/kernel_resources.py`, K2.6 at 1088 tokens): at 64
 # rows they ask more shared memory than a block may have (237 / 299 KB of 227 KiB: a batch-64 B = 16 verify could not
-# launch); at 32 gate/up spills 792 B per thread (16 rows: none), which a batch-32 B = 16 verify runs with.
+# launch); at 32 gate/up spills 688 B per thread (16 rows: none), which a batch-32 B = 16 verify runs with.
 TILE_MAJOR_MAX_BLOCK_M = 32
 GATE_UP_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4, max_block_m=TILE_MAJOR_MAX_BLOCK_M)
-DOWN_LAUNCH = Launch(block_n=64, block_w=64, num_warps=4, n_per_program=4, max_block_m=TILE_MAJOR_MAX_BLOCK_M)
+DOWN_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4, n_per_program=4, max_block_m=TILE_MAJOR_MAX_BLOCK_M)
 ROW_MAJOR_LAUNCH = Launch(block_n=DEFAULT_BLOCK_N, block_w=DEFAULT_BLOCK_W, num_warps=DEFAULT_WARPS)
 NIBBLE_BITS = 4
 NIBBLE_MASK = 0xF
