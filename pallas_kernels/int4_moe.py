@@ -508,6 +508,11 @@ def _capped_block_n(block_n: int, n_out: int) -> int:
     return min(block_n, max(MIN_DOT, next_pow2(n_out)))
 
 
+def _plan_block_n(block_n: int | None, n_out: int) -> int:
+    """The N tile a row-major call runs: the one asked for, else DEFAULT_BLOCK_N capped at N."""
+    return block_n or _capped_block_n(DEFAULT_BLOCK_N, n_out)
+
+
 def ffn_tiles(gate_n: int, up_n: int, down_n: int) -> list[dict]:
     """`tile_int4` tiles of gate, up and down with N output rows each: GATE_UP_LAUNCH's and DOWN_LAUNCH's, the N
     tile capped at N rounded up to a power of two (small test widths)."""
@@ -589,7 +594,7 @@ def _make_plan(rows, k_in, n_out, group_size, block_m, block_n, block_w, split_k
     bw, words = _k_tiling(k_in, group_size, block_w)
     if split_k < 1 or (words // bw) % split_k:
         raise ValueError(f"int4 matmul: split_k={split_k} must divide the {words // bw} K tiles of {bw} words")
-    bn = block_n or _capped_block_n(DEFAULT_BLOCK_N, n_out)
+    bn = _plan_block_n(block_n, n_out)
     return _Plan(rows=rows, words=words, n_out=-(-n_out // bn) * bn, group_words=gw, block_m=block_m, block_n=bn,
                  block_w=bw, row_blocks=rows // block_m, split_k=split_k)
 
@@ -762,7 +767,7 @@ def _h_nibble_major(gate_packed, down_packed, down_scale, block_n: int | None, b
     and whole down K tiles (no padded words). K2.6 (I = 2048) is; the reorder it saves ran as its own XLA transpose,
     33 µs a step at a batch-8 B = 16 verify (the trace in BENCHMARKS.md §4b)."""
     _, inter, _ = int4_dims(gate_packed)
-    gate_n = gate_packed.shape[3] if gate_packed.ndim == 5 else block_n or _capped_block_n(DEFAULT_BLOCK_N, inter)
+    gate_n = gate_packed.shape[3] if gate_packed.ndim == 5 else _plan_block_n(block_n, inter)
     down_w = down_packed.shape[4] if down_packed.ndim == 5 else block_w
     down_group = inter // int4_scale_groups(down_scale)
     return inter % gate_n == 0 and _k_tiling(inter, down_group, down_w)[1] * NIBBLES_PER_WORD == inter
