@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import copy_ceiling, per_call_s  # noqa: E402
+from bench_util import copy_ceiling, finish_on_sigterm, per_call_s  # noqa: E402
 from pallas_kernels.int4_moe import (DOWN_LAUNCH, GATE_UP_LAUNCH, UNPACK_BF16X2, UNPACK_F32,  # noqa: E402
                                      UNPACK_MODES, Launch, bf16_gather_ffn, bf16_ragged_dot_ffn,
                                      dequant_then_matmul_ffn, ffn_block_m,
@@ -615,6 +615,7 @@ def main(argv=None):
     copy_bw = copy_ceiling(shape.copy_bytes)
     print(f"## INT4 MoE FFN on {device}: D {shape.d}, I {shape.inter}, E {shape.experts}, top-{shape.top_k}, group "
           f"{shape.group}; copy (read+write) {copy_bw / 1e9:.0f} GB/s\n", flush=True)
+    finish_on_sigterm()
     rows = []
     try:
         run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only,

@@ -65,7 +65,7 @@ from flax import nnx  # noqa: E402
 
 import kdtree_jax.moe as moe_mod  # noqa: E402
 from bench_int4_moe import cycling, is_oom, short_error  # noqa: E402
-from bench_util import copy_ceiling, matmul_peak, median_s  # noqa: E402
+from bench_util import copy_ceiling, finish_on_sigterm, matmul_peak, median_s  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.layers import rms_norm  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
@@ -757,6 +757,7 @@ def main(argv=None):
     copy_bw, peak = copy_ceiling(sweep.copy_bytes), matmul_peak(sweep.matmul_n)
     print(f"## Kimi K2.6 layers on {device}: {args.layers} layers, copy {copy_bw / 1e9:.0f} GB/s, bf16 matmul "
           f"{peak / 1e12:.0f} TFLOP/s\n", flush=True)
+    finish_on_sigterm()
     runner, result = None, dict(device=device, copy_gbps=copy_bw / 1e9, matmul_tflops=peak / 1e12,
                                 layers=args.layers)
     try:

@@ -3,11 +3,19 @@ dispatch cost amortised, and the two measured ceilings."""
 from __future__ import annotations
 
 import functools
+import signal
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+
+
+def finish_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that a run stopped by `timeout` or a machine's time limit still runs its
+    `finally` and writes the rows it finished (Python's default for SIGTERM exits without unwinding)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def median_s(fn, min_reps: int = 5, max_reps: int = 30, min_total_s: float = 0.2) -> float:
