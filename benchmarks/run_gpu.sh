@@ -22,6 +22,10 @@
 #                   the verify step at batch 8, 32 and 64 with B = 16 (8- and 32-step loops), for the cost model's refit
 #   k26-expert-pools  the AR step at batch 8 and 32 again with the routed experts folded onto 48 and 128 experts
 #                   (bench_kimi_layer.py --expert-pools): distinct experts varied at a fixed batch, for the refit
+#   k26-before-after  §4b's serving table (AR batch 1-64, verify batch 8-64 with B = 16) for the tree in $BASE and
+#                   for this one, each part before then after in one call: a before/after of an engine change. BASE
+#                   holds the other commit's code, e.g. `git archive C pallas_kernels kdtree_jax benchmarks | tar -x -C
+#                   .diag/base`, carried to the GPU machine with the working tree
 #   k26-layouts     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, with the experts row-major
 #                   (as loaded) and tile-major (as the engine stores them) side by side (bench_kimi_layer.py)
 #   k26-round       one K2.6-width round part by part, from a profiler trace (benchmarks/profile_round.py)
@@ -70,6 +74,23 @@ PY
     return $rc
 }
 
+k26_before_after() {
+    [ -d "${BASE:-}" ] || { echo "k26-before-after: BASE must name the other commit's tree" >&2; return 2; }
+    local base out kind side dir rc=0
+    base=$(cd "$BASE" && pwd)
+    out=$(cd "$OUT" && pwd)
+    declare -A args=([verify]="--steps 8 32 --batches 8 32 64 --nodes 17"
+                     [ar]="--steps 8 64 --batches 1 8 32 64 --nodes 1")
+    for kind in verify ar; do
+        for side in before after; do
+            [ "$side" = before ] && dir=$base || dir=$PWD
+            (cd "$dir" && PYTHONPATH=$dir "$PY" benchmarks/bench_kimi_layer.py ${args[$kind]} --skip-prefill \
+                --as-is-max-tokens 0 --budget-s 100 --out "$out/k26_${kind}_$side.json") || rc=1
+        done
+    done
+    return $rc
+}
+
 target() {
     case "$1" in
     engine) "$PY" scripts/bench_engine.py --batches 1,8 --repeats 3 --out "$OUT/engine.json" --plot "$OUT/engine.png" ;;
@@ -97,6 +118,7 @@ target() {
         --budget-s 150 --out "$OUT/k26_serving_verify.json" ;;
     k26-expert-pools) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 64 --batches 8 32 \
         --expert-pools 48 128 --budget-s 200 --out "$OUT/k26_expert_pools.json" ;;
+    k26-before-after) k26_before_after ;;
     k26-layouts) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --batches 1 8 32 64 \
         --expert-layouts row-major tile-major --budget-s 240 --out "$OUT/k26_ar_layouts.json" &&
         "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
@@ -105,9 +127,9 @@ target() {
     round) "$PY" benchmarks/bench_round.py --time-limit 200 --out "$OUT/round.json" ;;
     mesh) "$PY" benchmarks/bench_mesh_scaling.py --layers 4 --batch 1 --modes ar ddtree --meshes 1x1x2 \
         --out "$OUT/mesh.json" ;;
-    kernel-tests) "$PY" -m pytest -q -rf tests/test_verify_attn.py tests/test_verify_attn_mgpu.py \
-        tests/test_tree_build.py tests/test_tree_accept.py tests/test_topk.py tests/test_int4_moe.py \
-        tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
+    kernel-tests) "$PY" -m pytest -q -rf -m 'not heavy and not slow' tests/test_verify_attn.py \
+        tests/test_verify_attn_mgpu.py tests/test_tree_build.py tests/test_tree_accept.py tests/test_topk.py \
+        tests/test_int4_moe.py tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
     serving) "$PY" scripts/bench_serving.py --concurrency 1,4,8,16 --configs ar,ddtree,auto $SERVING_TABLE \
         --out "$OUT/serving.json" ;;
     serving-http) serving_http ;;
