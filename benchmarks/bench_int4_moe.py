@@ -104,18 +104,19 @@ def part_key(launch: Launch) -> str:
 
 # --part-tune: each kernel alone, the engine's launch first, then its neighbours: one 8-warp program per SM
 # (ROW_MAJOR_LAUNCH's shape), other tiles, pipeline depths, warps, and for down (8 K tiles of 32 words at K2.6 width)
-# how many N tiles a program walks. Last in each list, narrower K tiles that fit more programs on an SM (sm_90 report
-# at 64 tokens, `kernel_resources.py`): the engine's gate/up takes 192 registers and 88 KiB of shared memory, 2
-# programs (8 warps) an SM, where ncu saw an instruction issued in only 59% of cycles; 128 x 16 words takes 128
-# registers and 44 KiB (4 programs); down 64 x 32 words 128 registers and 36 KiB (4, against 3).
+# how many N tiles a program walks. Narrower K tiles fit more programs on an SM (sm_90 report at 64 tokens,
+# `kernel_resources.py`): the engine's gate/up takes 192 registers and 88 KiB of shared memory, 2 programs (8 warps)
+# an SM, where ncu saw an instruction issued in only 59% of cycles; 128 x 16 words takes 128 registers and 44 KiB (4
+# programs). 256 x 16 words reads each activation row half as often per weight byte (at 8 live rows a block, down's
+# h rows are a fifth of its weight bytes) at 164 / 142 registers and 80 / 48 KiB: 2 / 3 programs an SM.
 PART_TUNE = {
     "gate_up": (GATE_UP_LAUNCH, Launch(128, 32, 8), Launch(64, 32, 4), Launch(64, 64, 4),
                 Launch(128, 32, 4, num_stages=2), Launch(128, 32, 4, num_stages=4), Launch(256, 32, 8),
-                Launch(128, 64, 4), Launch(128, 16, 4), Launch(128, 16, 4, num_stages=4)),
+                Launch(256, 16, 4), Launch(128, 16, 4), Launch(128, 16, 4, num_stages=4)),
     "down": (DOWN_LAUNCH, Launch(128, 32, 8), Launch(128, 64, 4, n_per_program=4), Launch(64, 64, 4, n_per_program=4),
-             Launch(64, 64, 4, n_per_program=2), Launch(64, 64, 4, n_per_program=8), Launch(64, 64, 2, n_per_program=4),
+             Launch(64, 64, 4, n_per_program=2), Launch(64, 64, 4, n_per_program=8), Launch(256, 16, 4, n_per_program=4),
              Launch(64, 64, 4, num_stages=4, n_per_program=4), Launch(64, 32, 4, n_per_program=4),
-             Launch(64, 16, 4, num_stages=4, n_per_program=4)),
+             Launch(256, 16, 4, n_per_program=2)),
 }
 BREAKDOWN_PARTS = ("route", "gate_up", "down", "combine")
 
