@@ -12,8 +12,8 @@
 #   int4-moe        the INT4 grouped expert FFN vs dequantize-then-matmul vs bf16 experts (benchmarks/bench_int4_moe.py)
 #   int4-serving    the INT4 expert FFN at the routed tokens of AR batch 1-64 and a batch-8 B = 16 verify, row-major vs
 #                   tile-major weights, with the tile sweep there (bench_int4_moe.py --layouts --tune)
-#   int4-parts      the gate/up and the down kernel each alone at the routed tokens of AR batch 1-64, over tiles,
-#                   warps, stages and N tiles per program, with % of copy (bench_int4_moe.py --part-tune)
+#   int4-parts      the gate/up and the down kernel each alone at the routed tokens of AR batch 1-64 and a batch-8
+#                   B = 16 verify, over tiles, warps, stages and N tiles per program, with % of copy (--part-tune)
 #   k26-layer       full-width K2.6 layers against the HBM roofline (benchmarks/bench_kimi_layer.py)
 #   k26-ar-step     the K2.6 AR step inside a compiled loop, per step from two loop lengths (bench_kimi_layer.py)
 #   k26-batches     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, per step from two loop
@@ -106,8 +106,8 @@ target() {
         --out "$OUT/k26_ar_step.json" ;;
     int4-serving) "$PY" benchmarks/bench_int4_moe.py --kernel-only --unpack bf16x2 --layouts --tune \
         --tokens 1 8 32 64 136 --tune-tokens 32 136 --budget-s 400 --out "$OUT/int4_serving.json" ;;
-    int4-parts) "$PY" benchmarks/bench_int4_moe.py --kernel-only --unpack bf16x2 --part-tune --tokens 1 8 32 64 \
-        --tune-tokens 1 8 32 64 --budget-s 320 --out "$OUT/int4_parts.json" ;;
+    int4-parts) "$PY" benchmarks/bench_int4_moe.py --kernel-only --unpack bf16x2 --part-tune --tokens 1 8 32 64 136 \
+        --tune-tokens 1 8 32 64 136 --budget-s 400 --out "$OUT/int4_parts.json" ;;
     k26-batches) "$PY" benchmarks/bench_kimi_layer.py --ar-breakdown --steps 8 32 --batches 1 8 32 64 \
         --trace /tmp/k26_trace --budget-s 240 --out "$OUT/k26_ar_batches.json" &&
         "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
