@@ -4,11 +4,15 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kdtree_jax.config import kimi_k2_6
+from kdtree_jax.quant import quant_int4
+from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_kimi_layer.py")
 _spec = importlib.util.spec_from_file_location("_bench_kimi_layer", _PATH)
@@ -84,13 +88,6 @@ def test_too_few_points_is_reported():
 def test_expert_pool_folds_the_routed_ids(rng):
     """--expert-pools: the swapped kernel path runs (and records) expert ids mod P, so the distinct experts of a step
     can vary at a fixed token count; the output is the reference FFN of the folded routing, duplicates included."""
-    import types
-
-    import jax.numpy as jnp
-
-    from kdtree_jax.quant import quant_int4
-    from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref
-
     e, d, inter, m, k, pool = 8, 64, 32, 6, 3, 3
     arrays = {}
     for name, (n_out, n_in) in zip(("gate", "up", "down"), ((inter, d), (inter, d), (d, inter))):

@@ -431,6 +431,15 @@ def _tiled(w, **tiles):
     return [a for p, s in zip(w[::2], w[1::2]) for a in int4_moe.tile_int4(jnp.asarray(p), jnp.asarray(s), **tiles)]
 
 
+def _ffn_case(rng, tokens, d, inter, dtype):
+    """Row-major INT4 gate, up ([inter, d]) and down ([d, inter]) experts, routing and x for `tokens` tokens:
+    (w, x, idx, weights, the FFN's first three arguments in dtype)."""
+    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
+    idx, weights = random_routing(rng, tokens)
+    x = as_input(rng.standard_normal((tokens, d)), dtype)
+    return w, x, idx, weights, (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
+
+
 def _k26_case(rng, m):
     """Row-major K2.6 experts made on the device and FFN inputs (x bf16, idx, weights) for m tokens at top-8."""
     w = _k26_weights(jax.random.key(int(rng.integers(1 << 30))), 7168, 2048, 384)
@@ -441,10 +450,7 @@ def _k26_case(rng, m):
 @pytest.mark.parametrize("tokens,d,inter,split_k,dtype", [(3, 512, 256, 1, np.float32), (9, 256, 128, 2, jnp.bfloat16)])
 def test_tile_major_weights_give_row_major_bits(rng, interpret, tokens, d, inter, split_k, dtype):
     """Same kernel, weights re-laid tile by tile: the same output bits, several N and K tiles per call, both kernels."""
-    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
-    idx, weights = random_routing(rng, tokens)
-    x = as_input(rng.standard_normal((tokens, d)), dtype)
-    args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
+    w, x, idx, weights, args = _ffn_case(rng, tokens, d, inter, dtype)
     kw = dict(block_w=16, split_k=split_k, interpret=interpret)
     tiled = _tiled(w, block_n=32, block_w=16)
     assert tiled[0].shape == (E, inter // 32, d // 8 // 16, 32, 16) and tiled[1].shape[-1] == 16 // (GROUP // 8)
@@ -514,10 +520,7 @@ def test_engine_tiles_give_row_major_bits(rng, interpret):
     """`tile_ffn_int4` (gate/up and down in their own tiles, down walking several N tiles per program) gives the
     bits of row-major weights run in the same tiles, and matches the float64 reference."""
     tokens, d, inter = 6, 512, 512  # down: 8 N tiles of 64, one K tile of 64 words
-    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
-    idx, weights = random_routing(rng, tokens)
-    x = as_input(rng.standard_normal((tokens, d)), jnp.bfloat16)
-    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights))
+    w, x, idx, weights, args = _ffn_case(rng, tokens, d, inter, jnp.bfloat16)
     tiled = _tiled(w)
     assert tiled[4].shape[3:] == (int4_moe.DOWN_LAUNCH.block_n, int4_moe.DOWN_LAUNCH.block_w)
     out = np.asarray(int4_moe_ffn(*args, *tiled, interpret=interpret).astype(jnp.float32))
@@ -544,10 +547,7 @@ def test_n_per_program_gives_one_tile_per_program_bits(rng, interpret, tiled, dt
     """A program walking 2 or 4 N tiles in one flat loop writes the bits of one program per tile, both kernels, with
     row blocks spanning experts of several rows."""
     tokens, d, inter = 11, 256, 128
-    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
-    idx, weights = random_routing(rng, tokens)
-    x = as_input(rng.standard_normal((tokens, d)), dtype)
-    args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
+    w, x, idx, weights, args = _ffn_case(rng, tokens, d, inter, dtype)
     ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
     kw = dict(block_w=16, interpret=interpret) | ({} if tiled else dict(block_n=32))
     one = np.asarray(int4_moe_ffn(*args, *ws, gate_up_n_per_program=1, down_n_per_program=1, **kw)
@@ -607,10 +607,7 @@ def test_gate_up_writes_h_nibble_major_bit_for_bit(rng, interpret, tiled, split_
     """out_nibble_major: the kernel's own transposed store (split-K: the XLA epilogue) gives exactly the plain h
     reordered nibble-major, rows of several experts and blocks alike; the FFN built on it matches the reference."""
     tokens, d, inter = 13, 256, 128
-    w = [a for n_out, n_in in ((inter, d), (inter, d), (d, inter)) for a in random_int4(rng, E, n_out, n_in)]
-    idx, weights = random_routing(rng, tokens)
-    x = as_input(rng.standard_normal((tokens, d)), dtype)
-    args = (jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(weights))
+    w, x, idx, weights, args = _ffn_case(rng, tokens, d, inter, dtype)
     ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
     kw = dict(interpret=interpret) | ({} if tiled else dict(block_n=32, block_w=16))
     plain, nib = _gate_up_both_orders(args, ws, E, split_k, 16, **kw)
