@@ -28,10 +28,10 @@ once per block: at a batch-8 B = 16 verify, 1088 pairs on ~135 experts in 16-row
 tiles of `block_w` packed words (with n_per_program > 1, over n_per_program N tiles' K tiles in one flat loop, writing
 each N tile when its last K tile is in): it loads the [block_n, block_w] int32 tile once and, for each nibble position
 k, forms W_k = ((words >> 4k) & 15) - 8 times the group scale (broadcast over G/8 words) and accumulates x_k @ W_k^T in
-fp32. x_k are the input columns {8j + k}: the wrapper stores the activations nibble-major (`_nibble_major`: column
-k*K/8 + j holds column 8j + k), so every load is a contiguous power-of-two tile and no value is ever gathered or
-reshaped across the nibble axis (Pallas' Triton lowering takes power-of-two blocks and no value gathers:
-`jax/_src/pallas/triton/lowering.py`).
+fp32 (`acc_in_dot`: inside the MMA, `_dot_acc`; `swap_ab`: as W_k x_k^T, on wgmma). x_k are the input columns
+{8j + k}: the wrapper stores the activations nibble-major (`_nibble_major`: column k*K/8 + j holds column 8j + k), so
+every load is a contiguous power-of-two tile and no value is ever gathered or reshaped across the nibble axis (Pallas'
+Triton lowering takes power-of-two blocks and no value gathers: `jax/_src/pallas/triton/lowering.py`).
 
 With two weight sets (gate, up) the kernel fuses SwiGLU: it writes silu(x Wg^T) * (x Wu^T) directly. In the FFN it
 writes that h already in the down kernel's nibble-major column order (each program transposes its output tile in
@@ -63,6 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._dot_acc import dot_acc
 from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
 from pallas_kernels.int4_layout import INT4_OFFSET, NIBBLES_PER_WORD, dequant_int4_jnp
 
@@ -88,18 +89,23 @@ class Launch:
     num_stages: int = DEFAULT_STAGES
     n_per_program: int = 1
     max_block_m: int = MAX_BLOCK_M  # the largest row block the program runs in its registers and shared memory
+    swap_ab: bool = False  # accumulate y^T = W x^T (`grouped_int4_matmul`)
+    acc_in_dot: bool = False  # accumulate inside the MMA (`grouped_int4_matmul`)
 
 
 # The engine's launches on tile-major weights, from the H200 part tune (`bench_int4_moe.py --part-tune`, BENCHMARKS.md
 # 4a) at the routed tokens of AR batch 8 to a batch-8 B = 16 verify: 4-warp programs, two or three per SM with
 # independent pipelines, beat one 8-warp program in both kernels (gate/up 1.24 / 1.14x, down 1.15 / 1.21x at 8 / 64
 # tokens); down, only 8 K tiles of 32 words per N tile at K2.6 width, walks 4 N tiles per program, and its 128-column
-# tiles beat 64 x 64 words by 1.04-1.07x from 32 tokens on. Row-major weights keep DEFAULT_* (tuned on that layout).
+# tiles beat 64 x 64 words by 1.04-1.07x from 32 tokens on. gate/up accumulates inside the dot: 1.20x at 1 token
+# (one program an SM there, bound by its instruction issue: 16% fewer K-loop instructions), within 1% from 8 tokens
+# on; for down it is -2.5 to +2% (kept out). wgmma (swap_ab) ties or loses in both. Row-major weights keep DEFAULT_*
+# (tuned on that layout).
 # Both take row blocks up to 32 (sm_90 resource report, `benchmarks/kernel_resources.py`, K2.6 at 1088 tokens): at 64
 # rows they ask more shared memory than a block may have (237 / 299 KB of 227 KiB: a batch-64 B = 16 verify could not
 # launch); at 32 gate/up spills 688 B per thread (16 rows: none), which a batch-32 B = 16 verify runs with.
 TILE_MAJOR_MAX_BLOCK_M = 32
-GATE_UP_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4, max_block_m=TILE_MAJOR_MAX_BLOCK_M)
+GATE_UP_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4, max_block_m=TILE_MAJOR_MAX_BLOCK_M, acc_in_dot=True)
 DOWN_LAUNCH = Launch(block_n=128, block_w=32, num_warps=4, n_per_program=4, max_block_m=TILE_MAJOR_MAX_BLOCK_M)
 ROW_MAJOR_LAUNCH = Launch(block_n=DEFAULT_BLOCK_N, block_w=DEFAULT_BLOCK_W, num_warps=DEFAULT_WARPS)
 NIBBLE_BITS = 4
@@ -303,6 +309,8 @@ class _Plan:
     tiled: bool = False  # weights tile-major (`tile_int4`): each K-loop tile is one contiguous block
     n_per_program: int = 1  # consecutive N tiles one program walks in one flat, pipelined loop
     out_nibble_major: bool = False  # write y nibble-major (`_nibble_major` of y): the next kernel's input order
+    swap_ab: bool = False  # accumulate y^T = W x^T: the weight tile is the MMA's M side (wgmma on sm_90)
+    acc_in_dot: bool = False  # the K loop accumulates inside each MMA (`_dot_acc`), not with an add after it
 
 
 def _nibble_f32(words, k: int):
@@ -405,13 +413,18 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
             else:
                 planes = _planes_f32(words, sc, cdt)
             for k in range(NIBBLES_PER_WORD):
-                acc = acc + lax.dot_general(xs[k], planes[k], nt, precision=precision,
-                                            preferred_element_type=jnp.float32)  # [bm, bn]
+                a, bt = (planes[k], xs[k]) if plan.swap_ab else (xs[k], planes[k])
+                if plan.acc_in_dot:
+                    acc = dot_acc(acc, a, bt)
+                else:
+                    acc = acc + lax.dot_general(a, bt, nt, precision=precision,
+                                                preferred_element_type=jnp.float32)  # [bm, bn] ([bn, bm] swapped)
             new.append(acc)
         return tuple(new)
 
     def store(r0, jn, accs):
         y = (_silu_mul(*accs) if swiglu else accs[0]).astype(out_refs[0].dtype)
+        y = y.T if plan.swap_ab else y
         if plan.out_nibble_major:  # out [R, 8, N/8]: column 8i + k of this tile goes to [k, jn*bn/8 + i]
             w0 = pl.multiple_of(jn * (bn // NIBBLES_PER_WORD), bn // NIBBLES_PER_WORD)
             y = y.reshape(bm, bn // NIBBLES_PER_WORD, NIBBLES_PER_WORD).swapaxes(1, 2)
@@ -419,7 +432,7 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
         else:
             out_refs[0][pl.ds(r0, bm), pl.ds(pl.multiple_of(jn * bn, bn), bn)] = y
 
-    zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in weights)
+    zeros = tuple(jnp.zeros((bn, bm) if plan.swap_ab else (bm, bn), jnp.float32) for _ in weights)
     n_first = j * plan.n_per_program
 
     def row_block():
@@ -429,7 +442,7 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
         if plan.split_k > 1:
             accs = lax.fori_loop(q * k_tiles, (q + 1) * k_tiles, lambda t, a: accumulate(rows, live, j, t, a), zeros)
             for o_ref, acc in zip(out_refs, accs):
-                o_ref[q, pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bn, bn), bn)] = acc
+                o_ref[q, pl.ds(r0, bm), pl.ds(pl.multiple_of(j * bn, bn), bn)] = acc.T if plan.swap_ab else acc
         elif plan.n_per_program == 1:
             store(r0, j, lax.fori_loop(0, k_tiles, lambda t, a: accumulate(rows, live, j, t, a), zeros))
         else:  # one flat loop over (N tile, K tile): the pipeline keeps loading across N tiles
@@ -538,15 +551,18 @@ def ffn_block_m(n_pairs: int, n_experts: int, gate_packed: jax.Array, down_packe
                _launch_of(DOWN_LAUNCH, down_packed).max_block_m)
 
 
-def _launch_kw(launch: Launch, packed: jax.Array, num_warps, num_stages, n_per_program) -> dict:
-    """The call's num_warps / num_stages / n_per_program: given values win, else `launch` on tile-major weights
-    (where it was tuned; n_per_program only where it divides the N tiles) and ROW_MAJOR_LAUNCH on row-major ones."""
+def _launch_kw(launch: Launch, packed: jax.Array, num_warps, num_stages, n_per_program, swap_ab,
+               acc_in_dot) -> dict:
+    """The call's program shape: given values win, else `launch` on tile-major weights (where it was tuned;
+    n_per_program only where it divides the N tiles) and ROW_MAJOR_LAUNCH on row-major ones."""
     tiled = packed.ndim == 5
     launch = _launch_of(launch, packed)
     if n_per_program is None:
         n_per_program = launch.n_per_program if tiled and packed.shape[1] % launch.n_per_program == 0 else 1
+    pick = lambda given, tuned: tuned if given is None else given  # noqa: E731
     return dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages,
-                n_per_program=n_per_program)
+                n_per_program=n_per_program, swap_ab=pick(swap_ab, launch.swap_ab),
+                acc_in_dot=pick(acc_in_dot, launch.acc_in_dot))
 
 
 def untile_int4(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -604,7 +620,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                         block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
                         num_stages: int = DEFAULT_STAGES, split_k: int = 1, n_per_program: int = 1,
                         nibble_major: bool = False, out_nibble_major: bool = False, unpack: str | None = None,
-                        interpret: bool | None = None) -> jax.Array:
+                        swap_ab: bool = False, acc_in_dot: bool = False, interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their row block's expert: -> [R, N] (fp32 accumulation).
 
     row_token [R] int32 (`row_tokens`): x instead holds token rows (any count) and padded row r reads x row
@@ -624,6 +640,12 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     n_per_program > 1: each program walks that many consecutive N tiles in one flat loop over (N tile, K tile), so the
     load pipeline runs on across N tiles instead of starting cold in a new program (for short K loops, e.g. the down
     projection's 8 K tiles at K2.6 width); same bits as 1.
+    swap_ab: each program accumulates y^T [block_n, block_m] = W x^T and transposes it before the store, so the weight
+    tile is the MMA's M side: at 16-32 rows a block, M = block_n >= 64 lets sm_90 run warpgroup MMAs (wgmma, the
+    unpacked weights straight from registers) where x W^T (M = block_m) runs mma.sync. Same products; the MMA may
+    sum them in another order.
+    acc_in_dot: the K loop accumulates inside each MMA (`pallas_kernels._dot_acc`) instead of adding each dot's
+    result after it: no fp32 add per output element per dot, and chained wgmmas. Other rounding order.
     """
     interpret = resolve_interpret(interpret)
     unpack = _resolve_unpack(unpack, x.dtype)
@@ -665,7 +687,8 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
         raise ValueError(f"grouped_int4_matmul: out_nibble_major needs N={n_out} to be whole N tiles of "
                          f"{plan.block_n} columns and a multiple of {NIBBLES_PER_WORD}")
     plan = dataclasses.replace(plan, tiled=tiled, n_per_program=n_per_program, gather=row_token is not None,
-                               out_nibble_major=out_nibble_major and split_k == 1)
+                               out_nibble_major=out_nibble_major and split_k == 1, swap_ab=swap_ab,
+                               acc_in_dot=acc_in_dot)
     want_cols = plan.words * NIBBLES_PER_WORD if nibble_major else k_in
     if x_cols != want_cols:
         raise ValueError(f"grouped_int4_matmul: x has {x_cols} columns, the packed weights need {want_cols}"
@@ -745,20 +768,22 @@ def moe_route(x: jax.Array, idx: jax.Array, n_experts: int, *, group_size: int, 
 
 
 def moe_gate_up(xt: jax.Array, layout: RouteLayout, row_token: jax.Array, gate, up, *, num_warps: int | None = None,
-                num_stages: int | None = None, n_per_program: int | None = None, **kw) -> jax.Array:
+                num_stages: int | None = None, n_per_program: int | None = None, swap_ab: bool | None = None,
+                acc_in_dot: bool | None = None, **kw) -> jax.Array:
     """Fused gate/up kernel on nibble-major token rows xt (`moe_route`): -> h [R, I] = silu(x Wg^T) * (x Wu^T) in
     xt's dtype (out_nibble_major=True: in the order `moe_down` reads). Launch options left None come from
     GATE_UP_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
-    launch = _launch_kw(GATE_UP_LAUNCH, gate[0], num_warps, num_stages, n_per_program)
+    launch = _launch_kw(GATE_UP_LAUNCH, gate[0], num_warps, num_stages, n_per_program, swap_ab, acc_in_dot)
     return grouped_int4_matmul(xt, (gate, up), layout, row_token=row_token, swiglu=True, nibble_major=True,
                                **launch, **kw)
 
 
 def moe_down(h: jax.Array, layout: RouteLayout, down, *, num_warps: int | None = None, num_stages: int | None = None,
-             n_per_program: int | None = None, **kw) -> jax.Array:
+             n_per_program: int | None = None, swap_ab: bool | None = None, acc_in_dot: bool | None = None,
+             **kw) -> jax.Array:
     """Down kernel: h [R, I] -> y [R, D] (nibble_major=True: h is already in the kernel's column order, else it is
     reordered first). Launch options left None come from DOWN_LAUNCH (tile-major weights) or ROW_MAJOR_LAUNCH."""
-    launch = _launch_kw(DOWN_LAUNCH, down[0], num_warps, num_stages, n_per_program)
+    launch = _launch_kw(DOWN_LAUNCH, down[0], num_warps, num_stages, n_per_program, swap_ab, acc_in_dot)
     return grouped_int4_matmul(h, (down,), layout, **launch, **kw)
 
 

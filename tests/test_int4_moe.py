@@ -494,7 +494,8 @@ def _row_major_per_kernel_tiles(x, idx, weights, w, interpret=None):
     gate_t, _, down_t = int4_moe.ffn_tiles(w[0].shape[1], w[2].shape[1], w[4].shape[1])
     ws = list(map(jnp.asarray, w))
     group = x.shape[1] // ws[1].shape[-1]
-    launch = lambda t: dict(num_warps=t.num_warps, num_stages=t.num_stages, n_per_program=t.n_per_program)  # noqa: E731
+    launch = lambda t: dict(num_warps=t.num_warps, num_stages=t.num_stages, n_per_program=t.n_per_program,  # noqa: E731
+                            swap_ab=t.swap_ab, acc_in_dot=t.acc_in_dot)
     layout, xt, token = int4_moe.moe_route(x, idx, ws[0].shape[0], group_size=group, block_w=gate_t["block_w"])
     h = int4_moe.moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), interpret=interpret, **gate_t,
                              **launch(int4_moe.GATE_UP_LAUNCH))
@@ -588,6 +589,77 @@ def test_k26_n_per_program_bitwise_on_gpu(rng, m):
     many = jax.jit(functools.partial(int4_moe_ffn, gate_up_n_per_program=2, down_n_per_program=4))(*args, *w)
     assert np.isfinite(one).all() and np.abs(one).max() > 0
     np.testing.assert_array_equal(np.asarray(many.astype(jnp.float32)), one)
+
+
+# ---- MMA orientation and accumulation --------------------------------------------------------------------------------
+MMA_VARIANTS = [dict(swap_ab=True, acc_in_dot=False), dict(swap_ab=False, acc_in_dot=True),
+                dict(swap_ab=True, acc_in_dot=True)]
+
+
+def _ffn_by_parts(args, ws, e, *, gate_up=None, down=None, route_w=16, **kw):
+    """The FFN from its kernels, each with its own launch options (dicts), h written nibble-major as the FFN does."""
+    x, idx, weights = args
+    layout, xt, token = int4_moe.moe_route(x, idx, e, group_size=GROUP, block_w=route_w)
+    h = int4_moe.moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), out_nibble_major=True,
+                             **(gate_up or {}), **kw)
+    y = int4_moe.moe_down(h, layout, (ws[4], ws[5]), nibble_major=True, **(down or {}), **kw)
+    return int4_moe.moe_combine(y, layout, weights, x.dtype)
+
+
+def _ffn_parts_flat(*a, variant, **kw):
+    """`_ffn_by_parts` on (x, idx, weights, *tile-major K2.6 weights) with one variant for both kernels."""
+    return _ffn_by_parts(a[:3], a[3:], a[3].shape[0], gate_up=variant, down=variant, route_w=a[3].shape[4], **kw)
+
+
+@pytest.mark.parametrize("variant", MMA_VARIANTS)
+@pytest.mark.parametrize("tiled,dtype", [(False, np.float32), (True, jnp.bfloat16)])
+def test_mma_variants_match_reference(rng, interpret, tiled, dtype, variant):
+    """y^T = W x^T and the accumulator inside the dot: both kernels (several N tiles a program, row blocks of several
+    experts) match the float64 reference and the default orientation within the dtype's tolerance."""
+    tokens, d, inter = 13, 256, 128
+    w, x, idx, weights, args = _ffn_case(rng, tokens, d, inter, dtype)
+    ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
+    kw = dict(interpret=interpret) | ({} if tiled else dict(block_n=32, block_w=16))
+    ref = int4_moe_ffn_ref(x, idx, weights, *w)
+    base = _ffn_by_parts(args, ws, E, gate_up=dict(n_per_program=2), down=dict(n_per_program=4), **kw)
+    out = _ffn_by_parts(args, ws, E, gate_up=dict(n_per_program=2, **variant), down=dict(n_per_program=4, **variant),
+                        **kw)
+    assert_close(out, ref, TOL[dtype], f"{variant}")
+    assert_close(out, np.asarray(base.astype(jnp.float32), np.float64), TOL[dtype], f"{variant} vs default")
+
+
+@pytest.mark.parametrize("variant", MMA_VARIANTS[::2])
+def test_mma_variants_with_split_k_match_reference(rng, interpret, variant):
+    """Split-K gate/up stores each fp32 partial transposed back (swap_ab) before XLA adds them."""
+    tokens, d, inter = 6, 512, 128
+    w, x, idx, weights, args = _ffn_case(rng, tokens, d, inter, np.float32)
+    out = _ffn_by_parts(args, list(map(jnp.asarray, w)), E, gate_up=dict(split_k=2, **variant), down=variant,
+                        block_n=32, block_w=16, interpret=interpret)
+    assert_close(out, int4_moe_ffn_ref(x, idx, weights, *w), TOL[np.float32], f"split-K {variant}")
+
+
+@pytest.mark.parametrize("m", [8, 1088])  # 16- and 32-row blocks (AR batch 8; batch-8 B = 16 verify)
+def test_mma_variants_lower_for_h200(m):
+    specs = list(ffn_specs(m, 7168, 2048, 384, 8, jnp.bfloat16))
+    specs[3:9] = jax.eval_shape(int4_moe.tile_ffn_int4, *specs[3:9])
+    for variant in MMA_VARIANTS:
+        fn = functools.partial(_ffn_parts_flat, variant=variant, interpret=False)
+        assert lower_for_h200(fn, *specs).as_text().count("__gpu$xla.gpu.triton") == 2, variant
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 136])
+def test_k26_mma_variants_on_gpu(rng, m):
+    """Compiled at K2.6 shapes in the engine's tiles: each variant against the float64 reference and the default."""
+    w, args = _k26_case(rng, m)
+    x = np.asarray(args[0].astype(jnp.float32))
+    ref = int4_moe_ffn_ref(x, np.asarray(args[1]), np.asarray(args[2]), *map(np.asarray, w))
+    ws = _tiled(w)
+    base = np.asarray(jax.jit(int4_moe_ffn)(*args, *ws).astype(jnp.float32), np.float64)
+    for variant in MMA_VARIANTS:
+        out = jax.jit(functools.partial(_ffn_parts_flat, variant=variant))(*args, *ws)
+        assert_close(out, ref, TOL[jnp.bfloat16], f"{variant}")
+        assert_close(out, base, TOL[jnp.bfloat16], f"{variant} vs default")
 
 
 # ---- h written in the down kernel's column order ----------------------------------------------------------------------
