@@ -99,24 +99,27 @@ TUNE_TOKENS = (1, 16)  # decode and a small verify tree: where the grid, not the
 def part_key(launch: Launch) -> str:
     """A --part-tune config's row key."""
     return (f"bn{launch.block_n}_bw{launch.block_w}_w{launch.num_warps}_s{launch.num_stages}"
-            f"_n{launch.n_per_program}")
+            f"_n{launch.n_per_program}" + ("_swap" if launch.swap_ab else "") + ("_acc" if launch.acc_in_dot else ""))
 
 
-# --part-tune: each kernel alone, the engine's launch first, then its neighbours: one 8-warp program per SM
-# (ROW_MAJOR_LAUNCH's shape), other tiles, pipeline depths, warps, and for down (8 K tiles of 32 words at K2.6 width)
-# how many N tiles a program walks. Narrower K tiles fit more programs on an SM (sm_90 report at 64 tokens,
-# `kernel_resources.py`): the engine's gate/up takes 192 registers and 88 KiB of shared memory, 2 programs (8 warps)
-# an SM, where ncu saw an instruction issued in only 59% of cycles; 128 x 16 words takes 128 registers and 44 KiB (4
-# programs). 256 x 16 words reads each activation row half as often per weight byte (at 8 live rows a block, down's
-# h rows are a fifth of its weight bytes) at 164 / 142 registers and 80 / 48 KiB: 2 / 3 programs an SM.
+# --part-tune: each kernel alone, the engine's launch first, then its neighbours. The sm_90 report at 64 tokens
+# (`triton_report.py`): on [16-32 rows, block_n] (M = the row block) the K loop runs mma.sync, and with an add after
+# each dot one fp32 add per output element per dot (gate/up: 192 registers, 88 KiB, 2 programs an SM, where ncu saw
+# an instruction issued in only 59% of cycles); with the accumulator inside the dot (the engine's gate/up) 14% fewer
+# K-loop instructions and 172 registers. Swapped (y^T = W x^T, M = block_n) with the accumulator inside it runs
+# wgmma from registers in fewer registers: gate/up 128 x 32 words 182 (2 programs), 128 x 16 96 (4), 8 warps 95
+# (2 x 8 warps); down 128 x 32 161 (3), 128 x 16 80 (6). 256 x 16 words reads each activation row half as often per
+# weight byte (at 8 live rows a block, down's h rows are a fifth of its weight bytes).
+_WG = dict(swap_ab=True, acc_in_dot=True)
 PART_TUNE = {
-    "gate_up": (GATE_UP_LAUNCH, Launch(128, 32, 8), Launch(64, 32, 4), Launch(64, 64, 4),
-                Launch(128, 32, 4, num_stages=2), Launch(128, 32, 4, num_stages=4), Launch(256, 32, 8),
-                Launch(256, 16, 4), Launch(128, 16, 4), Launch(128, 16, 4, num_stages=4)),
-    "down": (DOWN_LAUNCH, Launch(128, 32, 8), Launch(128, 64, 4, n_per_program=4), Launch(64, 64, 4, n_per_program=4),
-             Launch(64, 64, 4, n_per_program=2), Launch(64, 64, 4, n_per_program=8), Launch(256, 16, 4, n_per_program=4),
-             Launch(64, 64, 4, num_stages=4, n_per_program=4), Launch(64, 32, 4, n_per_program=4),
-             Launch(256, 16, 4, n_per_program=2)),
+    "gate_up": (GATE_UP_LAUNCH, Launch(128, 32, 4, acc_in_dot=True), Launch(128, 32, 4, **_WG),
+                Launch(128, 16, 4, **_WG), Launch(128, 16, 4, num_stages=4, **_WG), Launch(128, 32, 8, **_WG),
+                Launch(64, 32, 4, **_WG), Launch(256, 16, 4, **_WG), Launch(256, 16, 4)),
+    "down": (DOWN_LAUNCH, Launch(128, 32, 4, n_per_program=4, acc_in_dot=True),
+             Launch(128, 32, 4, n_per_program=4, **_WG), Launch(128, 16, 4, n_per_program=4, **_WG),
+             Launch(128, 32, 8, n_per_program=4, **_WG), Launch(256, 16, 4, n_per_program=4, **_WG),
+             Launch(64, 64, 4, n_per_program=4, **_WG), Launch(256, 16, 4, n_per_program=4),
+             Launch(64, 64, 4, n_per_program=4)),
 }
 BREAKDOWN_PARTS = ("route", "gate_up", "down", "combine")
 
@@ -307,7 +310,7 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                 ws = [a for i in pairs for a in tile(w4[2 * i], w4[2 * i + 1], block_n=cfg.block_n,
                                                       block_w=cfg.block_w)]
                 opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, n_per_program=cfg.n_per_program,
-                            **kw)
+                            swap_ab=cfg.swap_ab, acc_in_dot=cfg.acc_in_dot, **kw)
                 if part == "gate_up":
                     fn = lambda layout, xt, token, *w, o=opts: jax.lax.optimization_barrier(  # noqa: E731
                         moe_gate_up(xt, layout, token, (w[0], w[1]), (w[2], w[3]), **o))
@@ -327,6 +330,7 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                 out = np.asarray(jax.jit(fn)(*args[0])[rows_used].astype(jnp.float32))
                 first = out if first is None else first
                 row[f"{key}_same_bits"] = bool(np.array_equal(out, first))
+                row[f"{key}_rel_diff"] = float(np.linalg.norm(out - first) / np.linalg.norm(first))
                 del ws
             except Exception as e:  # noqa: BLE001
                 row[f"{key}_error"] = short_error(e)
@@ -348,16 +352,17 @@ def part_tune_markdown(rows: list[dict], copy_bw: float) -> str:
         return ""
     out = []
     for part, configs in PART_TUNE.items():
-        lines = [f"{part}: | block_n | block_w | warps | stages | N tiles / program | "
+        lines = [f"{part}: | block_n | block_w | warps | stages | N tiles / program | MMA | "
                  + " | ".join(f"{r['tokens']} tok ms (% copy)" for r in tuned) + " |",
-                 "|---|---|---|---|---|" + "---|" * len(tuned)]
+                 "|---|---|---|---|---|---|" + "---|" * len(tuned)]
         for c in configs:
             cells = []
             for r in tuned:
                 t = r.get(f"pt_{part}_{part_key(c)}_ms")
                 cells.append(f"{t:.3f} ({100 * part_bytes(r, part) / (t * 1e-3) / copy_bw:.0f}%)" if t
                              else "err" if f"pt_{part}_{part_key(c)}_error" in r else "—")
-            lines.append(f"| {c.block_n} | {c.block_w} | {c.num_warps} | {c.num_stages} | {c.n_per_program} | "
+            mma = ("W x^T" if c.swap_ab else "x W^T") + (", acc in dot" if c.acc_in_dot else "")
+            lines.append(f"| {c.block_n} | {c.block_w} | {c.num_warps} | {c.num_stages} | {c.n_per_program} | {mma} | "
                          + " | ".join(cells) + " |")
         for r in tuned:
             if f"pt_{part}_best" in r:
