@@ -22,10 +22,10 @@
 #                   the verify step at batch 8, 32 and 64 with B = 16 (8- and 32-step loops), for the cost model's refit
 #   k26-expert-pools  the AR step at batch 8 and 32 again with the routed experts folded onto 48 and 128 experts
 #                   (bench_kimi_layer.py --expert-pools): distinct experts varied at a fixed batch, for the refit
-#   k26-before-after  §4b's serving table (AR batch 1-64, verify batch 8-64 with B = 16) for the tree in $BASE and
-#                   for this one, each part before then after in one call: a before/after of an engine change. BASE
-#                   holds the other commit's code, e.g. `git archive C pallas_kernels kdtree_jax benchmarks | tar -x -C
-#                   .diag/base`, carried to the GPU machine with the working tree
+#   k26-before-after  §4b's serving table (AR batch 1-64, verify batch 8-64 with B = 16; 8- and 32-step loops) for
+#                   the tree in $BASE and for this one, each part before then after in one call: a before/after of an
+#                   engine change. BASE holds the other commit's code, e.g. `git archive C pallas_kernels kdtree_jax
+#                   benchmarks | tar -x -C .diag/base`, carried to the GPU machine with the working tree
 #   k26-layouts     the K2.6 AR step at batch 1-64 and the verify step at batch 8, B = 16, with the experts row-major
 #                   (as loaded) and tile-major (as the engine stores them) side by side (bench_kimi_layer.py)
 #   k26-round       one K2.6-width round part by part, from a profiler trace (benchmarks/profile_round.py)
@@ -79,13 +79,14 @@ k26_before_after() {
     local base out kind side dir rc=0
     base=$(cd "$BASE" && pwd)
     out=$(cd "$OUT" && pwd)
-    declare -A args=([verify]="--steps 8 32 --batches 8 32 64 --nodes 17"
-                     [ar]="--steps 8 64 --batches 1 8 32 64 --nodes 1")
-    for kind in verify ar; do
+    # 8- and 32-step loops, budgets and timeouts sized so that all four runs fit one 600 s device call
+    declare -A args=([ar]="--steps 8 32 --batches 1 8 32 64 --nodes 1 --budget-s 95"
+                     [verify]="--steps 8 32 --batches 8 32 64 --nodes 17 --budget-s 85")
+    for kind in ar verify; do
         for side in before after; do
             [ "$side" = before ] && dir=$base || dir=$PWD
-            (cd "$dir" && PYTHONPATH=$dir "$PY" benchmarks/bench_kimi_layer.py ${args[$kind]} --skip-prefill \
-                --as-is-max-tokens 0 --budget-s 100 --out "$out/k26_${kind}_$side.json") || rc=1
+            (cd "$dir" && PYTHONPATH=$dir timeout 140 "$PY" benchmarks/bench_kimi_layer.py ${args[$kind]} \
+                --skip-prefill --as-is-max-tokens 0 --out "$out/k26_${kind}_$side.json") || rc=1
         done
     done
     return $rc
@@ -129,7 +130,7 @@ target() {
         --out "$OUT/mesh.json" ;;
     kernel-tests) "$PY" -m pytest -q -rf -m 'not heavy and not slow' tests/test_verify_attn.py \
         tests/test_verify_attn_mgpu.py tests/test_tree_build.py tests/test_tree_accept.py tests/test_topk.py \
-        tests/test_int4_moe.py tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
+        tests/test_int4_moe.py tests/test_dot_acc.py tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
     serving) "$PY" scripts/bench_serving.py --concurrency 1,4,8,16 --configs ar,ddtree,auto $SERVING_TABLE \
         --out "$OUT/serving.json" ;;
     serving-http) serving_http ;;
