@@ -109,7 +109,8 @@ def part_key(launch: Launch) -> str:
 # K-loop instructions and 172 registers. Swapped (y^T = W x^T, M = block_n) with the accumulator inside it runs
 # wgmma from registers in fewer registers: gate/up 128 x 32 words 182 (2 programs), 128 x 16 96 (4), 8 warps 95
 # (2 x 8 warps); down 128 x 32 161 (3), 128 x 16 80 (6). 256 x 16 words reads each activation row half as often per
-# weight byte (at 8 live rows a block, down's h rows are a fifth of its weight bytes).
+# weight byte (at 8 live rows a block, down's h rows are a fifth of its weight bytes). At 1 token (8 experts) down
+# walking 4 of its 56 N tiles a program runs 112 programs on 132 SMs; 2 or 1 tile a program fills them.
 _WG = dict(swap_ab=True, acc_in_dot=True)
 PART_TUNE = {
     "gate_up": (GATE_UP_LAUNCH, Launch(128, 32, 4, acc_in_dot=True), Launch(128, 32, 4, **_WG),
@@ -119,7 +120,8 @@ PART_TUNE = {
              Launch(128, 32, 4, n_per_program=4, **_WG), Launch(128, 16, 4, n_per_program=4, **_WG),
              Launch(128, 32, 8, n_per_program=4, **_WG), Launch(256, 16, 4, n_per_program=4, **_WG),
              Launch(64, 64, 4, n_per_program=4, **_WG), Launch(256, 16, 4, n_per_program=4),
-             Launch(64, 64, 4, n_per_program=4)),
+             Launch(64, 64, 4, n_per_program=4), Launch(128, 32, 4, n_per_program=2),
+             Launch(128, 32, 4, n_per_program=1)),
 }
 BREAKDOWN_PARTS = ("route", "gate_up", "down", "combine")
 
