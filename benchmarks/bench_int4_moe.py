@@ -105,7 +105,7 @@ def part_key(launch: Launch) -> str:
 # --part-tune: each kernel alone, the engine's launch first, then its neighbours. The sm_90 report at 64 tokens
 # (`triton_report.py`): on [16-32 rows, block_n] (M = the row block) the K loop runs mma.sync, and with an add after
 # each dot one fp32 add per output element per dot (gate/up: 192 registers, 88 KiB, 2 programs an SM, where ncu saw
-# an instruction issued in only 59% of cycles); with the accumulator inside the dot (the engine's gate/up) 14% fewer
+# an instruction issued in only 59% of cycles); with the accumulator inside the dot (the engine's gate/up) 16% fewer
 # K-loop instructions and 172 registers. Swapped (y^T = W x^T, M = block_n) with the accumulator inside it runs
 # wgmma from registers in fewer registers: gate/up 128 x 32 words 182 (2 programs), 128 x 16 96 (4), 8 warps 95
 # (2 x 8 warps); down 128 x 32 161 (3), 128 x 16 80 (6). 256 x 16 words reads each activation row half as often per

@@ -592,8 +592,7 @@ def test_k26_n_per_program_bitwise_on_gpu(rng, m):
 
 
 # ---- MMA orientation and accumulation --------------------------------------------------------------------------------
-MMA_VARIANTS = [dict(swap_ab=True, acc_in_dot=False), dict(swap_ab=False, acc_in_dot=True),
-                dict(swap_ab=True, acc_in_dot=True)]
+MMA_VARIANTS = [dict(swap_ab=swap, acc_in_dot=acc) for swap in (False, True) for acc in (False, True)]
 
 
 def _ffn_by_parts(args, ws, e, *, gate_up=None, down=None, route_w=16, **kw):
@@ -607,15 +606,16 @@ def _ffn_by_parts(args, ws, e, *, gate_up=None, down=None, route_w=16, **kw):
 
 
 def _ffn_parts_flat(*a, variant, **kw):
-    """`_ffn_by_parts` on (x, idx, weights, *tile-major K2.6 weights) with one variant for both kernels."""
+    """`_ffn_by_parts` on (x, idx, weights, *tile-major weights) with one variant for both kernels."""
     return _ffn_by_parts(a[:3], a[3:], a[3].shape[0], gate_up=variant, down=variant, route_w=a[3].shape[4], **kw)
 
 
 @pytest.mark.parametrize("variant", MMA_VARIANTS)
 @pytest.mark.parametrize("tiled,dtype", [(False, np.float32), (True, jnp.bfloat16)])
 def test_mma_variants_match_reference(rng, interpret, tiled, dtype, variant):
-    """y^T = W x^T and the accumulator inside the dot: both kernels (several N tiles a program, row blocks of several
-    experts) match the float64 reference and the default orientation within the dtype's tolerance."""
+    """Each of x W^T / y^T = W x^T, with the add after each dot or the accumulator inside it: both kernels (several N
+    tiles a program, row blocks of several experts) match the float64 reference and the launches' defaults within
+    the dtype's tolerance."""
     tokens, d, inter = 13, 256, 128
     w, x, idx, weights, args = _ffn_case(rng, tokens, d, inter, dtype)
     ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
@@ -628,7 +628,7 @@ def test_mma_variants_match_reference(rng, interpret, tiled, dtype, variant):
     assert_close(out, np.asarray(base.astype(jnp.float32), np.float64), TOL[dtype], f"{variant} vs default")
 
 
-@pytest.mark.parametrize("variant", MMA_VARIANTS[::2])
+@pytest.mark.parametrize("variant", [v for v in MMA_VARIANTS if v["swap_ab"]])
 def test_mma_variants_with_split_k_match_reference(rng, interpret, variant):
     """Split-K gate/up stores each fp32 partial transposed back (swap_ab) before XLA adds them."""
     tokens, d, inter = 6, 512, 128
@@ -650,7 +650,7 @@ def test_mma_variants_lower_for_h200(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [8, 136])
 def test_k26_mma_variants_on_gpu(rng, m):
-    """Compiled at K2.6 shapes in the engine's tiles: each variant against the float64 reference and the default."""
+    """Compiled at K2.6 shapes in the engine's tiles: each variant against the float64 reference and the defaults."""
     w, args = _k26_case(rng, m)
     x = np.asarray(args[0].astype(jnp.float32))
     ref = int4_moe_ffn_ref(x, np.asarray(args[1]), np.asarray(args[2]), *map(np.asarray, w))
