@@ -113,7 +113,7 @@ def part_key(launch: Launch) -> str:
 # walking 4 of its 56 N tiles a program runs 112 programs on 132 SMs; 2 or 1 tile a program fills them.
 _WG = dict(swap_ab=True, acc_in_dot=True)
 PART_TUNE = {
-    "gate_up": (GATE_UP_LAUNCH, Launch(128, 32, 4, acc_in_dot=True), Launch(128, 32, 4, **_WG),
+    "gate_up": (GATE_UP_LAUNCH, Launch(128, 32, 4), Launch(128, 32, 4, **_WG),
                 Launch(128, 16, 4, **_WG), Launch(128, 16, 4, num_stages=4, **_WG), Launch(128, 32, 8, **_WG),
                 Launch(64, 32, 4, **_WG), Launch(256, 16, 4, **_WG), Launch(256, 16, 4)),
     "down": (DOWN_LAUNCH, Launch(128, 32, 4, n_per_program=4, acc_in_dot=True),
@@ -328,6 +328,12 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                         grouped_int4_matmul(hp, ((w[0], w[1]),), layout, nibble_major=True, **o))
                     args = [(r[0], h) + tuple(ws) for r, h in zip(routed, hs)]
                 row[f"{key}_ms"] = per_call_s(fn, args) * 1e3
+                if cfg is configs[0]:  # the same launch's loads alone (no unpack, no MMA): its access pattern
+                    try:
+                        loads = functools.partial(fn, o=dict(opts, loads_only=True))
+                        row[f"pt_{part}_loads_only_ms"] = per_call_s(loads, args) * 1e3
+                    except Exception as e:  # noqa: BLE001
+                        row[f"pt_{part}_loads_only_error"] = short_error(e)
                 rows_used = routed[0][0].dest  # rows outside every slot's blocks stay unwritten (garbage)
                 out = np.asarray(jax.jit(fn)(*args[0])[rows_used].astype(jnp.float32))
                 first = out if first is None else first
@@ -366,6 +372,9 @@ def part_tune_markdown(rows: list[dict], copy_bw: float) -> str:
             mma = ("W x^T" if c.swap_ab else "x W^T") + (", acc in dot" if c.acc_in_dot else "")
             lines.append(f"| {c.block_n} | {c.block_w} | {c.num_warps} | {c.num_stages} | {c.n_per_program} | {mma} | "
                          + " | ".join(cells) + " |")
+        cells = [f"{t:.3f} ({100 * part_bytes(r, part) / (t * 1e-3) / copy_bw:.0f}%)"
+                 if (t := r.get(f"pt_{part}_loads_only_ms")) else "—" for r in tuned]
+        lines.append("| loads only (first row's launch: no unpack, no MMA) | | | | | | " + " | ".join(cells) + " |")
         for r in tuned:
             if f"pt_{part}_best" in r:
                 lines.append(f"best at {r['tokens']} tokens: {r[f'pt_{part}_best']}")

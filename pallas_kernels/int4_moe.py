@@ -311,6 +311,7 @@ class _Plan:
     out_nibble_major: bool = False  # write y nibble-major (`_nibble_major` of y): the next kernel's input order
     swap_ab: bool = False  # accumulate y^T = W x^T: the weight tile is the MMA's M side (wgmma on sm_90)
     acc_in_dot: bool = False  # the K loop accumulates inside each MMA (`_dot_acc`), not with an add after it
+    loads_only: bool = False  # benchmarks: the K loop's loads alone, writing their checksum (`grouped_int4_matmul`)
 
 
 def _nibble_f32(words, k: int):
@@ -407,6 +408,13 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
             else:
                 words = p_ref[e, pl.ds(n0, bn), pl.ds(w0, bw)]  # [bn, bw] int32
                 sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)]  # [bn, bw/gw]
+            if plan.loads_only:  # a checksum of this K step's loads keeps every load live; no unpack, no MMA
+                w_sum = (jnp.sum((words & 1).astype(jnp.float32), axis=1)
+                         + jnp.sum(sc.astype(jnp.float32), axis=1))  # [bn]
+                x_sum = sum(jnp.sum(xk.astype(jnp.float32), axis=1) for xk in xs)  # [bm]
+                part = x_sum[:, None] + w_sum[None, :]
+                new.append(acc + (part.T if plan.swap_ab else part))
+                continue
             sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
             if unpack == UNPACK_BF16X2:
                 planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret)
@@ -423,7 +431,8 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
         return tuple(new)
 
     def store(r0, jn, accs):
-        y = (_silu_mul(*accs) if swiglu else accs[0]).astype(out_refs[0].dtype)
+        y = sum(accs) if plan.loads_only else _silu_mul(*accs) if swiglu else accs[0]
+        y = y.astype(out_refs[0].dtype)
         y = y.T if plan.swap_ab else y
         if plan.out_nibble_major:  # out [R, 8, N/8]: column 8i + k of this tile goes to [k, jn*bn/8 + i]
             w0 = pl.multiple_of(jn * (bn // NIBBLES_PER_WORD), bn // NIBBLES_PER_WORD)
@@ -620,7 +629,8 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                         block_n: int | None = None, block_w: int | None = None, num_warps: int = DEFAULT_WARPS,
                         num_stages: int = DEFAULT_STAGES, split_k: int = 1, n_per_program: int = 1,
                         nibble_major: bool = False, out_nibble_major: bool = False, unpack: str | None = None,
-                        swap_ab: bool = False, acc_in_dot: bool = False, interpret: bool | None = None) -> jax.Array:
+                        swap_ab: bool = False, acc_in_dot: bool = False, loads_only: bool = False,
+                        interpret: bool | None = None) -> jax.Array:
     """Rows of x [R, K] (padded layout) times their row block's expert: -> [R, N] (fp32 accumulation).
 
     row_token [R] int32 (`row_tokens`): x instead holds token rows (any count) and padded row r reads x row
@@ -646,6 +656,11 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     sum them in another order.
     acc_in_dot: the K loop accumulates inside each MMA (`pallas_kernels._dot_acc`) instead of adding each dot's
     result after it: no fp32 add per output element per dot, and chained wgmmas. Other rounding order.
+    loads_only (benchmarks: the kernel with its unpack and MMA left out, timing its access pattern alone): the same
+    loads, each row [r, n] of the output their checksum, per weight set sum_i x[r, i] + sum_j (word[n, j] & 1) +
+    sum_g scale[n, g] over the row block's expert, the sets added (no SwiGLU); needs split_k=1. With no dot to feed,
+    Triton loads the tiles straight into registers (no cp.async pipeline, far fewer registers and shared memory):
+    the same addresses and order, not the same load machinery.
     """
     interpret = resolve_interpret(interpret)
     unpack = _resolve_unpack(unpack, x.dtype)
@@ -679,6 +694,8 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     if tiled and (plan.n_out, plan.words) != (n_out, words):
         raise ValueError(f"grouped_int4_matmul: tile-major weights {shape} are not whole K tiles of "
                          f"{plan.block_w} words")
+    if loads_only and split_k > 1:
+        raise ValueError(f"grouped_int4_matmul: loads_only needs split_k=1, got {split_k}")
     n_tiles = plan.n_out // plan.block_n
     if n_per_program < 1 or n_tiles % n_per_program or (n_per_program > 1 and split_k > 1):
         raise ValueError(f"grouped_int4_matmul: n_per_program={n_per_program} must divide the {n_tiles} N tiles of "
@@ -688,7 +705,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                          f"{plan.block_n} columns and a multiple of {NIBBLES_PER_WORD}")
     plan = dataclasses.replace(plan, tiled=tiled, n_per_program=n_per_program, gather=row_token is not None,
                                out_nibble_major=out_nibble_major and split_k == 1, swap_ab=swap_ab,
-                               acc_in_dot=acc_in_dot)
+                               acc_in_dot=acc_in_dot, loads_only=loads_only)
     want_cols = plan.words * NIBBLES_PER_WORD if nibble_major else k_in
     if x_cols != want_cols:
         raise ValueError(f"grouped_int4_matmul: x has {x_cols} columns, the packed weights need {want_cols}"

@@ -639,10 +639,10 @@ def test_mma_variants_with_split_k_match_reference(rng, interpret, variant):
 
 
 @pytest.mark.parametrize("m", [8, 1088])  # 16- and 32-row blocks (AR batch 8; batch-8 B = 16 verify)
-def test_mma_variants_lower_for_h200(m):
+def test_mma_variants_and_loads_only_lower_for_h200(m):
     specs = list(ffn_specs(m, 7168, 2048, 384, 8, jnp.bfloat16))
     specs[3:9] = jax.eval_shape(int4_moe.tile_ffn_int4, *specs[3:9])
-    for variant in MMA_VARIANTS:
+    for variant in [*MMA_VARIANTS, dict(loads_only=True)]:
         fn = functools.partial(_ffn_parts_flat, variant=variant, interpret=False)
         assert lower_for_h200(fn, *specs).as_text().count("__gpu$xla.gpu.triton") == 2, variant
 
@@ -660,6 +660,39 @@ def test_k26_mma_variants_on_gpu(rng, m):
         out = jax.jit(functools.partial(_ffn_parts_flat, variant=variant))(*args, *ws)
         assert_close(out, ref, TOL[jnp.bfloat16], f"{variant}")
         assert_close(out, base, TOL[jnp.bfloat16], f"{variant} vs default")
+
+
+def _loads_checksum(x_rows, ids, sets):
+    """float64 checksum `loads_only` writes for rows x_rows [P, K] of experts ids [P]: per (packed, scale) set
+    sum_i x + sum_j (word & 1) + sum_g scale, the sets added."""
+    out = 0
+    for packed, scale in sets:
+        w = (np.asarray(packed) & 1).sum(axis=2) + np.asarray(jnp.asarray(scale).astype(jnp.float32), np.float64).sum(2)
+        out = out + x_rows.sum(axis=1, keepdims=True) + w[ids]
+    return out
+
+
+@pytest.mark.parametrize("tiled,swap_ab", [(False, False), (True, True)])
+def test_loads_only_writes_the_checksum_of_its_loads(rng, interpret, tiled, swap_ab):
+    """The benchmarks' loads-only kernels (no unpack, no MMA) read every word, scale and x row a real call reads:
+    gate/up (token rows gathered, two sets) and down, each used row's checksum against numpy's."""
+    tokens, d, inter = 9, 256, 128
+    w, x, idx, weights, args = _ffn_case(rng, tokens, d, inter, np.float32)
+    ws = _tiled(w, block_n=32, block_w=16) if tiled else list(map(jnp.asarray, w))
+    kw = dict(interpret=interpret, loads_only=True, swap_ab=swap_ab) | ({} if tiled else dict(block_n=32, block_w=16))
+    layout, xt, token = int4_moe.moe_route(args[0], args[1], E, group_size=GROUP, block_w=16)
+    h = int4_moe.moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), **kw)
+    pair_ids = idx.reshape(-1)
+    x_pairs = np.repeat(x, TOP_K, axis=0).astype(np.float64)
+    want = _loads_checksum(x_pairs, pair_ids, [(w[0], w[1]), (w[2], w[3])])
+    np.testing.assert_allclose(np.asarray(h)[np.asarray(layout.dest)], want, rtol=1e-5, atol=1e-4)  # fp32 sums
+    hx = jnp.asarray(rng.standard_normal(h.shape), jnp.float32)  # any rows: down's checksum reads them as they are
+    y = int4_moe.moe_down(hx, layout, (ws[4], ws[5]), **kw)
+    rows = np.asarray(hx)[np.asarray(layout.dest)].astype(np.float64)
+    np.testing.assert_allclose(np.asarray(y)[np.asarray(layout.dest)], _loads_checksum(rows, pair_ids, [(w[4], w[5])]),
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="loads_only needs split_k=1"):
+        int4_moe.moe_gate_up(xt, layout, token, (ws[0], ws[1]), (ws[2], ws[3]), split_k=2, **kw)
 
 
 # ---- h written in the down kernel's column order ----------------------------------------------------------------------
