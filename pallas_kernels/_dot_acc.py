@@ -17,14 +17,15 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
+from pallas_kernels._pallas import dot_precision
+
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 
 dot_acc_p = jex_core.Primitive("dot_acc")
 
 
 def _reference(acc, a, b):
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
-    return acc + lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32)
+    return acc + lax.dot_general(a, b, _NT, precision=dot_precision(a.dtype), preferred_element_type=jnp.float32)
 
 
 def _abstract(acc, a, b):
@@ -41,7 +42,7 @@ mlir.register_lowering(dot_acc_p, mlir.lower_fun(_reference, multiple_results=Fa
 
 @triton_lowering.register_lowering(dot_acc_p)
 def _triton_lowering(ctx, acc, a, b):
-    exact = ctx.avals_in[1].dtype == jnp.float32  # as `_reference`: fp32 inputs multiply exactly, not in tf32
+    exact = dot_precision(ctx.avals_in[1].dtype) == lax.Precision.HIGHEST  # as `_reference`
     precision = tt_dialect.InputPrecision.IEEE if exact else None
     return tt_dialect.dot(a, tt_dialect.trans(b, (1, 0)), acc, input_precision=precision)
 

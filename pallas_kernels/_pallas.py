@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
@@ -33,6 +35,11 @@ def lower_for_h200(fn, *specs):
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H200)
     with use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
+
+
+def dot_precision(dtype) -> lax.Precision:
+    """A kernel dot's precision: fp32 inputs multiply exactly (not in tf32), 16-bit ones at the MMA's own."""
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
 def next_pow2(n: int) -> int:

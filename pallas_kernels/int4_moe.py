@@ -64,7 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dot_acc import dot_acc
-from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
+from pallas_kernels._pallas import dot_precision, next_pow2, pallas_call, resolve_interpret
 from pallas_kernels.int4_layout import INT4_OFFSET, NIBBLES_PER_WORD, dequant_int4_jnp
 
 MIN_DOT = 16  # smallest dot dimension Triton handles well (and the smallest row block)
@@ -401,6 +401,8 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
         w0 = pl.multiple_of(t * bw, bw)
         n0 = pl.multiple_of(jn * bn, bn)
         xs = [load_x(rows, live, k * plan.words + w0) for k in range(NIBBLES_PER_WORD)]  # [bm, bw] each
+        if plan.loads_only:  # a checksum of this K step's loads keeps every load live; no unpack, no MMA
+            x_sum = sum(jnp.sum(xk.astype(jnp.float32), axis=1) for xk in xs)  # [bm]
         new = []
         for (p_ref, s_ref), acc in zip(weights, accs):
             if plan.tiled:
@@ -408,11 +410,10 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
             else:
                 words = p_ref[e, pl.ds(n0, bn), pl.ds(w0, bw)]  # [bn, bw] int32
                 sc = s_ref[e, pl.ds(n0, bn), pl.ds(t * (bw // gw), bw // gw)]  # [bn, bw/gw]
-            if plan.loads_only:  # a checksum of this K step's loads keeps every load live; no unpack, no MMA
+            if plan.loads_only:
                 w_sum = (jnp.sum((words & 1).astype(jnp.float32), axis=1)
                          + jnp.sum(sc.astype(jnp.float32), axis=1))  # [bn]
-                x_sum = sum(jnp.sum(xk.astype(jnp.float32), axis=1) for xk in xs)  # [bm]
-                part = x_sum[:, None] + w_sum[None, :]
+                part = x_sum[:, None] + w_sum[None, :]  # x counted once per weight set
                 new.append(acc + (part.T if plan.swap_ab else part))
                 continue
             sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
@@ -712,7 +713,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                          f"{' (nibble-major, padded to whole K tiles)' if nibble_major else ''}")
     xp = x if nibble_major else _nibble_major(x, plan.words)  # [R, 8*words']
     flat = [a for p, sc in weights for a in ((p, sc) if tiled else _pad_weights(p, sc, plan))]
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    precision = dot_precision(x.dtype)
     kernel = functools.partial(_kernel, plan=plan, swiglu=swiglu, precision=precision, unpack=unpack,
                                interpret=interpret)
     any_spec = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)

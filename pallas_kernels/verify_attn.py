@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import verify_attn_mgpu
-from pallas_kernels._pallas import next_pow2, pallas_call, resolve_interpret
+from pallas_kernels._pallas import dot_precision, next_pow2, pallas_call, resolve_interpret
 
 NEG = -1e30  # finite "minus infinity" for the running max: NEG - NEG = 0, never inf - inf
 MIN_DOT = 16  # smallest dot dimension Triton handles well
@@ -417,7 +417,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
                      jax.ShapeDtypeStruct((bt, plan.n_splits, plan.rows), jnp.float32))
         out_specs = (pl.BlockSpec((None, None, plan.rows, r_pad), lambda i, j, b: (b, j, 0, 0)),
                      pl.BlockSpec((None, None, plan.rows), lambda i, j, b: (b, j, 0)))
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+    precision = dot_precision(q.dtype)
     _, _, default_warps, default_stages = DEFAULTS[min(q.dtype.itemsize, 4)]
     if plan.block_q * plan.r < 16 * 256:  # tiny configs (the shipped pair): small accumulators run fine on 4 warps
         default_warps = 4
