@@ -18,7 +18,8 @@ and writes the output; with several (chosen when Bt * tiles alone would leave SM
 axis, parallel over rows, where a Pallas merge loop over splits measured latency-bound on the H200. Splits read
 >= MIN_SPLIT_ROWS cache rows each, so a short prefix uses few of them and idle splits neither compute nor write.
 The split count fills whole waves of SMs (`_default_splits`: a grid of 136 equal programs on 132 SMs takes two
-program times, as long as 264) and, on the wgmma path, prices each program's fixed work and each split's merge.
+program times, as long as 264). The wgmma path plans its splits per tile instead (`_tail_plan`): the tiles that fill
+whole waves in equal splits, the rest in more, shorter ones, pricing each program's fixed work and each split's merge.
 
 Triton constraints (the rules of `jax/_src/pallas/triton/lowering.py`) and how they are met:
   - power-of-two tiles only: R and rope dims are padded to powers of two >= 16 in the wrapper only when they are not
@@ -83,19 +84,13 @@ def _prev_pow2(n: int) -> int:
     return 1 << (int(n).bit_length() - 1)
 
 
-def _default_splits(programs: int, max_splits: int, resident: int, seq: int, program_rows: float = 0.0,
-                    merge_rows: float = 0.0) -> int:
+def _default_splits(programs: int, max_splits: int, resident: int, seq: int) -> int:
     """Split-K count for `programs` (query tiles x Bt) equal programs over a `seq`-row cache, `resident` of which fit
     one SM at once (a wave is SM_COUNT x resident programs): the fewest splits whose predicted time is within
-    WAVE_SLACK of the best. Time in cache rows of one program's work: waves x (program_rows + seq / splits), a partly
-    filled last wave costing a whole one, plus splits x programs / wave x merge_rows for writing and merging each
-    split's partial output. With one resident program and no overheads, 8 programs at 32k get 16 splits (128 blocks,
-    one wave) where cdiv(132, 8) = 17 splits gave 136 blocks: a second wave of 4. The overheads are the backend's
-    (`verify_attn_mgpu.PROGRAM_ROWS`, `MERGE_ROWS`): with them a batch-8 B = 16 verify (136 tiles) takes 5 splits, not
-    13, whose 320-row shares of a 4k prefix cost less than the fixed work of their programs."""
+    WAVE_SLACK of the best, time = waves x rows per split, a partly filled last wave costing a whole one. 8 programs at
+    32k get 16 splits (128 blocks, one wave) where cdiv(132, 8) = 17 splits gave 136 blocks: a second wave of 4."""
     wave = SM_COUNT * resident
-    cost = {sp: pl.cdiv(programs * sp, wave) * (program_rows + seq / sp) + sp * programs / wave * merge_rows
-            for sp in range(1, max(1, max_splits) + 1)}
+    cost = {sp: pl.cdiv(programs * sp, wave) * seq / sp for sp in range(1, max(1, max_splits) + 1)}
     best = min(cost.values())
     return min(sp for sp, c in cost.items() if c <= best * (1 + WAVE_SLACK))
 
@@ -110,12 +105,11 @@ def _busy_splits(n_blocks: int, splits: int, min_split_blocks: int) -> int:
     return max(1, pl.cdiv(n_blocks, per_split))
 
 
-def _auto_splits(programs: int, seq: int, block_k: int, resident: int, program_rows: float = 0.0,
-                 merge_rows: float = 0.0) -> tuple[int, int]:
-    """(split count, blocks each split reads at least) when the caller gives none, both backends: `_default_splits`
+def _auto_splits(programs: int, seq: int, block_k: int, resident: int) -> tuple[int, int]:
+    """(split count, blocks each split reads at least) when the caller gives none, Triton path: `_default_splits`
     of `programs`, trimmed to busy splits, each reading >= MIN_SPLIT_ROWS of a `seq`-row cache."""
     min_split_blocks = pl.cdiv(MIN_SPLIT_ROWS, block_k)
-    splits = _default_splits(programs, seq // MIN_SPLIT_ROWS, resident, seq, program_rows, merge_rows)
+    splits = _default_splits(programs, seq // MIN_SPLIT_ROWS, resident, seq)
     return _busy_splits(pl.cdiv(seq, block_k), splits, min_split_blocks), min_split_blocks
 
 
@@ -340,25 +334,90 @@ def _tree_partial(q, tree_kv, tree_mask, *, scale: float, r: int):
     return acc, m, p.sum(axis=-1)
 
 
-def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret):
-    """verify_attn on the wgmma path: the prefix by verify_attn_mgpu (rows padded to 64-row tiles), the tree block
-    and the merge of both in XLA."""
+def _makespan(n1: int, w1: int, n2: int, w2: int, sm_count: int = SM_COUNT) -> int:
+    """When the last of n1 programs of w1 rows then n2 of w2 rows ends, one program an SM, each program starting on
+    the first SM to free up (the order blocks are issued in): the head leaves r1 = n1 % sm_count SMs a program
+    longer than the rest, and the tail's programs take the earliest starts after them."""
+    q1, r1 = divmod(n1, sm_count)
+    early, late = q1 * w1, (q1 + bool(r1)) * w1  # when the SMs with q1 and with q1 + 1 head programs free up
+    if not n2:
+        return late
+
+    def started(t):  # tail programs started at or before time t
+        return sum(count * ((t - free) // w2 + 1) for count, free in ((sm_count - r1, early), (r1, late)) if t >= free)
+
+    firsts = []
+    for free in (early, late):  # the n2-th start is free + k * w2 for one of the two free times
+        lo, hi = 0, n2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if started(free + mid * w2) < n2 else (lo, mid)
+        firsts.append(free + lo * w2)
+    return max(late, min(firsts) + w2)
+
+
+def _plan_cost(plan: verify_attn_mgpu.SplitPlan, seq: int, block_k: int, program_rows: int, merge_rows: int,
+               sm_count: int = SM_COUNT) -> float:
+    """A plan's predicted time over a full `seq`-row cache, in cache rows of one program's work: `_makespan` of each
+    program's fixed rows plus its split's share of the blocks, plus `merge_rows` per split and wave for writing and
+    merging the partial outputs."""
+    n_blocks = pl.cdiv(seq, block_k)
+
+    def rows(sp):
+        return program_rows + min(max(pl.cdiv(n_blocks, sp), plan.min_split_blocks), n_blocks) * block_k
+
+    head, tail = plan.head_items * plan.splits, plan.tail_items * plan.tail_splits
+    return (_makespan(head, rows(plan.splits), tail, rows(plan.tail_splits), sm_count)
+            + plan.programs / sm_count * merge_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _tail_plan(items: int, seq: int, block_k: int, program_rows: int, merge_rows: int,
+               sm_count: int = SM_COUNT) -> verify_attn_mgpu.SplitPlan:
+    """The wgmma path's split plan for `items` query tiles over a `seq`-row cache: equal splits, or equal splits for
+    the tiles that fill whole waves and more of them for the rest (`SplitPlan`), whichever `_plan_cost` predicts
+    fastest; the fewest programs within WAVE_SLACK of it. Split counts are those a full cache keeps busy
+    (`_busy_splits`), each split reading >= MIN_SPLIT_ROWS rows."""
+    min_blocks, n_blocks = pl.cdiv(MIN_SPLIT_ROWS, block_k), pl.cdiv(seq, block_k)
+    counts = sorted({_busy_splits(n_blocks, sp, min_blocks) for sp in range(1, max(1, seq // MIN_SPLIT_ROWS) + 1)})
+    plan = functools.partial(verify_attn_mgpu.SplitPlan, items=items, min_split_blocks=min_blocks)
+    plans = []
+    for sp in counts:
+        plans.append(plan(splits=sp))
+        for waves in range(max(0, items * sp // sm_count - 1), items * sp // sm_count + 1):
+            head = waves * sm_count // sp  # the tiles whose programs fill `waves` whole waves
+            plans += [plan(splits=sp, tail_items=items - head, tail_splits=c) for c in counts
+                      if c > sp and 0 < head < items]
+    cost = {p: _plan_cost(p, seq, block_k, program_rows, merge_rows, sm_count) for p in plans}
+    best = min(cost.values())
+    return min((p for p in plans if cost[p] <= best * (1 + WAVE_SLACK)), key=lambda p: (p.programs, cost[p]))
+
+
+def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret,
+                        plan: verify_attn_mgpu.SplitPlan | None = None):
+    """verify_attn on the wgmma path: the prefix by verify_attn_mgpu (rows padded to 64-row tiles) in `plan`'s
+    splits (default: `_tail_plan`, or `num_splits` for every tile), the tree block and the merge of both in XLA."""
     bt, n, h, a = q.shape
-    rows = n * h
-    tiles = pl.cdiv(rows, verify_attn_mgpu.ROWS)
-    min_split_blocks = 1
-    if num_splits is None:  # one 190 KiB program per SM
-        num_splits, min_split_blocks = _auto_splits(bt * tiles, cache.shape[2], verify_attn_mgpu.BLOCK_K, 1,
-                                                    verify_attn_mgpu.PROGRAM_ROWS, verify_attn_mgpu.MERGE_ROWS)
-    q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * verify_attn_mgpu.ROWS)  # padding rows: computed, dropped
-    o, lse = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r,
-                                          n_splits=num_splits, min_split_blocks=min_split_blocks, layer=layer,
-                                          interpret=interpret)
+    rows, tile = n * h, verify_attn_mgpu.ROWS
+    tiles = pl.cdiv(rows, tile)
+    if plan is None:
+        plan = (verify_attn_mgpu.SplitPlan(items=bt * tiles, splits=num_splits) if num_splits is not None else
+                _tail_plan(bt * tiles, cache.shape[2], verify_attn_mgpu.BLOCK_K, verify_attn_mgpu.PROGRAM_ROWS,
+                           verify_attn_mgpu.MERGE_ROWS))
+    q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * tile)  # padding rows: computed, dropped
+    o, lse = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r, plan=plan,
+                                          layer=layer, interpret=interpret)
     acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
-    o = verify_attn_mgpu.join_parts(o[..., :rows, :])
-    out = _merge_splits(o, lse[:, :, :rows], (acc_t.reshape(bt, rows, r), m_t.reshape(bt, rows),
-                                             l_t.reshape(bt, rows)))
-    return out.astype(q.dtype).reshape(bt, n, h, r)
+    # the tree part per query tile [items, 64, ...]; padding rows see no tree node (l = 0)
+    per_tile = [_pad_axis(x.reshape(bt, rows, *x.shape[3:]), 1, tiles * tile).reshape(bt * tiles, tile, *x.shape[3:])
+                for x in (acc_t, m_t, l_t)]
+    merged, item0 = [], 0
+    for o_g, lse_g in verify_attn_mgpu.split_outputs(verify_attn_mgpu.join_parts(o), lse, plan):
+        part = slice(item0, item0 + o_g.shape[0])
+        merged.append(_merge_splits(o_g, lse_g, tuple(x[part] for x in per_tile)))
+        item0 += o_g.shape[0]
+    out = jnp.concatenate(merged) if len(merged) > 1 else merged[0]
+    return out.reshape(bt, tiles * tile, r)[:, :rows].astype(q.dtype).reshape(bt, n, h, r)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "num_splits",

@@ -10,8 +10,8 @@ issues Hopper `wgmma` from 64-row query tiles, the FlashMLA layout:
   - warpgroup 1 rescales its accumulator and computes P · V for the second half, reading P from shared memory.
 
 An fp32 [64, 512] accumulator would take 256 registers per thread; split over two warpgroups it takes 128, and the
-scores are computed once. Each program (request b, query tile t, split j) writes the normalised output of its share
-of the prefix blocks and its rows' log-sum-exp; `verify_attn` merges the splits with the tree part. The output
+scores are computed once. Each program (request b, query tile t, split j: `SplitPlan`) writes the normalised output of
+its share of the prefix blocks and its rows' log-sum-exp; `verify_attn` merges the splits with the tree part. The output
 leaves through shared memory (the q tile's, dead by then) and TMA stores: written from the wgmma register layout it
 cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA: 1.8 / 2.9 µs), the largest part of a short call
 (BENCHMARKS.md §3). That buffer holds the input dtype, so the fp32 output goes as two parts, hi = o
@@ -27,6 +27,7 @@ which costs tensor-core time but not HBM bytes. Off the GPU the kernel runs in M
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -44,7 +45,7 @@ TILE_ROWS = 8  # rows of one shared-memory tile (_smem_transforms): the output's
 SWIZZLE = 128  # bytes; the widest TMA/wgmma shared-memory swizzle
 NEG = -1e30  # finite initial running max: exp2(NEG - m) = 0 for any real m, never inf - inf
 LOG2E = math.log2(math.e)
-# The split rule's overheads (`verify_attn._default_splits`), in cache rows of one program's prefix work (35 ns a row
+# The split plan's overheads (`verify_attn._tail_plan`), in cache rows of one program's prefix work (35 ns a row
 # per 64-row tile): a program's fixed work (q tile load, pipeline fill, output stores) and the merge of one split's
 # partial outputs per wave of programs. Fitted to an H200 trace of batch-8 B = 16 verify steps at 13 splits, 4k and
 # 32k prefixes: 17.8 and 96.5 µs per wave, 69 µs per layer's merge (BENCHMARKS.md §4b).
@@ -52,6 +53,40 @@ PROGRAM_ROWS, MERGE_ROWS = 188, 148
 # per-thread registers after rebalancing: the two compute warpgroups hold a [64, 256] fp32 accumulator each (128
 # registers); 2 x 232 + 40 fits the 3 x 170 a 64K-register file gives three warpgroups
 COMPUTE_REGS, MEMORY_REGS = 232, 40
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """How the query tiles' prefixes are split over programs. An item is one query tile of one request (item = b *
+    tiles + t); the first `items - tail_items` items take `splits` splits each and the last `tail_items` take
+    `tail_splits`: more, shorter programs that fill the last wave of SMs, which equal splits leave mostly idle (136
+    tiles on 132 SMs: a fourth wave of 12 full-length programs at three splits). Program p is its item's first
+    program plus the split index, so one request's tiles, which read the same cache rows, run side by side."""
+
+    items: int
+    splits: int
+    tail_items: int = 0
+    tail_splits: int = 1
+    min_split_blocks: int = 1  # prefix blocks a split reads at least (a short prefix uses fewer splits)
+
+    def __post_init__(self):
+        if not (self.items >= 1 and self.splits >= 1 and self.tail_splits >= 1 and 0 <= self.tail_items <= self.items
+                and self.min_split_blocks >= 1):
+            raise ValueError(f"verify_attn_mgpu: {self} needs items, splits, tail_splits, min_split_blocks >= 1 and "
+                             f"0 <= tail_items <= items")
+
+    @property
+    def head_items(self) -> int:
+        return self.items - self.tail_items
+
+    @property
+    def programs(self) -> int:
+        return self.head_items * self.splits + self.tail_items * self.tail_splits
+
+    def groups(self):
+        """(first program, items, splits) of each non-empty group: the programs' outputs in item-major order."""
+        head = self.head_items * self.splits
+        return [g for g in ((0, self.head_items, self.splits), (head, self.tail_items, self.tail_splits)) if g[1]]
 
 
 def supports(dtype, value_width: int, rope_width: int, seq: int) -> bool:
@@ -82,7 +117,7 @@ def join_parts(out):
     return out[..., 0, :, :].astype(jnp.float32) + out[..., 1, :, :].astype(jnp.float32)
 
 
-def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
+def block_range(prefix, j, n_splits, block_k: int, min_split_blocks: int):
     """Prefix blocks [lo, hi) of split j: every split but the last reads the same count, >= min_split_blocks."""
     n_blocks = pl.cdiv(prefix, block_k)
     per_split = jnp.maximum(pl.cdiv(n_blocks, n_splits), min_split_blocks)
@@ -90,11 +125,18 @@ def block_range(prefix, j, n_splits: int, block_k: int, min_split_blocks: int):
     return lo, jnp.minimum(n_blocks, lo + per_split)
 
 
-def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_splits: int, min_split_blocks: int = 1,
-                layer: int = 0, interpret: bool = False):
+def split_outputs(out, lse, plan: SplitPlan):
+    """prefix_attn's outputs per group: [(o [items, splits, ..., rows, R], lse [items, splits, rows]), ...]."""
+    return [(out[p0:p0 + n * sp].reshape(n, sp, *out.shape[1:]), lse[p0:p0 + n * sp].reshape(n, sp, *lse.shape[1:]))
+            for p0, n, sp in plan.groups()]
+
+
+def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: SplitPlan | int, layer: int = 0,
+                interpret: bool = False):
     """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (clipped to S
-    here) -> (out [Bt, splits, 2, rows, R] normalised, as hi and lo parts in q's dtype (`join_parts`
-    adds them in fp32); lse [Bt, splits, rows] f32 natural-log log-sum-exp of the scores). A split with no blocks writes
+    here), `plan` (an int: that many splits for every tile) -> (out [programs, 2, 64, R] normalised, as hi and lo
+    parts in q's dtype (`join_parts` adds them in fp32); lse [programs, 64] f32 natural-log log-sum-exp of the
+    scores), one entry per program in the plan's order (`split_outputs` groups them). A split with no blocks writes
     out = 0 and lse = NEG (weighs 0 in a merge)."""
     bt, rows, width = q.shape
     if rows % ROWS or not supports(q.dtype, value_width, width - value_width, cache.shape[2]):
@@ -103,14 +145,24 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
     r, bk, stages, p_stages = value_width, BLOCK_K, STAGES, P_STAGES
     half = r // 2
     n_tiles, seq = rows // ROWS, cache.shape[2]
+    if isinstance(plan, int):
+        plan = SplitPlan(items=bt * n_tiles, splits=plan)
+    if plan.items != bt * n_tiles:
+        raise ValueError(f"verify_attn_mgpu: {plan} is for {plan.items} query tiles, q {q.shape} has {bt * n_tiles}")
+    head = plan.head_items * plan.splits  # the head group's programs
     c = scale * LOG2E  # scores in log2 units: exp2 is one instruction
 
     def body(plen_ref, q_ref, cache_ref, out_ref, lse_ref, q_smem, kv_smem, p_smem, alpha_smem,
              q_bar, kv_bar, kv_free, p_ready, p_free, l_ready):
-        t, j, b = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("req")
+        prog = lax.axis_index("prog")
+        in_head, tail_prog = prog < head, jnp.maximum(prog - head, 0)
+        item = jnp.where(in_head, prog // plan.splits, plan.head_items + tail_prog // plan.tail_splits)
+        j = jnp.where(in_head, prog % plan.splits, tail_prog % plan.tail_splits)
+        n_splits = jnp.where(in_head, plan.splits, plan.tail_splits)
+        b, t = item // n_tiles, item % n_tiles
         wg = lax.axis_index("wg")
         prefix = jnp.minimum(plen_ref[b], seq)  # clipped here: an XLA clip would be one more launch per call
-        lo, hi = block_range(prefix, j, n_splits, bk, min_split_blocks)
+        lo, hi = block_range(prefix, j, n_splits, bk, plan.min_split_blocks)
         n = hi - lo
         r0 = pl.multiple_of(t * ROWS, ROWS)
 
@@ -127,7 +179,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
                 for i in range(0, ROWS, TILE_ROWS):
                     sub = pl.ds(i, TILE_ROWS)
                     plgpu.copy_smem_to_gmem(q_smem.at[sub, cols],
-                                            out_ref.at[b, j, part, pl.ds(r0 + i, TILE_ROWS), cols])
+                                            out_ref.at[prog, part, pl.ds(i, TILE_ROWS), cols])
             plgpu.wait_smem_to_gmem(0)
 
         def drain(bars, n, depth):
@@ -218,7 +270,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
             plgpu.barrier_arrive(l_ready)
             write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), 0)  # q is dead: the last scores are done
             lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * math.log(2.0), NEG)
-            lse_ref.at[b, j, pl.ds(r0, ROWS)][...] = lse
+            lse_ref.at[prog][...] = lse
 
         @pl.when(wg == 1)
         def _second_half():
@@ -241,8 +293,8 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
             inv_l = plgpu.load(alpha_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
             write_out(acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), half)
 
-    out_type = (jax.ShapeDtypeStruct((bt, n_splits, 2, rows, r), q.dtype),
-                jax.ShapeDtypeStruct((bt, n_splits, rows), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct((plan.programs, 2, ROWS, r), q.dtype),
+                jax.ShapeDtypeStruct((plan.programs, ROWS), jnp.float32))
     scratch = (
         *shared_memory(q.dtype, width),
         plgpu.Barrier(num_barriers=1),  # q tile landed
@@ -253,8 +305,8 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, n_split
         plgpu.Barrier(num_barriers=1),  # 1 / l written by warpgroup 0
     )
     kernel = plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(n_tiles, n_splits, bt),
-        grid_names=("tile", "split", "req"), num_threads=3, thread_name="wg",
+        body, out_type=out_type, scratch_types=scratch, grid=(plan.programs,), grid_names=("prog",), num_threads=3,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
                                             reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else None)

@@ -12,6 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import verify_attn_mgpu as vm
 from pallas_kernels._pallas import lower_for_h200
 from pallas_kernels.verify_attn import _merge_splits, pick_backend, verify_attn
+from pallas_kernels.verify_attn_ref import verify_attn_ref
 from tests.test_verify_attn import TOL, assert_close, make_case, run
 
 H = vm.ROWS  # 64 heads: one query tile per tree node
@@ -72,35 +73,57 @@ def test_interpreter_outputs_start_poisoned():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_split_outputs_match_reference(rng, interpret, dtype):
-    """Each split's own output, normalised over its blocks, and its log-sum-exp against float64; a split with no
-    blocks writes o = 0 and lse = NEG. Outputs start as NaN-filled buffers, so an unwritten one would show."""
-    r, splits, scale = 128, 3, 0.1
+@pytest.mark.parametrize("plan", [vm.SplitPlan(items=4, splits=3), vm.SplitPlan(items=4, splits=2, tail_items=1,
+                                                                                 tail_splits=3)])
+def test_split_outputs_match_reference(rng, interpret, dtype, plan):
+    """Each program's own output, normalised over its split's blocks, and its log-sum-exp against float64, for equal
+    splits and for a plan whose last tile takes more splits; a split with no blocks writes o = 0 and lse = NEG.
+    Outputs start as NaN-filled buffers, so an unwritten one would show. Two 64-row tiles per request: item = b * 2 + t."""
+    r, scale, tiles = 128, 0.1, 2
     prefix = np.array([300, 70])  # 5 blocks (2 + 2 + 1 per split, a partial last one) and 2 (1 + 1 + idle)
-    q = jnp.asarray(rng.standard_normal((2, H, 192)), dtype)
+    q = jnp.asarray(rng.standard_normal((2, tiles * H, 192)), dtype)
     cache = jnp.asarray(rng.standard_normal((1, 2, 320, 192)), dtype)
     parts, lse = map(np.asarray, vm.prefix_attn(q, cache, jnp.asarray(prefix, jnp.int32), scale=scale,
-                                                value_width=r, n_splits=splits, interpret=interpret))
-    o_hi, o_lo = parts[:, :, 0].astype(np.float64), parts[:, :, 1].astype(np.float64)
+                                                value_width=r, plan=plan, interpret=interpret))
+    assert parts.shape == (plan.programs, 2, H, r) and lse.shape == (plan.programs, H)
+    o_hi, o_lo = parts[:, 0].astype(np.float64), parts[:, 1].astype(np.float64)
     assert np.isfinite(o_hi).all() and np.isfinite(o_lo).all() and np.isfinite(lse).all()
     o = o_hi + o_lo
     q64, kv64 = np.asarray(q, np.float64), np.asarray(cache[0], np.float64)
-    for b in range(2):
+    programs = [(item + (plan.head_items if splits_group else 0), j, sp)
+                for splits_group, (_, n, sp) in enumerate(plan.groups()) for item in range(n) for j in range(sp)]
+    assert len(programs) == plan.programs
+    for p, (item, j, splits) in enumerate(programs):
+        b, t = divmod(item, tiles)
         n_blocks = -(-prefix[b] // vm.BLOCK_K)
         per_split = -(-n_blocks // splits)
-        for j in range(splits):
-            lo, hi = j * per_split * vm.BLOCK_K, min((j + 1) * per_split * vm.BLOCK_K, prefix[b])
-            if lo >= hi:
-                assert (o[b, j] == 0).all() and (lse[b, j] < -1e29).all()
-                continue
-            keys = kv64[b, lo:hi]
-            s = q64[b] @ keys.T * scale
-            want_lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
-            want_o = np.exp(s - want_lse[:, None]) @ keys[:, :r]
-            np.testing.assert_allclose(lse[b, j], want_lse, atol=TOL[jnp.bfloat16])
-            assert_close(o[b, j], want_o, TOL[jnp.bfloat16], f"request {b} split {j}")
-            # lo is what hi misses: their sum keeps ~16 significant bits where hi alone keeps the dtype's
-            assert 0 < np.abs(o_lo[b, j]).max() <= np.abs(o_hi[b, j]).max() * 2.0 ** -7
+        lo, hi = j * per_split * vm.BLOCK_K, min((j + 1) * per_split * vm.BLOCK_K, prefix[b])
+        if lo >= hi:
+            assert (o[p] == 0).all() and (lse[p] < -1e29).all()
+            continue
+        keys, rows = kv64[b, lo:hi], q64[b, t * H:(t + 1) * H]
+        s = rows @ keys.T * scale
+        want_lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
+        want_o = np.exp(s - want_lse[:, None]) @ keys[:, :r]
+        np.testing.assert_allclose(lse[p], want_lse, atol=TOL[jnp.bfloat16])
+        assert_close(o[p], want_o, TOL[jnp.bfloat16], f"request {b} tile {t} split {j} of {splits}")
+        # lo is what hi misses: their sum keeps ~16 significant bits where hi alone keeps the dtype's
+        assert 0 < np.abs(o_lo[p]).max() <= np.abs(o_hi[p]).max() * 2.0 ** -7
+
+
+def test_tail_plan_matches_reference(rng, interpret):
+    """verify_attn's wgmma path with a plan whose last tiles take more splits than the rest (the default plan at
+    serving sizes: `_tail_plan`), against float64: three requests of two 64-row tiles, the last three tiles in 4."""
+    from pallas_kernels.verify_attn import _verify_attn_mosaic
+
+    case = make_case(rng, prefix=[200, 0, 130], n=2, h=H, r=128, dr=64, s=200, dtype=jnp.bfloat16)
+    names = ("q", "cache", "prefix_len", "tree_kv", "tree_mask")
+    q, cache, prefix, tree_kv, tree_mask = (jnp.asarray(case[k]) for k in names)
+    plan = vm.SplitPlan(items=6, splits=1, tail_items=3, tail_splits=4)
+    out = _verify_attn_mosaic(q, cache[None], prefix, tree_kv, tree_mask, scale=0.1, r=128, layer=0,
+                              num_splits=None, interpret=interpret, plan=plan)
+    ref = verify_attn_ref(*(case[k] for k in names), scale=0.1, kv_lora_rank=128)
+    assert_close(np.asarray(out.astype(jnp.float32), np.float64), ref, TOL[jnp.bfloat16], "tail plan")
 
 
 def test_pick_backend():
@@ -216,8 +239,9 @@ def test_split_layout_barely_moves_the_output(rng, interpret):
     prefix = jnp.array([640, 400], jnp.int32)
 
     def merged(splits):
-        parts, lse = vm.prefix_attn(q, cache, prefix, scale=0.1, value_width=r, n_splits=splits, interpret=interpret)
-        return np.asarray(_merge_splits(vm.join_parts(parts), lse), np.float64)
+        parts, lse = vm.prefix_attn(q, cache, prefix, scale=0.1, value_width=r, plan=splits, interpret=interpret)
+        (o, lse), = vm.split_outputs(vm.join_parts(parts), lse, vm.SplitPlan(items=2, splits=splits))
+        return np.asarray(_merge_splits(o, lse), np.float64)
 
     one, five = merged(1), merged(5)
     assert np.linalg.norm(one - five) / np.linalg.norm(one) <= 1.4e-3
