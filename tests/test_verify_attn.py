@@ -294,11 +294,15 @@ def test_bad_arguments_name_the_argument(kw, match):
     ([4096], 65, 64, jnp.bfloat16),
     ([2500], 257, 64, jnp.bfloat16),  # one split
     ([3001, 0], 17, 8, np.float32),  # IEEE fp32 dots: 1e-5
+    ([4096, 4000, 3001, 4096, 100, 0, 2048, 4096], 17, 64, jnp.bfloat16),  # a batch-8 B = 16 verify: a tail plan
 ])
 def test_compiled_engine_sizes(rng, prefix, n, h, dtype, backend):
-    """Compiled kernels at K2 sizes (A 576, S 4096) against the float64 reference; mosaic where it applies."""
+    """Compiled kernels at K2 sizes (A 576, S 4096) against the float64 reference; mosaic where it applies (136
+    query tiles take a plan whose last tiles have more splits, `_tail_plan`)."""
     if backend == "mosaic" and not va.verify_attn_mgpu.supports(dtype, 512, 64, 4096):
         pytest.skip("the wgmma kernel takes bf16/fp16 only")
+    if len(prefix) * n * h == 136 * vm.ROWS:
+        assert va._tail_plan(136, 4096, vm.BLOCK_K, vm.PROGRAM_ROWS, vm.MERGE_ROWS).tail_items > 0
     case = make_case(rng, prefix=prefix, n=n, h=h, r=512, dr=64, s=4096, dtype=dtype)
     out, ref = run(case, interpret=False, r=512, backend=backend)
     assert_close(out, ref, TOL[dtype], f"compiled {backend} prefix={prefix} N={n} H={h}")
