@@ -411,11 +411,8 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
     # the tree part per query tile [items, 64, ...]; padding rows see no tree node (l = 0)
     per_tile = [_pad_axis(x.reshape(bt, rows, *x.shape[3:]), 1, tiles * tile).reshape(bt * tiles, tile, *x.shape[3:])
                 for x in (acc_t, m_t, l_t)]
-    merged, item0 = [], 0
-    for o_g, lse_g in verify_attn_mgpu.split_outputs(verify_attn_mgpu.join_parts(o), lse, plan):
-        part = slice(item0, item0 + o_g.shape[0])
-        merged.append(_merge_splits(o_g, lse_g, tuple(x[part] for x in per_tile)))
-        item0 += o_g.shape[0]
+    merged = [_merge_splits(o_g, lse_g, tuple(x[i0:i0 + o_g.shape[0]] for x in per_tile))
+              for i0, o_g, lse_g in verify_attn_mgpu.split_outputs(verify_attn_mgpu.join_parts(o), lse, plan)]
     out = jnp.concatenate(merged) if len(merged) > 1 else merged[0]
     return out.reshape(bt, tiles * tile, r)[:, :rows].astype(q.dtype).reshape(bt, n, h, r)
 

@@ -84,9 +84,10 @@ class SplitPlan:
         return self.head_items * self.splits + self.tail_items * self.tail_splits
 
     def groups(self):
-        """(first program, items, splits) of each non-empty group: the programs' outputs in item-major order."""
+        """(first program, first item, items, splits) of each non-empty group, in program order."""
         head = self.head_items * self.splits
-        return [g for g in ((0, self.head_items, self.splits), (head, self.tail_items, self.tail_splits)) if g[1]]
+        return [g for g in ((0, 0, self.head_items, self.splits),
+                            (head, self.head_items, self.tail_items, self.tail_splits)) if g[2]]
 
 
 def supports(dtype, value_width: int, rope_width: int, seq: int) -> bool:
@@ -126,9 +127,9 @@ def block_range(prefix, j, n_splits, block_k: int, min_split_blocks: int):
 
 
 def split_outputs(out, lse, plan: SplitPlan):
-    """prefix_attn's outputs per group: [(o [items, splits, ..., rows, R], lse [items, splits, rows]), ...]."""
-    return [(out[p0:p0 + n * sp].reshape(n, sp, *out.shape[1:]), lse[p0:p0 + n * sp].reshape(n, sp, *lse.shape[1:]))
-            for p0, n, sp in plan.groups()]
+    """prefix_attn's outputs per group: [(first item, o [items, splits, ..., 64, R], lse [items, splits, 64]), ...]."""
+    return [(i0, out[p0:p0 + n * sp].reshape(n, sp, *out.shape[1:]), lse[p0:p0 + n * sp].reshape(n, sp, *lse.shape[1:]))
+            for p0, i0, n, sp in plan.groups()]
 
 
 def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: SplitPlan | int, layer: int = 0,

@@ -11,7 +11,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import verify_attn_mgpu as vm
 from pallas_kernels._pallas import lower_for_h200
-from pallas_kernels.verify_attn import _merge_splits, pick_backend, verify_attn
+from pallas_kernels.verify_attn import _merge_splits, _verify_attn_mosaic, pick_backend, verify_attn
 from pallas_kernels.verify_attn_ref import verify_attn_ref
 from tests.test_verify_attn import TOL, assert_close, make_case, run
 
@@ -78,7 +78,7 @@ def test_interpreter_outputs_start_poisoned():
 def test_split_outputs_match_reference(rng, interpret, dtype, plan):
     """Each program's own output, normalised over its split's blocks, and its log-sum-exp against float64, for equal
     splits and for a plan whose last tile takes more splits; a split with no blocks writes o = 0 and lse = NEG.
-    Outputs start as NaN-filled buffers, so an unwritten one would show. Two 64-row tiles per request: item = b * 2 + t."""
+    Outputs start as NaN-filled buffers, so an unwritten one would show. Two tiles per request: item = b * 2 + t."""
     r, scale, tiles = 128, 0.1, 2
     prefix = np.array([300, 70])  # 5 blocks (2 + 2 + 1 per split, a partial last one) and 2 (1 + 1 + idle)
     q = jnp.asarray(rng.standard_normal((2, tiles * H, 192)), dtype)
@@ -90,8 +90,7 @@ def test_split_outputs_match_reference(rng, interpret, dtype, plan):
     assert np.isfinite(o_hi).all() and np.isfinite(o_lo).all() and np.isfinite(lse).all()
     o = o_hi + o_lo
     q64, kv64 = np.asarray(q, np.float64), np.asarray(cache[0], np.float64)
-    programs = [(item + (plan.head_items if splits_group else 0), j, sp)
-                for splits_group, (_, n, sp) in enumerate(plan.groups()) for item in range(n) for j in range(sp)]
+    programs = [(i0 + item, j, sp) for _, i0, n, sp in plan.groups() for item in range(n) for j in range(sp)]
     assert len(programs) == plan.programs
     for p, (item, j, splits) in enumerate(programs):
         b, t = divmod(item, tiles)
@@ -114,8 +113,6 @@ def test_split_outputs_match_reference(rng, interpret, dtype, plan):
 def test_tail_plan_matches_reference(rng, interpret):
     """verify_attn's wgmma path with a plan whose last tiles take more splits than the rest (the default plan at
     serving sizes: `_tail_plan`), against float64: three requests of two 64-row tiles, the last three tiles in 4."""
-    from pallas_kernels.verify_attn import _verify_attn_mosaic
-
     case = make_case(rng, prefix=[200, 0, 130], n=2, h=H, r=128, dr=64, s=200, dtype=jnp.bfloat16)
     names = ("q", "cache", "prefix_len", "tree_kv", "tree_mask")
     q, cache, prefix, tree_kv, tree_mask = (jnp.asarray(case[k]) for k in names)
@@ -240,7 +237,7 @@ def test_split_layout_barely_moves_the_output(rng, interpret):
 
     def merged(splits):
         parts, lse = vm.prefix_attn(q, cache, prefix, scale=0.1, value_width=r, plan=splits, interpret=interpret)
-        (o, lse), = vm.split_outputs(vm.join_parts(parts), lse, vm.SplitPlan(items=2, splits=splits))
+        (_, o, lse), = vm.split_outputs(vm.join_parts(parts), lse, vm.SplitPlan(items=2, splits=splits))
         return np.asarray(_merge_splits(o, lse), np.float64)
 
     one, five = merged(1), merged(5)
