@@ -150,16 +150,17 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
         plan = SplitPlan(items=bt * n_tiles, splits=plan)
     if plan.items != bt * n_tiles:
         raise ValueError(f"verify_attn_mgpu: {plan} is for {plan.items} query tiles, q {q.shape} has {bt * n_tiles}")
-    head = plan.head_items * plan.splits  # the head group's programs
     c = scale * LOG2E  # scores in log2 units: exp2 is one instruction
 
     def body(plen_ref, q_ref, cache_ref, out_ref, lse_ref, q_smem, kv_smem, p_smem, alpha_smem,
              q_bar, kv_bar, kv_free, p_ready, p_free, l_ready):
         prog = lax.axis_index("prog")
-        in_head, tail_prog = prog < head, jnp.maximum(prog - head, 0)
-        item = jnp.where(in_head, prog // plan.splits, plan.head_items + tail_prog // plan.tail_splits)
-        j = jnp.where(in_head, prog % plan.splits, tail_prog % plan.tail_splits)
-        n_splits = jnp.where(in_head, plan.splits, plan.tail_splits)
+        item, j, n_splits = 0, 0, 1
+        for p0, i0, _, sp in plan.groups():  # prog belongs to the last group that starts at or before it
+            mine, local = prog >= p0, jnp.maximum(prog - p0, 0)
+            item = jnp.where(mine, i0 + local // sp, item)
+            j = jnp.where(mine, local % sp, j)
+            n_splits = jnp.where(mine, sp, n_splits)
         b, t = item // n_tiles, item % n_tiles
         wg = lax.axis_index("wg")
         prefix = jnp.minimum(plen_ref[b], seq)  # clipped here: an XLA clip would be one more launch per call
