@@ -38,7 +38,7 @@ from kdtree_jax.sharding import shard_model, state_shardings
 from kdtree_jax.tokenizer import KimiTokenizer
 from kdtree_jax.weights import load_model
 
-FORMAT = "kdtree-jax/orbax-v1"
+FORMAT = "kdtree-jax/orbax-v2"  # v2: fused qkv_a [D, Rq + A] and MLP gate_up [D, 2, I] (v1 stored them apart)
 META = "kdtree_meta.json"
 PARAMS = "params"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -190,7 +190,8 @@ def read_meta(path: str, *, verify: bool = True) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointIntegrityError(f"{meta_path}: not valid JSON ({e})") from None
     if meta.get("format") != FORMAT:
-        raise CheckpointIntegrityError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointIntegrityError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}; convert the "
+                                       f"HF checkpoint again (python -m kdtree_jax.convert)")
     if verify:
         expected = meta.get("sha256", {})
         present = set(_files(path))

@@ -75,8 +75,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.reshape(x.shape).astype(x.dtype)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """down(silu(x·Wg) ⊙ x·Wu) with weights stored [in, out]; weights are cast to x's dtype."""
+def swiglu(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """down(silu(x·Wg) ⊙ x·Wu) with w_gate_up [in, 2, I] = (Wg, Wu) stacked on axis 1 (one matmul) and w_down
+    [I, out]; weights are cast to x's dtype."""
     dt = x.dtype
-    h = jax.nn.silu(x @ w_gate.astype(dt)) * (x @ w_up.astype(dt))
-    return h @ w_down.astype(dt)
+    gu = jnp.einsum("...d,dgi->...gi", x, w_gate_up.astype(dt))  # [..., 2, I]
+    return (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]) @ w_down.astype(dt)

@@ -25,7 +25,11 @@ NEG_INF = -1e30  # finite "minus infinity": a fully masked row never turns into 
 
 
 class MLA(nnx.Module):
-    """MLA parameters, laid out for head sharding: q_b [R_q, H, K+P], w_uk [H, K, R], w_uv [H, V, R], o [H, V, D]."""
+    """MLA parameters, laid out for head sharding: q_b [R_q, H, K+P], w_uk [H, K, R], w_uv [H, V, R], o [H, V, D].
+
+    qkv_a [D, R_q + A] holds q_a's columns (none without a q LoRA) then kv_a's: both read the same x, so they run as
+    one matmul. Stored apart, XLA's dot merger joins them anyway and, when the joined matmul goes to cuBLAS,
+    concatenates the two weights on every call (a 30 MB copy per layer at K2.6 width, BENCHMARKS.md §4b)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         d, h, r, p = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -33,37 +37,36 @@ class MLA(nnx.Module):
         self.cfg = cfg
         if cfg.q_lora_rank is None:
             self.q_proj = nnx.Param(init_normal(rngs, (d, h, dq), d, param_dtype), axes=("embed", "heads", None))
+            q_a = jnp.zeros((d, 0), param_dtype)
         else:
             rq = cfg.q_lora_rank
-            self.q_a = nnx.Param(init_normal(rngs, (d, rq), d, param_dtype), axes=("embed", None))
+            q_a = init_normal(rngs, (d, rq), d, param_dtype)
             self.q_a_norm = nnx.Param(init_norm_weight(rngs, rq, param_dtype), axes=(None,))
             self.q_b = nnx.Param(init_normal(rngs, (rq, h, dq), rq, param_dtype), axes=(None, "heads", None))
-        self.kv_a = nnx.Param(init_normal(rngs, (d, r + p), d, param_dtype), axes=("embed", None))
+        kv_a = init_normal(rngs, (d, r + p), d, param_dtype)
+        self.qkv_a = nnx.Param(jnp.concatenate([q_a, kv_a], axis=1), axes=("embed", None))
         self.kv_a_norm = nnx.Param(init_norm_weight(rngs, r, param_dtype), axes=(None,))
         self.w_uk = nnx.Param(init_normal(rngs, (h, dn, r), r, param_dtype), axes=("heads", None, None))
         self.w_uv = nnx.Param(init_normal(rngs, (h, dv, r), r, param_dtype), axes=("heads", None, None))
         self.o_proj = nnx.Param(init_normal(rngs, (h, dv, d), h * dv, param_dtype), axes=("heads", None, "embed"))
 
 
-def project_queries(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [B, T, D] -> q_nope [B, T, H, K], q_pe [B, T, H, P] (roped)."""
+def project(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] -> q_nope [B, T, H, K], q_pe [B, T, H, P] (roped), latent rows [B, T, A] = [rms(c_kv) | rope(k_pe)]
+    in x's dtype."""
     cfg, dt = attn.cfg, x.dtype
+    rq = cfg.q_lora_rank or 0
+    down = x @ attn.qkv_a[...].astype(dt)  # [B, T, R_q + A]: q_a and kv_a in one matmul
     if cfg.q_lora_rank is None:
         q = jnp.einsum("btd,dhq->bthq", x, attn.q_proj[...].astype(dt))
     else:
-        cq = rms_norm(x @ attn.q_a[...].astype(dt), attn.q_a_norm[...], cfg.rms_norm_eps)
+        cq = rms_norm(down[..., :rq], attn.q_a_norm[...], cfg.rms_norm_eps)
         q = jnp.einsum("btr,rhq->bthq", cq, attn.q_b[...].astype(dt))
     q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
-    return q_nope, apply_rope(q_pe, cos, sin)
-
-
-def project_latents(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, D] -> latent rows [B, T, A] = [rms(c_kv) | rope(k_pe)] in x's dtype."""
-    cfg = attn.cfg
-    kva = x @ attn.kv_a[...].astype(x.dtype)  # [B, T, A]
+    kva = down[..., rq:]  # [B, T, A]
     c_kv = rms_norm(kva[..., : cfg.kv_lora_rank], attn.kv_a_norm[...], cfg.rms_norm_eps)
     k_pe = apply_rope(kva[..., cfg.kv_lora_rank :], cos, sin)
-    return jnp.concatenate([c_kv, k_pe], axis=-1)
+    return q_nope, apply_rope(q_pe, cos, sin), jnp.concatenate([c_kv, k_pe], axis=-1)
 
 
 def _output(attn: MLA, o: jax.Array) -> jax.Array:
@@ -81,8 +84,8 @@ def mla_prefill(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start, 
     """
     cfg, dt = attn.cfg, x.dtype
     t_new, r = x.shape[1], cfg.kv_lora_rank
-    q_nope, q_pe = project_queries(attn, x, cos, sin)
-    rows = project_latents(attn, x, cos, sin).astype(layer_cache.dtype)  # [B, T, A]
+    q_nope, q_pe, rows = project(attn, x, cos, sin)
+    rows = rows.astype(layer_cache.dtype)  # [B, T, A]
     prefix = layer_cache[:, :start] if isinstance(start, (int, np.integer)) else layer_cache  # [B, S', A]
     keys = jnp.concatenate([prefix, rows], axis=1)  # [B, S' + T, A]
     c_kv, k_pe = keys[..., :r].astype(dt), keys[..., r:].astype(dt)
@@ -129,10 +132,10 @@ def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: j
     [start_b, start_b + N)). attn_backend: verify_attn's backend (None: its own choice by device and shape).
     """
     cfg, dt = attn.cfg, x.dtype
-    q_nope, q_pe = project_queries(attn, x, cos, sin)
+    q_nope, q_pe, tree_kv = project(attn, x, cos, sin)
     q_lat = jnp.einsum("bnhk,hkr->bnhr", q_nope, attn.w_uk[...].astype(dt))  # [B, N, H, R]
     q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(cache.dtype)  # [B, N, H, A]
-    tree_kv = project_latents(attn, x, cos, sin).astype(cache.dtype)  # [B, N, A]
+    tree_kv = tree_kv.astype(cache.dtype)  # [B, N, A]
     if use_pallas:
         kw = dict(scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, layer=layer, interpret=interpret,
                   backend=attn_backend)

@@ -49,14 +49,14 @@ LOGICAL_TO_MESH: dict[str, tuple[str, ...]] = {
 }
 
 # Parameter path (dots, layer index as a number) -> logical axis per dim; first match wins. ndim disambiguates the
-# dense / shared MLP ([D, I]) from stacked routed experts ([E, D, I]). Replicated entries are deliberate: q_a / kv_a
-# and their norms are small and feed RMSNorms that would otherwise need a collective; the router is tiny.
+# dense / shared down ([I, D]) from the stacked routed experts' ([E, I, D]). Replicated entries are deliberate: qkv_a
+# (q_a | kv_a) and their norms are small and feed RMSNorms that would otherwise need a collective; the router is tiny.
 PARAM_RULES: tuple[tuple[str, int, tuple[str | None, ...]], ...] = (
     (r"embed", 2, ("vocab", None)),  # [V, D]
     (r"lm_head", 2, (None, "vocab")),  # [D, V]
     (r"norm", 1, (None,)),  # final norm [D]
     (r"layers\.\d+\.(input_norm|post_norm)", 1, (None,)),
-    (r"layers\.\d+\.attn\.(q_a|kv_a)", 2, (None, None)),  # [D, Rq], [D, R + P]
+    (r"layers\.\d+\.attn\.qkv_a", 2, (None, None)),  # [D, Rq + R + P]
     (r"layers\.\d+\.attn\.(q_a_norm|kv_a_norm)", 1, (None,)),
     (r"layers\.\d+\.attn\.(q_b|q_proj)", 3, (None, "heads", None)),  # [Rq | D, H, K + P]
     (r"layers\.\d+\.attn\.(w_uk|w_uv|o_proj)", 3, ("heads", None, None)),  # [H, K, R], [H, V, R], [H, V, D]
@@ -66,7 +66,7 @@ PARAM_RULES: tuple[tuple[str, int, tuple[str | None, ...]], ...] = (
     (r"layers\.\d+\.mlp\.down", 3, ("expert", "expert_mlp", None)),  # routed float [E, I, D]
     (r"layers\.\d+\.mlp\.(gate|up)_(packed|scale)", 3, ("expert", "expert_mlp", None)),  # [E, I, D/8 | D/g]
     (r"layers\.\d+\.mlp\.down_(packed|scale)", 3, ("expert", None, "expert_mlp")),  # [E, D, I/8 | I/g]
-    (r"layers\.\d+\.mlp\.(shared\.)?(gate|up)", 2, (None, "mlp")),  # dense / shared [D, I]
+    (r"layers\.\d+\.mlp\.(shared\.)?gate_up", 3, (None, None, "mlp")),  # dense / shared [D, 2, I]
     (r"layers\.\d+\.mlp\.(shared\.)?down", 2, ("mlp", None)),  # dense / shared [I, D]
 )
 

@@ -119,23 +119,25 @@ def params_from_hf(cfg: ModelConfig, get: Getter, *, param_dtype=jnp.float32, ex
         return fetch(name, (n_out, n_in)).T  # [in, out]
 
     def swiglu(prefix: str, inter: int) -> dict:
-        return {"gate": param(linear(prefix + "gate_proj.weight", inter, d)),
-                "up": param(linear(prefix + "up_proj.weight", inter, d)),
-                "down": param(linear(prefix + "down_proj.weight", d, inter))}
+        gate_up = np.stack([linear(prefix + "gate_proj.weight", inter, d), linear(prefix + "up_proj.weight", inter, d)],
+                           axis=1)  # [D, 2, I]
+        return {"gate_up": param(gate_up), "down": param(linear(prefix + "down_proj.weight", d, inter))}
 
     layers = {}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         a = p + "self_attn."
         attn = {}
+        q_a = np.zeros((d, 0), np.float32)
         if cfg.q_lora_rank is None:
             attn["q_proj"] = param(linear(a + "q_proj.weight", h * dq, d).reshape(d, h, dq))
         else:
             rq = cfg.q_lora_rank
-            attn["q_a"] = param(linear(a + "q_a_proj.weight", rq, d))
+            q_a = linear(a + "q_a_proj.weight", rq, d)
             attn["q_a_norm"] = param(fetch(a + "q_a_layernorm.weight", (rq,)))
             attn["q_b"] = param(linear(a + "q_b_proj.weight", h * dq, rq).reshape(rq, h, dq))
-        attn["kv_a"] = param(linear(a + "kv_a_proj_with_mqa.weight", r + cfg.qk_rope_head_dim, d))
+        kv_a = linear(a + "kv_a_proj_with_mqa.weight", r + cfg.qk_rope_head_dim, d)
+        attn["qkv_a"] = param(np.concatenate([q_a, kv_a], axis=1))  # [D, R_q + A]: `mla.MLA`'s fused layout
         attn["kv_a_norm"] = param(fetch(a + "kv_a_layernorm.weight", (r,)))
         kv_b = fetch(a + "kv_b_proj.weight", (h * (dn + dv), r)).reshape(h, dn + dv, r)
         attn["w_uk"], attn["w_uv"] = param(kv_b[:, :dn]), param(kv_b[:, dn:])

@@ -36,7 +36,7 @@ def test_rms_norm_matches_numpy(rng):
 def test_swiglu_matches_numpy(rng):
     x, wg, wu, wd = (rng.standard_normal(s).astype(np.float32) for s in ((4, 16), (16, 24), (16, 24), (24, 16)))
     want = (lambda a: a / (1 + np.exp(-a)))(x @ wg.astype(np.float64)) * (x @ wu.astype(np.float64)) @ wd
-    assert _rel(jax.jit(swiglu)(x, wg, wu, wd), want) < 1e-5
+    assert _rel(jax.jit(swiglu)(x, np.stack([wg, wu], axis=1), wd), want) < 1e-5
 
 
 # ---- YaRN rope -------------------------------------------------------------------------------------------------

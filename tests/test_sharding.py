@@ -133,13 +133,13 @@ def test_every_parameter_has_its_planned_spec(fmt):
              jax.tree_util.tree_leaves_with_path(sh.state_shardings(_abstract_state(CFG, fmt), mesh))}
     want = {
         "embed": P(TP, None), "lm_head": P(None, TP), "norm": P(None),
-        "layers.1.attn.q_a": P(None, None), "layers.1.attn.kv_a": P(None, None),
+        "layers.1.attn.qkv_a": P(None, None),
         "layers.1.attn.q_a_norm": P(None), "layers.1.attn.kv_a_norm": P(None),
         "layers.1.attn.q_b": P(None, TP, None), "layers.1.attn.w_uk": P(TP, None, None),
         "layers.1.attn.w_uv": P(TP, None, None), "layers.1.attn.o_proj": P(TP, None, None),
-        "layers.0.mlp.gate": P(None, TP), "layers.0.mlp.down": P(TP, None),
+        "layers.0.mlp.gate_up": P(None, None, TP), "layers.0.mlp.down": P(TP, None),
         "layers.1.mlp.router": P(None, None), "layers.1.mlp.bias": P(None),
-        "layers.1.mlp.shared.up": P(None, TP), "layers.1.mlp.shared.down": P(TP, None),
+        "layers.1.mlp.shared.gate_up": P(None, None, TP), "layers.1.mlp.shared.down": P(TP, None),
     }
     if fmt == "float":
         want |= {"layers.1.mlp.gate": P("expert", None, "tensor"), "layers.1.mlp.down": P("expert", "tensor", None)}

@@ -178,13 +178,15 @@ def hf_tensors_from_model(model: KimiModel) -> dict[str, np.ndarray]:
         at, a = lp["attn"], pre + "self_attn."
         out[pre + "input_layernorm.weight"] = f32(lp["input_norm"])
         out[pre + "post_attention_layernorm.weight"] = f32(lp["post_norm"])
+        rq = cfg.q_lora_rank or 0
+        qkv_a = f32(at["qkv_a"])  # [D, R_q + A]
         if cfg.q_lora_rank is None:
             out[a + "q_proj.weight"] = lin(f32(at["q_proj"]).reshape(d, h * cfg.qk_head_dim))
         else:
-            out[a + "q_a_proj.weight"] = lin(at["q_a"])
+            out[a + "q_a_proj.weight"] = lin(qkv_a[:, :rq])
             out[a + "q_a_layernorm.weight"] = f32(at["q_a_norm"])
-            out[a + "q_b_proj.weight"] = lin(f32(at["q_b"]).reshape(cfg.q_lora_rank, h * cfg.qk_head_dim))
-        out[a + "kv_a_proj_with_mqa.weight"] = lin(at["kv_a"])
+            out[a + "q_b_proj.weight"] = lin(f32(at["q_b"]).reshape(rq, h * cfg.qk_head_dim))
+        out[a + "kv_a_proj_with_mqa.weight"] = lin(qkv_a[:, rq:])
         out[a + "kv_a_layernorm.weight"] = f32(at["kv_a_norm"])
         kv_b = np.concatenate([f32(at["w_uk"]), f32(at["w_uv"])], axis=1)  # [H, Dn + Dv, R]
         out[a + "kv_b_proj.weight"] = kv_b.reshape(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), r)
@@ -213,7 +215,9 @@ def hf_tensors_from_model(model: KimiModel) -> dict[str, np.ndarray]:
 
 
 def _swiglu_hf(prefix: str, w: dict, lin) -> dict[str, np.ndarray]:
-    return {prefix + "gate_proj.weight": lin(w["gate"]), prefix + "up_proj.weight": lin(w["up"]),
+    """HF gate / up / down of an MLP ({"gate_up" [D, 2, I], "down"}) or of one routed expert ({"gate", "up", "down"})."""
+    gate, up = (w["gate"], w["up"]) if "gate" in w else (np.asarray(w["gate_up"])[:, i] for i in range(2))
+    return {prefix + "gate_proj.weight": lin(gate), prefix + "up_proj.weight": lin(up),
             prefix + "down_proj.weight": lin(w["down"])}
 
 
