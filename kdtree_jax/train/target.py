@@ -215,7 +215,7 @@ def hf_tensors_from_model(model: KimiModel) -> dict[str, np.ndarray]:
 
 
 def _swiglu_hf(prefix: str, w: dict, lin) -> dict[str, np.ndarray]:
-    """HF gate / up / down of an MLP ({"gate_up" [D, 2, I], "down"}) or of one routed expert ({"gate", "up", "down"})."""
+    """HF gate / up / down of an MLP ({"gate_up" [D, 2, I], "down"}) or a routed expert ({"gate", "up", "down"})."""
     gate, up = (w["gate"], w["up"]) if "gate" in w else (np.asarray(w["gate_up"])[:, i] for i in range(2))
     return {prefix + "gate_proj.weight": lin(gate), prefix + "up_proj.weight": lin(up),
             prefix + "down_proj.weight": lin(w["down"])}
