@@ -43,7 +43,7 @@ class MLP(nnx.Module):
 
     gate_up [D, 2, I] stacks gate and up so that they run as one matmul over one contiguous weight, the width I
     sharded as either was. (Apart, XLA's dot merger joins the shared expert's two and concatenates their weights on
-    every call: at a batch-8 B = 16 verify at K2.6 width that merged GEMM took 53 µs for 59 MB, BENCHMARKS.md §4b.)"""
+    every call: at a batch-8 B = 16 verify at K2.6 width that merged GEMM took 51 µs for 59 MB, BENCHMARKS.md §4b.)"""
 
     def __init__(self, d: int, inter: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         gate, up = (init_normal(rngs, (d, inter), d, param_dtype) for _ in range(2))

@@ -193,7 +193,7 @@ def hf_tensors_from_model(model: KimiModel) -> dict[str, np.ndarray]:
         out[a + "o_proj.weight"] = lin(f32(at["o_proj"]).reshape(h * cfg.v_head_dim, d))
         mlp, m = lp["mlp"], pre + "mlp."
         if not cfg.is_moe_layer(i):
-            out.update(_swiglu_hf(m, mlp, lin))
+            out.update(_mlp_hf(m, mlp, lin))
             continue
         if "gate" not in mlp:
             raise ValueError(f"layer {i}: routed experts are not float (INT4 export is not supported)")
@@ -201,9 +201,9 @@ def hf_tensors_from_model(model: KimiModel) -> dict[str, np.ndarray]:
         if cfg.topk_method == "noaux_tc":
             out[m + "gate.e_score_correction_bias"] = f32(mlp[ROUTER_BIAS])
         for e in range(cfg.n_routed_experts):
-            out.update(_swiglu_hf(f"{m}experts.{e}.", {k: mlp[k][e] for k in ("gate", "up", "down")}, lin))
+            out.update(_swiglu_hf(f"{m}experts.{e}.", *(mlp[k][e] for k in ("gate", "up", "down")), lin))
         if cfg.n_shared_experts:
-            out.update(_swiglu_hf(m + "shared_experts.", mlp["shared"], lin))
+            out.update(_mlp_hf(m + "shared_experts.", mlp["shared"], lin))
     shapes = expected_shapes(cfg)
     if set(shapes) != set(out):
         raise ValueError(f"export mismatch: missing {sorted(set(shapes) - set(out))[:5]}, "
@@ -214,11 +214,15 @@ def hf_tensors_from_model(model: KimiModel) -> dict[str, np.ndarray]:
     return out
 
 
-def _swiglu_hf(prefix: str, w: dict, lin) -> dict[str, np.ndarray]:
-    """HF gate / up / down of an MLP ({"gate_up" [D, 2, I], "down"}) or a routed expert ({"gate", "up", "down"})."""
-    gate, up = (w["gate"], w["up"]) if "gate" in w else (np.asarray(w["gate_up"])[:, i] for i in range(2))
+def _swiglu_hf(prefix: str, gate, up, down, lin) -> dict[str, np.ndarray]:
     return {prefix + "gate_proj.weight": lin(gate), prefix + "up_proj.weight": lin(up),
-            prefix + "down_proj.weight": lin(w["down"])}
+            prefix + "down_proj.weight": lin(down)}
+
+
+def _mlp_hf(prefix: str, w: dict, lin) -> dict[str, np.ndarray]:
+    """HF tensors of an `MLP` (gate_up [D, 2, I] holds gate then up)."""
+    gate_up = np.asarray(w["gate_up"])
+    return _swiglu_hf(prefix, gate_up[:, 0], gate_up[:, 1], w["down"], lin)
 
 
 def save_target_hf(model: KimiModel, out_dir: str, tokenizer_dir: str, *, extra_json: dict | None = None) -> int:
