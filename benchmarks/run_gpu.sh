@@ -31,6 +31,8 @@
 #   k26-round       one K2.6-width round part by part, from a profiler trace (benchmarks/profile_round.py)
 #   round           one round of the shipped pair part by part (benchmarks/bench_round.py)
 #   mesh            K2.6-width layers on 2 GPUs vs one, same tokens, ms per round (nvidia-h200-x2)
+#   int4-tma        a TMA-fed Mosaic GPU INT4 matmul (load-only modes and full) vs the Triton kernels, at the
+#                   experts and rows of a batch-8 B = 16 verify (benchmarks/bench_int4_tma.py)
 #   kernel-tests    the kernel, lowering and engine-equality tests, compiled on the GPU
 #   serving         the serving engine in-process: ar / ddtree-16 / auto at concurrency 1-16 (scripts/bench_serving.py)
 #   serving-http    the OpenAI server, one per config (ar, ddtree-16, auto), at concurrency 1-32; against $SERVING_JSON
@@ -128,6 +130,7 @@ target() {
     round) "$PY" benchmarks/bench_round.py --time-limit 200 --out "$OUT/round.json" ;;
     mesh) "$PY" benchmarks/bench_mesh_scaling.py --layers 4 --batch 1 --modes ar ddtree --meshes 1x1x2 \
         --out "$OUT/mesh.json" ;;
+    int4-tma) "$PY" benchmarks/bench_int4_tma.py --out "$OUT/int4_tma.json" ;;
     kernel-tests) "$PY" -m pytest -q -rf -m 'not heavy and not slow' tests/test_verify_attn.py \
         tests/test_verify_attn_mgpu.py tests/test_tree_build.py tests/test_tree_accept.py tests/test_topk.py \
         tests/test_int4_moe.py tests/test_dot_acc.py tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
