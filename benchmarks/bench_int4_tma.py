@@ -9,6 +9,7 @@ the same bytes: one persistent program per SM, a memory warpgroup streaming each
 activation tile by TMA into a ring of shared-memory stages across all of the program's tiles, and two compute
 warpgroups that dequantize their 64 weight rows in registers (`astype` from int4) and issue wgmma with them as the
 register A operand (y^T = W x^T: the tokens are wgmma's N side, so 16 rows cost no padding to 64).
+On the H200 it loses to the Triton kernels (BENCHMARKS.md, "Tried, and why it lost"): the engine does not use it.
 
 The problem is one grouped matmul: `experts` experts with `rows` token rows each, y^T[e] = W[e] x[e]^T, W int4
 [E, N, K] (two's complement: the compressed-tensors offset-8 nibbles XOR 8), scale [E, K/G, N] bf16 (a group's N
@@ -273,7 +274,8 @@ def main(argv=None):
                 except Exception as err:  # noqa: BLE001 - a config that does not fit is recorded, the sweep goes on
                     rows.append(dict(kernel="tma", n=n, k=k, tk=tk, stages=stages, mode=mode,
                                      error=f"{type(err).__name__}: {str(err)[:200]}"))
-    print(f"## {jax.devices()[0].device_kind}: {args.experts} experts x {args.rows} rows, copy {copy_bw / 1e9:.0f} GB/s")
+    print(f"## {jax.devices()[0].device_kind}: {args.experts} experts x {args.rows} rows, "
+          f"copy {copy_bw / 1e9:.0f} GB/s")
     print("| kernel | N x K | K step x stages | mode | µs | % of copy |\n|---|---|---|---|---|---|")
     for r in rows:
         cfg_s = f"{r['tk']}x{r['stages']}" if "tk" in r else "-"
