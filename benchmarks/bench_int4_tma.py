@@ -39,16 +39,16 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+from bench_int4_moe import random_int4  # noqa: E402
 from bench_util import copy_ceiling, median_s  # noqa: E402
 from kdtree_jax.config import kimi_k2_6  # noqa: E402
+from pallas_kernels.verify_attn import SM_COUNT  # noqa: E402
+from pallas_kernels.verify_attn_mgpu import COMPUTE_REGS, MEMORY_REGS, ROWS, SWIZZLE, TILE_ROWS  # noqa: E402
 
-ROWS = 64  # wgmma's M: the weight rows of one compute warpgroup
-GROUP = 32  # INT4 scale group along K (K2.6)
-COMPUTE_WARPGROUPS = 2
-COMPUTE_REGS, MEMORY_REGS = 232, 40  # per-thread registers after rebalancing (2 x 232 + 40 fits 3 x 170)
+K26 = kimi_k2_6()
+GROUP = K26.quantization.group_size  # INT4 scale group along K
+COMPUTE_WARPGROUPS = 2  # each takes ROWS (wgmma's M) weight rows of a tile
 MODES = ("weights", "scales", "loads", "full")
-SWIZZLE = 128  # bytes: the widest TMA / wgmma shared-memory swizzle
-TILE_ROWS = 8  # rows of one swizzled shared-memory tile
 
 
 def _transforms(bits: int, cols: int):
@@ -57,7 +57,7 @@ def _transforms(bits: int, cols: int):
     return plgpu.TilingTransform((TILE_ROWS, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def tma_int4_matmul(w, scale, x, *, tk: int = 512, stages: int = 4, mode: str = "full", programs: int = 132,
+def tma_int4_matmul(w, scale, x, *, tk: int = 512, stages: int = 4, mode: str = "full", programs: int = SM_COUNT,
                     interpret: bool = False):
     """w int4 [E, N, K], scale bf16 [E, K/G, N], x bf16 [E, M, K] -> y^T f32 [E, N, M] (see the module docstring)."""
     e, n, k = w.shape
@@ -195,38 +195,36 @@ def reference(wi, scale, x) -> np.ndarray:
     return np.einsum("enk,emk->enm", w, np.asarray(x, np.float64))
 
 
+def max_rel_err(y, ref: np.ndarray) -> float:
+    """Largest |y - ref| relative to the largest |ref|."""
+    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
 def problem_bytes(experts: int, n: int, k: int, rows: int) -> int:
     return experts * (n * k // 2 + k // GROUP * n * 2 + rows * k * 2 + n * rows * 4)
 
 
-def time_tma(experts, n, k, rows, copy_bw, **kw) -> dict:
-    wi, scale, x = random_problem(experts, n, k, rows)
-    w4 = wi.astype(jnp.int4)
+def time_tma(problem, copy_bw, **kw) -> dict:
+    """One config on `problem` = (w int4, scale, x)."""
+    w4, scale, x = problem
+    (experts, n, k), rows = w4.shape, x.shape[1]
     f = jax.jit(functools.partial(tma_int4_matmul, **kw))
     jax.block_until_ready(f(w4, scale, x))
     s = median_s(lambda: f(w4, scale, x))
-    nbytes = problem_bytes(experts, n, k, rows)
-    return dict(kernel="tma", n=n, k=k, **kw, us=s * 1e6, copy_frac=nbytes / s / copy_bw)
+    return dict(kernel="tma", n=n, k=k, **kw, us=s * 1e6, copy_frac=problem_bytes(experts, n, k, rows) / s / copy_bw)
 
 
 def time_triton(experts: int, d: int, inter: int, rows: int, copy_bw: float) -> list[dict]:
     """The engine's gate/up and down kernels (tile-major weights) with each expert holding exactly `rows` rows."""
     from pallas_kernels.int4_moe import moe_down, moe_gate_up, moe_route, tile_ffn_int4
-    keys = jax.random.split(jax.random.key(1), 7)
-
-    def packed(key, n, kin):
-        return lax.bitcast_convert_type(jax.random.bits(key, (experts, n, kin // 8), jnp.uint32), jnp.int32)
-
-    def scales(key, n, kin):
-        return (jax.random.uniform(key, (experts, n, kin // GROUP), jnp.float32, 0.5, 1.5) * 0.02).astype(jnp.bfloat16)
-
-    w = [packed(keys[0], inter, d), scales(keys[1], inter, d), packed(keys[2], inter, d), scales(keys[3], inter, d),
-         packed(keys[4], d, inter), scales(keys[5], d, inter)]
+    keys = jax.random.split(jax.random.key(1), 4)
+    w = [a for key, (n, kin) in zip(keys, ((inter, d), (inter, d), (d, inter)))
+         for a in random_int4(key, experts, n, kin, GROUP)]
     w = list(jax.jit(tile_ffn_int4)(*w))
     top_k = 8
     tokens = experts * rows // top_k
     idx = (jnp.arange(tokens * top_k, dtype=jnp.int32) % experts).reshape(tokens, top_k)  # distinct per token
-    x = jax.random.normal(keys[6], (tokens, d), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(keys[3], (tokens, d), jnp.float32).astype(jnp.bfloat16)
     layout, xt, tok = moe_route(x, idx, experts, group_size=GROUP, block_m=rows)
     gate_up = jax.jit(lambda layout, xt, tok, *w: moe_gate_up(xt, layout, tok, (w[0], w[1]), (w[2], w[3]),
                                                               out_nibble_major=True))
@@ -245,8 +243,7 @@ def time_triton(experts: int, d: int, inter: int, rows: int, copy_bw: float) -> 
 def cpu_check() -> float:
     wi, scale, x = random_problem(2, COMPUTE_WARPGROUPS * ROWS, 512, 16)
     y = tma_int4_matmul(wi.astype(jnp.int4), scale, x, tk=256, stages=2, programs=3, interpret=True)
-    ref = reference(wi, scale, x)
-    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / np.max(np.abs(ref)))
+    return max_rel_err(y, reference(wi, scale, x))
 
 
 def main(argv=None):
@@ -261,16 +258,18 @@ def main(argv=None):
         print(f"backend {jax.default_backend()}: interpreter check only; max relative error vs float64: "
               f"{cpu_check():.2e}")
         return
-    cfg = kimi_k2_6()
-    d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    d, inter = K26.hidden_size, K26.moe_intermediate_size
     copy_bw = copy_ceiling(1 << 30)
     rows = time_triton(args.experts, d, inter, args.rows, copy_bw)
-    for tile in args.tiles:
-        tk, stages = (int(v) for v in tile.split("x"))
-        for mode in args.modes:
-            for n, k in ((2 * inter, d), (d, inter)):
+    for n, k in ((2 * inter, d), (d, inter)):
+        wi, scale, x = random_problem(args.experts, n, k, args.rows)
+        problem = (wi.astype(jnp.int4), scale, x)
+        del wi  # the int32 values are 8x the int4 weights
+        for tile in args.tiles:
+            tk, stages = (int(v) for v in tile.split("x"))
+            for mode in args.modes:
                 try:
-                    rows.append(time_tma(args.experts, n, k, args.rows, copy_bw, tk=tk, stages=stages, mode=mode))
+                    rows.append(time_tma(problem, copy_bw, tk=tk, stages=stages, mode=mode))
                 except Exception as err:  # noqa: BLE001 - a config that does not fit is recorded, the sweep goes on
                     rows.append(dict(kernel="tma", n=n, k=k, tk=tk, stages=stages, mode=mode,
                                      error=f"{type(err).__name__}: {str(err)[:200]}"))
