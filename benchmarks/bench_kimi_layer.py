@@ -83,6 +83,7 @@ ROUTED = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "
 LAYER_PARTS = (("head", "head"), ("attn", "attention"), ("experts", "experts"), ("shared", "shared_expert"),
                ("router", "router"), ("ffn", "dense_mlp"))
 LAYER_PALLAS_PARTS = {"verify_attn": "attention", "int4": "experts"}  # pallas_call names -> part
+TRACE_HLO, TRACE_KERNELS = "step.hlo.txt", "kernels_by_part.json"  # written beside each --trace profile
 # how the routed INT4 experts are stored: as loaded ([E, N, K/8]), or re-laid by `kdtree_jax.moe.tile_experts`, which
 # the engine applies when it loads a target onto one device
 ROW_MAJOR, TILE_MAJOR = "row-major", "tile-major"
@@ -445,6 +446,10 @@ class Runner:
             jax.block_until_ready(steps_of(k)())
         kernels = gpu_kernels(trace_dir)
         args = (kernels, scopes, layer_part, LAYER_PALLAS_PARTS, "other", k)
+        with open(os.path.join(trace_dir, TRACE_HLO), "w") as f:  # the fusions the kernel names refer to
+            f.write(compiled[k].as_text())
+        with open(os.path.join(trace_dir, TRACE_KERNELS), "w") as f:
+            json.dump(top_kernels(*args, n=None), f, indent=1)
         return part_times(*args), top_kernels(*args)
 
     def ar_breakdown(self):
@@ -719,11 +724,15 @@ def main(argv=None):
                         help="verify steps per jitted call; two lengths (e.g. 8 32) report the slope per step, apart "
                              "from the fixed cost per call")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8)")
+    parser.add_argument("--prefixes", type=int, nargs="+", default=None,
+                        help="cache rows before the step (default 4096 32768)")
     parser.add_argument("--nodes", type=int, nargs="+", default=None,
                         help="tokens per request per step N = 1 (AR) or 1 + B (default 1 17 65 257)")
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="also profile each verify point into DIR and report its kernel time per step by part "
-                             "(XLA command buffers off, so that kernels name their HLO op)")
+                             f"(XLA command buffers off, so that kernels name their HLO op); each point's profile "
+                             f"directory also gets the compiled step ({TRACE_HLO}) and every kernel by part "
+                             f"({TRACE_KERNELS})")
     parser.add_argument("--expert-layouts", nargs="+", choices=EXPERT_LAYOUTS, default=[ENGINE_LAYOUT],
                         help="how the kernel MoE's experts are stored, each timed side by side (row-major = as "
                              "loaded; tile-major = as the engine stores them, kdtree_jax.moe.tile_experts)")
@@ -748,8 +757,8 @@ def main(argv=None):
     else:
         print(f"warning: backend {jax.default_backend()}: tiny-config smoke sweep", file=sys.stderr)
         cfg, sweep, dtype = dataclasses.replace(tiny(), num_hidden_layers=args.layers), CPU_SMOKE, jnp.float32
-    sweep = dataclasses.replace(sweep, **{k: tuple(v) for k, v in (("batches", args.batches), ("nodes", args.nodes))
-                                          if v})
+    chosen = (("batches", args.batches), ("nodes", args.nodes), ("prefixes", args.prefixes))
+    sweep = dataclasses.replace(sweep, **{k: tuple(v) for k, v in chosen if v})
     if args.layers <= cfg.first_k_dense_replace:
         print(f"note: --layers {args.layers} gives no MoE layer (first_k_dense_replace {cfg.first_k_dense_replace})")
     t0 = time.perf_counter()

@@ -107,9 +107,9 @@ def part_times(kernels: list[dict], scopes: Mapping[str, str], part_of: PartOf, 
 
 
 def top_kernels(kernels: list[dict], scopes: Mapping[str, str], part_of: PartOf, pallas_parts: Mapping[str, str],
-                outside: str, per: int, n: int = 8) -> dict[str, dict[str, float]]:
-    """The n kernels (by name, launches of one name added) that take the most µs per `per` in each part: what a
-    part's time is made of, for finding where a part loses to its roofline."""
+                outside: str, per: int, n: int | None = 8) -> dict[str, dict[str, float]]:
+    """The n kernels (by name, launches of one name added; None: all) that take the most µs per `per` in each part:
+    what a part's time is made of, for finding where a part loses to its roofline."""
     acc: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in kernels:
         acc[attribute(e, scopes, part_of, pallas_parts, outside)][e["name"]] += e["dur"] / per

@@ -94,6 +94,8 @@ def _check_attribution(rng, cases, scopes, part_of, pallas_parts, outside):
     for part, names in by_name.items():
         name, us = max(names.items(), key=lambda kv: kv[1])
         assert top[part] == {name: pytest.approx(us, abs=0.051)}
+    every = trace_parts.top_kernels(events, scopes, part_of, pallas_parts, outside, steps, n=None)
+    assert {part: set(names) for part, names in every.items()} == {part: set(n) for part, n in by_name.items()}
 
 
 def test_layer_kernels_attribute_to_step_parts(rng):
