@@ -44,6 +44,8 @@ from pallas_kernels import verify_attn_mgpu  # noqa: E402
 from pallas_kernels.verify_attn import (BACKENDS, MIN_SPLIT_ROWS, SM_COUNT, _default_splits,  # noqa: E402
                                        _make_plan, verify_attn)
 
+# --backends choices -> (verify_attn backend, its extra keywords)
+BENCH_BACKENDS = {**{b: (b, {}) for b in BACKENDS}, "mosaic-xla-tree": ("mosaic", {"tree_in_kernel": False})}
 SCALE = 0.1446796  # K2.6 softmax scale (`kimi_k2_6().softmax_scale`: 192^-0.5 x YaRN mscale^2)
 MIN_BENCH_S = 0.3  # keep timing a shape until this much time is spent (after at least MIN_REPS calls)
 MIN_REPS, MAX_REPS = 3, 20
@@ -201,12 +203,14 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                 q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n, caches=sets)
                 reads = {}  # prefix -> read_same_bytes, measured once for both backends
                 for backend in backends:
-                    if backend == "mosaic" and not verify_attn_mgpu.supports(sweep.dtype, r, sweep.dr, capacity):
+                    kernel_backend, tree_kw = BENCH_BACKENDS[backend]
+                    if kernel_backend == "mosaic" and not verify_attn_mgpu.supports(sweep.dtype, r, sweep.dr,
+                                                                                    capacity):
                         continue
 
-                    def call(q, c, p, t, m, backend=backend):
+                    def call(q, c, p, t, m, backend=kernel_backend, kw=tree_kw):
                         return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, interpret=interpret,
-                                           backend=backend)
+                                           backend=backend, **kw)
 
                     t0 = time.perf_counter()
                     jax.block_until_ready(call(*timed_sets(q, caches, sweep.prefixes[0], tree_kv, mask)[0]))
@@ -342,8 +346,9 @@ def main(argv=None):
     parser.add_argument("--prefixes", type=int, nargs="+", help="override the sweep's prefix lengths")
     parser.add_argument("--trace", action="store_true",
                         help="also the GPU kernel time per call, from a jax.profiler trace of each timed jit")
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
-                        help="verify_attn backends to time side by side (default: both on a GPU, triton on CPU)")
+    parser.add_argument("--backends", nargs="+", choices=tuple(BENCH_BACKENDS), default=None,
+                        help="verify_attn backends to time side by side (default: triton and mosaic on a GPU, "
+                             "triton on CPU; mosaic-xla-tree: mosaic with the tree block in XLA)")
     args = parser.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"

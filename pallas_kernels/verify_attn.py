@@ -394,9 +394,14 @@ def _tail_plan(items: int, seq: int, block_k: int, program_rows: int, merge_rows
 
 
 def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret,
-                        plan: verify_attn_mgpu.SplitPlan | None = None):
-    """verify_attn on the wgmma path: the prefix by verify_attn_mgpu (rows padded to 64-row tiles) in `plan`'s
-    splits (default: `_tail_plan`, or `num_splits` for every tile), the tree block and the merge of both in XLA."""
+                        plan: verify_attn_mgpu.SplitPlan | None = None, tree_in_kernel: bool | None = None):
+    """verify_attn on the wgmma path: verify_attn_mgpu (rows padded to 64-row tiles) in `plan`'s splits (default:
+    `_tail_plan`, or `num_splits` for every tile), then the merge of the splits in XLA.
+
+    When every query tile holds one tree node (H a multiple of 64: K2's 64 heads), the kernel's last split of each
+    tile also runs the tree block, and a single-split tile's output is final: its hi part is o rounded, as the merge
+    would round it. Otherwise (fewer heads: a tile spans nodes) the tree block runs in XLA (`_tree_partial`) and
+    joins the merge. tree_in_kernel: False keeps the tree in XLA at any H (None: in the kernel where it can be)."""
     bt, n, h, a = q.shape
     rows, tile = n * h, verify_attn_mgpu.ROWS
     tiles = pl.cdiv(rows, tile)
@@ -405,24 +410,38 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
                 _tail_plan(bt * tiles, cache.shape[2], verify_attn_mgpu.BLOCK_K, verify_attn_mgpu.PROGRAM_ROWS,
                            verify_attn_mgpu.MERGE_ROWS))
     q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * tile)  # padding rows: computed, dropped
+    in_kernel = h % tile == 0 and tree_in_kernel is not False
+    if tree_in_kernel and not in_kernel:
+        raise ValueError(f"verify_attn: tree_in_kernel=True needs H % {tile} == 0 (one tree node a query tile), "
+                         f"got H={h}")
+    tree = None
+    if in_kernel:
+        keys = pl.cdiv(n, verify_attn_mgpu.BLOCK_K) * verify_attn_mgpu.BLOCK_K
+        tree = (_pad_axis(tree_kv, 1, keys), verify_attn_mgpu.tree_bits(tree_mask, h // tile))
     o, lse = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r, plan=plan,
-                                          layer=layer, interpret=interpret)
-    acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
-    # the tree part per query tile [items, 64, ...]; padding rows see no tree node (l = 0)
-    per_tile = [_pad_axis(x.reshape(bt, rows, *x.shape[3:]), 1, tiles * tile).reshape(bt * tiles, tile, *x.shape[3:])
-                for x in (acc_t, m_t, l_t)]
-    merged = [_merge_splits(o_g, lse_g, tuple(x[i0:i0 + o_g.shape[0]] for x in per_tile))
-              for i0, o_g, lse_g in verify_attn_mgpu.split_outputs(verify_attn_mgpu.join_parts(o), lse, plan)]
+                                          layer=layer, tree=tree, interpret=interpret)
+    if in_kernel:
+        merged = [o_g[:, 0, 0].astype(jnp.float32) if o_g.shape[1] == 1 else
+                  _merge_splits(verify_attn_mgpu.join_parts(o_g), lse_g)
+                  for _, o_g, lse_g in verify_attn_mgpu.split_outputs(o, lse, plan)]
+    else:
+        acc_t, m_t, l_t = _tree_partial(q, tree_kv, tree_mask, scale=scale, r=r)
+        # the tree part per query tile [items, 64, ...]; padding rows see no tree node (l = 0)
+        per_tile = [_pad_axis(x.reshape(bt, rows, *x.shape[3:]), 1, tiles * tile).reshape(bt * tiles, tile,
+                                                                                         *x.shape[3:])
+                    for x in (acc_t, m_t, l_t)]
+        merged = [_merge_splits(o_g, lse_g, tuple(x[i0:i0 + o_g.shape[0]] for x in per_tile))
+                  for i0, o_g, lse_g in verify_attn_mgpu.split_outputs(verify_attn_mgpu.join_parts(o), lse, plan)]
     out = jnp.concatenate(merged) if len(merged) > 1 else merged[0]
     return out.reshape(bt, tiles * tile, r)[:, :rows].astype(q.dtype).reshape(bt, n, h, r)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "num_splits",
-                                             "num_warps", "num_stages", "interpret", "backend"))
+                                             "num_warps", "num_stages", "interpret", "backend", "tree_in_kernel"))
 def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int, layer: int | None = None,
                 block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                backend: str | None = None) -> jax.Array:
+                backend: str | None = None, tree_in_kernel: bool | None = None) -> jax.Array:
     """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
 
     q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
@@ -433,7 +452,8 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     the tree block in XLA) or None = `pick_backend`'s choice.
     Tuning knobs (all optional): block_k / block_q (powers of two >= 16, Triton); num_splits (split-K programs per
     query tile; default: whole waves of SMs, each split reading >= MIN_SPLIT_ROWS rows; an explicit value divides
-    every prefix over all of them); num_warps / num_stages (Triton).
+    every prefix over all of them); num_warps / num_stages (Triton); tree_in_kernel (mosaic: False runs the tree
+    block in XLA; default: in the kernel when H % 64 == 0, `_verify_attn_mosaic`).
     """
     _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
     interpret = resolve_interpret(interpret)
@@ -447,7 +467,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     tree_kv = tree_kv.astype(q.dtype)
     if pick_backend(backend, q.dtype, n * h, r, dr, s, interpret) == "mosaic":  # its kernel clips prefix_len
         return _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, scale=float(scale), r=r, layer=layer,
-                                   num_splits=num_splits, interpret=interpret)
+                                   num_splits=num_splits, interpret=interpret, tree_in_kernel=tree_in_kernel)
     prefix_len = jnp.clip(prefix_len, 0, s)
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
     plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)

@@ -28,6 +28,7 @@ which costs tensor-core time but not HBM bytes. Off the GPU the kernel runs in M
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -40,6 +41,7 @@ ROWS = 64  # wgmma's M: one query tile
 BLOCK_K = 64  # KV rows per stage; P [64, 64] bf16 is one 128-byte swizzle row, as wgmma needs it to match V's
 STAGES = 2  # KV ring depth: q tile 72 KiB + 2 x 72 KiB KV + 8 KiB P fills the 227 KiB a block may have
 P_STAGES = 1  # P buffers: warpgroup 0 writes P(i+1) after warpgroup 1 has read P(i) (a third stage does not fit)
+BIT_WORD = BLOCK_K // 2  # tree-mask bits per int32 word (`tree_bits`): a key block's columns in two words
 SEQ_ALIGN = 8  # TMA reads the cache in tiles of 8 rows: its row count must be a multiple
 TILE_ROWS = 8  # rows of one shared-memory tile (_smem_transforms): the output's TMA stores go one tile row each
 SWIZZLE = 128  # bytes; the widest TMA/wgmma shared-memory swizzle
@@ -132,13 +134,30 @@ def split_outputs(out, lse, plan: SplitPlan):
             for p0, i0, n, sp in plan.groups()]
 
 
+def tree_bits(tree_mask, tiles_per_node: int):
+    """tree_mask [Bt, N, N] bool -> [Bt * N * tiles_per_node, 2 * ceil(N / BLOCK_K)] int32: each query tile's row of
+    the mask (the tile's rows are all heads of one node) as BIT_WORD-bit words, bit c of word w = tree column
+    w * BIT_WORD + c. `prefix_attn`'s tree blocks read them as scalars: no mask tile in shared memory, which is full."""
+    bt, n, _ = tree_mask.shape
+    width = pl.cdiv(n, BLOCK_K) * BLOCK_K
+    m = jnp.pad(tree_mask.astype(jnp.uint32), ((0, 0), (0, 0), (0, width - n)))
+    shifts = jnp.arange(BIT_WORD, dtype=jnp.uint32)
+    words = jnp.sum(m.reshape(bt, n, width // BIT_WORD, BIT_WORD) << shifts, axis=-1, dtype=jnp.uint32)  # disjoint
+    words = lax.bitcast_convert_type(words, jnp.int32)  # [Bt, N, words]
+    return jnp.repeat(words, tiles_per_node, axis=1).reshape(bt * n * tiles_per_node, width // BIT_WORD)
+
+
 def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: SplitPlan | int, layer: int = 0,
-                interpret: bool = False):
+                tree=None, interpret: bool = False):
     """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (clipped to S
     here), `plan` (an int: that many splits for every tile) -> (out [programs, 2, 64, R] normalised, as hi and lo
     parts in q's dtype (`join_parts` adds them in fp32); lse [programs, 64] f32 natural-log log-sum-exp of the
     scores), one entry per program in the plan's order (`split_outputs` groups them). A split with no blocks writes
-    out = 0 and lse = NEG (weighs 0 in a merge)."""
+    out = 0 and lse = NEG (weighs 0 in a merge).
+
+    tree = (tree_kv [Bt, T, A] with T a multiple of BLOCK_K, `tree_bits` [items, 2 * T / BLOCK_K]): the last split
+    of each query tile also attends to the tree's own rows under its mask, as more blocks of the same online
+    softmax, so no tree part is computed or merged outside (a single-split tile's output is then final)."""
     bt, rows, width = q.shape
     if rows % ROWS or not supports(q.dtype, value_width, width - value_width, cache.shape[2]):
         raise ValueError(f"verify_attn_mgpu: q {q.shape} {q.dtype} / cache {cache.shape} with R = {value_width}: "
@@ -150,10 +169,21 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
         plan = SplitPlan(items=bt * n_tiles, splits=plan)
     if plan.items != bt * n_tiles:
         raise ValueError(f"verify_attn_mgpu: {plan} is for {plan.items} query tiles, q {q.shape} has {bt * n_tiles}")
+    tree_blocks = 0
+    if tree is not None:
+        tree_kv, bits = tree
+        tree_blocks = tree_kv.shape[1] // bk
+        if (tree_kv.shape != (bt, tree_blocks * bk, width) or tree_blocks < 1 or tree_kv.dtype != q.dtype
+                or bits.shape != (plan.items, 2 * tree_blocks) or bits.dtype != jnp.int32):
+            raise ValueError(f"verify_attn_mgpu: tree_kv {tree_kv.shape} {tree_kv.dtype} / bits {bits.shape} "
+                             f"{bits.dtype} must be [{bt}, a multiple of {bk}, {width}] {q.dtype} / [{plan.items}, "
+                             f"2 * blocks] int32")
     c = scale * LOG2E  # scores in log2 units: exp2 is one instruction
 
-    def body(plen_ref, q_ref, cache_ref, out_ref, lse_ref, q_smem, kv_smem, p_smem, alpha_smem,
-             q_bar, kv_bar, kv_free, p_ready, p_free, l_ready):
+    def body(plen_ref, q_ref, cache_ref, *refs):
+        tree_ref, bits_ref, refs = (refs[0], refs[1], refs[2:]) if tree_blocks else (None, None, refs)
+        (out_ref, lse_ref, q_smem, kv_smem, p_smem, alpha_smem, q_bar, kv_bar, kv_free, p_ready, p_free,
+         l_ready) = refs
         prog = lax.axis_index("prog")
         item, j, n_splits = 0, 0, 1
         for p0, i0, _, sp in plan.groups():  # prog belongs to the last group that starts at or before it
@@ -165,7 +195,8 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
         wg = lax.axis_index("wg")
         prefix = jnp.minimum(plen_ref[b], seq)  # clipped here: an XLA clip would be one more launch per call
         lo, hi = block_range(prefix, j, n_splits, bk, plan.min_split_blocks)
-        n = hi - lo
+        n_prefix = hi - lo
+        n = n_prefix + jnp.where(j == n_splits - 1, tree_blocks, 0)  # the tree's blocks follow the last split's
         r0 = pl.multiple_of(t * ROWS, ROWS)
 
         def write_out(o, col0):
@@ -191,8 +222,18 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
             def _(i):
                 plgpu.barrier_wait(bars.at[lax.rem(i, depth)])
 
-        def kv_block(i):
-            return cache_ref.at[layer, b, pl.ds(pl.multiple_of((lo + i) * bk, bk), bk)]
+        def fetch(i, slot):
+            """Block i of this program's keys into `slot`: prefix block lo + i, then tree block i - n_prefix."""
+            @pl.when(i < n_prefix)
+            def _prefix():
+                rows = pl.ds(pl.multiple_of((lo + i) * bk, bk), bk)
+                plgpu.copy_gmem_to_smem(cache_ref.at[layer, b, rows], kv_smem.at[slot], kv_bar.at[slot])
+
+            if tree_blocks:
+                @pl.when(i >= n_prefix)
+                def _tree():
+                    rows = pl.ds(pl.multiple_of((i - n_prefix) * bk, bk), bk)
+                    plgpu.copy_gmem_to_smem(tree_ref.at[b, rows], kv_smem.at[slot], kv_bar.at[slot])
 
         @pl.when(wg == 2)
         def _memory():
@@ -201,13 +242,13 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
             for s in range(stages):
                 @pl.when(s < n)
                 def _prologue():
-                    plgpu.copy_gmem_to_smem(kv_block(s), kv_smem.at[s], kv_bar.at[s])
+                    fetch(jnp.int32(s), s)
 
             @pl.loop(jnp.int32(stages), jnp.maximum(n, stages))
             def _stream(i):
                 slot = lax.rem(i, stages)
                 plgpu.barrier_wait(kv_free.at[slot])
-                plgpu.copy_gmem_to_smem(kv_block(i), kv_smem.at[slot], kv_bar.at[slot])
+                fetch(i, slot)
 
             drain(kv_free, n, stages)
 
@@ -234,7 +275,16 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
 
-            def step(i, carry):
+            def prefix_visible(i):
+                return col < prefix - (lo + i) * bk
+
+            def tree_visible(i):
+                """Tree block i - n_prefix: column k is visible where bit k of the tile's mask row is set."""
+                w0 = 2 * (i - n_prefix)
+                word = jnp.where(col < BIT_WORD, bits_ref[item, w0], bits_ref[item, w0 + 1])
+                return (lax.shift_right_logical(word, lax.rem(col, BIT_WORD)) & 1) != 0
+
+            def step(visible, i, carry):
                 acc, m, l = carry
                 slot, pslot = lax.rem(i, stages), lax.rem(i, p_stages)
                 plgpu.barrier_wait(kv_bar.at[slot])
@@ -244,7 +294,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
                     return s_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))
-                s = jnp.where(col < prefix - (lo + i) * bk, s * c, -jnp.inf)
+                s = jnp.where(visible(i), s * c, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -263,7 +313,10 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m_new, l
 
-            acc, m, l = lax.fori_loop(jnp.int32(0), n, step, (acc, m, l))
+            carry = lax.fori_loop(jnp.int32(0), n_prefix, functools.partial(step, prefix_visible), (acc, m, l))
+            if tree_blocks:  # a loop of its own: the prefix steps load no mask words
+                carry = lax.fori_loop(n_prefix, n, functools.partial(step, tree_visible), carry)
+            acc, m, l = carry
             drain(p_free, n, p_stages)  # warpgroup 1 has read the last alpha: the slot can take 1 / l
             seen = l > 0.0
             inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)  # a row that saw nothing writes 0
@@ -312,4 +365,4 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
                                             reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return kernel(prefix_len.astype(jnp.int32), q, cache)
+    return kernel(prefix_len.astype(jnp.int32), q, cache, *(tree if tree_blocks else ()))

@@ -40,6 +40,30 @@ def test_matches_reference(rng, interpret, prefix, n, h, r, dr, s, splits, dtype
     assert_close(out, ref, TOL[jnp.bfloat16], f"mosaic prefix={prefix} N={n} H={h} splits={splits}")
 
 
+@pytest.mark.heavy
+def test_wide_tree_in_the_kernel_matches_reference(rng, interpret):
+    """A tree of 70 nodes at H = 64: the kernel's tree blocks read both mask words of a block and a second,
+    partial block (nodes 64..69), on a single split and on three."""
+    case = make_case(rng, prefix=[90], n=70, h=H, r=128, dr=64, s=96, dtype=jnp.bfloat16)
+    for splits in (1, 3):
+        out, ref = run(case, interpret=interpret, r=128, backend="mosaic", num_splits=splits)
+        assert_close(out, ref, TOL[jnp.bfloat16], f"mosaic wide tree, {splits} splits")
+
+
+def test_tree_in_the_kernel_and_in_xla_agree(rng, interpret):
+    """The tree block inside the kernel (H = 64) and in XLA on one input, both against float64; in the kernel is
+    refused where a query tile spans nodes (H = 8)."""
+    case = make_case(rng, prefix=[130, 0], n=3, h=H, r=128, dr=64, s=136, dtype=jnp.bfloat16)
+    inside, ref = run(case, interpret=interpret, r=128, backend="mosaic", num_splits=2)
+    outside, _ = run(case, interpret=interpret, r=128, backend="mosaic", num_splits=2, tree_in_kernel=False)
+    for out, where in ((inside, "kernel"), (outside, "XLA")):
+        assert_close(out, ref, TOL[jnp.bfloat16], f"tree in {where}")
+    assert_close(inside, outside, 2 * TOL[jnp.bfloat16], "tree in kernel vs XLA")
+    narrow = make_case(rng, prefix=[40], n=8, h=8, r=128, dr=64, s=40, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="tree_in_kernel=True needs H % 64"):
+        run(narrow, interpret=interpret, r=128, backend="mosaic", tree_in_kernel=True)
+
+
 def test_agrees_with_triton_path(rng, interpret):
     """Both backends on one input: they share no kernel code, only the reference's definition."""
     case = make_case(rng, prefix=[150, 70], n=2, h=H, r=128, dr=64, s=160, dtype=jnp.bfloat16)
@@ -72,19 +96,44 @@ def test_interpreter_outputs_start_poisoned():
     assert np.isnan(out[128:]).all()
 
 
+def test_tree_bits_hold_each_tiles_mask_row(rng):
+    """Bit c of word w of item (b, node, head tile) is tree_mask[b, node, 32 w + c], for a mask wider than a block."""
+    bt, n, per_node = 2, 70, 2
+    mask = rng.random((bt, n, n)) < 0.5
+    bits = np.asarray(vm.tree_bits(jnp.asarray(mask), per_node)).view(np.uint32)
+    words = 2 * -(-n // vm.BLOCK_K)
+    assert bits.shape == (bt * n * per_node, words)
+    got = (bits[:, :, None] >> np.arange(vm.BIT_WORD, dtype=np.uint32)) & 1  # [items, words, 32]
+    got = got.reshape(bt, n, per_node, words * vm.BIT_WORD).astype(bool)
+    for t in range(per_node):
+        np.testing.assert_array_equal(got[:, :, t, :n], mask)
+    assert not got[..., n:].any()
+
+
+def _visible_tree(tree_kv, mask, b, node):
+    return tree_kv[b, np.flatnonzero(mask[b, node])]
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("plan", [vm.SplitPlan(items=4, splits=3), vm.SplitPlan(items=4, splits=2, tail_items=1,
                                                                                  tail_splits=3)])
-def test_split_outputs_match_reference(rng, interpret, dtype, plan):
+@pytest.mark.parametrize("with_tree", [False, True])
+def test_split_outputs_match_reference(rng, interpret, dtype, plan, with_tree):
     """Each program's own output, normalised over its split's blocks, and its log-sum-exp against float64, for equal
     splits and for a plan whose last tile takes more splits; a split with no blocks writes o = 0 and lse = NEG.
+    With the tree, each tile's last split also attends to the tree rows its node sees (one node a tile: H = 64).
     Outputs start as NaN-filled buffers, so an unwritten one would show. Two tiles per request: item = b * 2 + t."""
     r, scale, tiles = 128, 0.1, 2
     prefix = np.array([300, 70])  # 5 blocks (2 + 2 + 1 per split, a partial last one) and 2 (1 + 1 + idle)
     q = jnp.asarray(rng.standard_normal((2, tiles * H, 192)), dtype)
     cache = jnp.asarray(rng.standard_normal((1, 2, 320, 192)), dtype)
+    tree_kv = jnp.asarray(rng.standard_normal((2, vm.BLOCK_K, 192)), dtype)  # nodes 0, 1 then padding rows
+    mask = np.zeros((2, tiles, tiles), bool)
+    mask[:, 0, 0] = mask[:, 1, 1] = True
+    mask[0, 1, 0] = True  # request 0: node 1 is node 0's child; request 1: two roots
+    tree = (tree_kv, vm.tree_bits(jnp.asarray(mask), 1)) if with_tree else None
     parts, lse = map(np.asarray, vm.prefix_attn(q, cache, jnp.asarray(prefix, jnp.int32), scale=scale,
-                                                value_width=r, plan=plan, interpret=interpret))
+                                                value_width=r, plan=plan, tree=tree, interpret=interpret))
     assert parts.shape == (plan.programs, 2, H, r) and lse.shape == (plan.programs, H)
     o_hi, o_lo = parts[:, 0].astype(np.float64), parts[:, 1].astype(np.float64)
     assert np.isfinite(o_hi).all() and np.isfinite(o_lo).all() and np.isfinite(lse).all()
@@ -97,17 +146,22 @@ def test_split_outputs_match_reference(rng, interpret, dtype, plan):
         n_blocks = -(-prefix[b] // vm.BLOCK_K)
         per_split = -(-n_blocks // splits)
         lo, hi = j * per_split * vm.BLOCK_K, min((j + 1) * per_split * vm.BLOCK_K, prefix[b])
-        if lo >= hi:
+        keys = kv64[b, lo:hi]
+        if with_tree and j == splits - 1:
+            keys = np.concatenate([keys, _visible_tree(np.asarray(tree_kv, np.float64), mask, b, t)])
+        if not len(keys):
             assert (o[p] == 0).all() and (lse[p] < -1e29).all()
             continue
-        keys, rows = kv64[b, lo:hi], q64[b, t * H:(t + 1) * H]
+        rows = q64[b, t * H:(t + 1) * H]
         s = rows @ keys.T * scale
         want_lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
         want_o = np.exp(s - want_lse[:, None]) @ keys[:, :r]
         np.testing.assert_allclose(lse[p], want_lse, atol=TOL[jnp.bfloat16])
         assert_close(o[p], want_o, TOL[jnp.bfloat16], f"request {b} tile {t} split {j} of {splits}")
-        # lo is what hi misses: their sum keeps ~16 significant bits where hi alone keeps the dtype's
-        assert 0 < np.abs(o_lo[p]).max() <= np.abs(o_hi[p]).max() * 2.0 ** -7
+        # lo is what hi misses: their sum keeps ~16 significant bits where hi alone keeps the dtype's (one key:
+        # o is that key's value, exact in the dtype)
+        assert np.abs(o_lo[p]).max() <= np.abs(o_hi[p]).max() * 2.0 ** -7
+        assert (np.abs(o_lo[p]).max() > 0) == (len(keys) > 1)
 
 
 def test_tail_plan_matches_reference(rng, interpret):
