@@ -278,10 +278,16 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
             def prefix_visible(i):
                 return col < prefix - (lo + i) * bk
 
+            # the tile's mask words, loaded before the prefix loop so that their latency hides behind it
+            words = [bits_ref[item, w] for w in range(2 * tree_blocks)]
+
             def tree_visible(i):
                 """Tree block i - n_prefix: column k is visible where bit k of the tile's mask row is set."""
-                w0 = 2 * (i - n_prefix)
-                word = jnp.where(col < BIT_WORD, bits_ref[item, w0], bits_ref[item, w0 + 1])
+                lo_word, hi_word = words[0], words[1]
+                for blk in range(1, tree_blocks):
+                    lo_word = jnp.where(i - n_prefix == blk, words[2 * blk], lo_word)
+                    hi_word = jnp.where(i - n_prefix == blk, words[2 * blk + 1], hi_word)
+                word = jnp.where(col < BIT_WORD, lo_word, hi_word)
                 return (lax.shift_right_logical(word, lax.rem(col, BIT_WORD)) & 1) != 0
 
             def step(visible, i, carry):
