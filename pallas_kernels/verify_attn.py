@@ -449,7 +449,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     then reads that layer in place (a sliced operand would be materialised: one extra read + write of the layer's
     cache per call); tree_kv [Bt, N, A] the tree's own latents; tree_mask [Bt, N, N] bool.
     backend: "triton" (this module's kernel, any shape), "mosaic" (verify_attn_mgpu: Hopper wgmma for the prefix,
-    the tree block in XLA) or None = `pick_backend`'s choice.
+    and for the tree block where a query tile holds one node) or None = `pick_backend`'s choice.
     Tuning knobs (all optional): block_k / block_q (powers of two >= 16, Triton); num_splits (split-K programs per
     query tile; default: whole waves of SMs, each split reading >= MIN_SPLIT_ROWS rows; an explicit value divides
     every prefix over all of them); num_warps / num_stages (Triton); tree_in_kernel (mosaic: False runs the tree

@@ -11,10 +11,11 @@ issues Hopper `wgmma` from 64-row query tiles, the FlashMLA layout:
 
 An fp32 [64, 512] accumulator would take 256 registers per thread; split over two warpgroups it takes 128, and the
 scores are computed once. Each program (request b, query tile t, split j: `SplitPlan`) writes the normalised output of
-its share of the prefix blocks and its rows' log-sum-exp; `verify_attn` merges the splits with the tree part. The output
-leaves through shared memory (the q tile's, dead by then) and TMA stores: written from the wgmma register layout it
-cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA: 1.8 / 2.9 µs), the largest part of a short call
-(BENCHMARKS.md §3). That buffer holds the input dtype, so the fp32 output goes as two parts, hi = o
+its share of the prefix blocks and its rows' log-sum-exp; when a tile holds one tree node (H % 64 == 0) its last
+split also runs the tree block, masked by the node's mask row (`tree_bits`), else `verify_attn` adds the tree part
+in XLA; `verify_attn` merges the splits. The output leaves through shared memory (the q tile's, dead by then) and
+TMA stores: written from the wgmma register layout it cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA:
+1.8 / 2.9 µs), the largest part of a short call (BENCHMARKS.md §3). That buffer holds the input dtype, so the fp32 output goes as two parts, hi = o
 rounded and lo = o - hi: 16 significant bits, as many bytes as fp32. One bf16 part alone (8 bits) made the greedy
 ddtree and AR calls round differently enough to pick different tokens on a random model: one prefix over 1 and over
 5 splits then differs by 2.3e-3 relative before the final cast, against 8e-4 with both parts (P's own bf16 rounding).
