@@ -15,10 +15,11 @@ its share of the prefix blocks and its rows' log-sum-exp; when a tile holds one 
 split also runs the tree block, masked by the node's mask row (`tree_bits`), else `verify_attn` adds the tree part
 in XLA; `verify_attn` merges the splits. The output leaves through shared memory (the q tile's, dead by then) and
 TMA stores: written from the wgmma register layout it cost 4.4 µs per program alone (8.5 µs with 128 programs; TMA:
-1.8 / 2.9 µs), the largest part of a short call (BENCHMARKS.md §3). That buffer holds the input dtype, so the fp32 output goes as two parts, hi = o
-rounded and lo = o - hi: 16 significant bits, as many bytes as fp32. One bf16 part alone (8 bits) made the greedy
-ddtree and AR calls round differently enough to pick different tokens on a random model: one prefix over 1 and over
-5 splits then differs by 2.3e-3 relative before the final cast, against 8e-4 with both parts (P's own bf16 rounding).
+1.8 / 2.9 µs), the largest part of a short call (BENCHMARKS.md §3). That buffer holds the input dtype, so the fp32
+output goes as two parts, hi = o rounded and lo = o - hi: 16 significant bits, as many bytes as fp32. One bf16 part
+alone (8 bits) made the greedy ddtree and AR calls round differently enough to pick different tokens on a random
+model: one prefix over 1 and over 5 splits then differs by 2.3e-3 relative before the final cast, against 8e-4 with
+both parts (P's own bf16 rounding).
 
 Limits (checked by `supports`): bf16/fp16 inputs, value width a multiple of 128, rope width a multiple of 64 and cache
 rows a multiple of 8; everything else takes the Triton kernel. Query rows (N*H per request) come in whole 64-row
@@ -321,7 +322,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
                 return acc, m_new, l
 
             carry = lax.fori_loop(jnp.int32(0), n_prefix, functools.partial(step, prefix_visible), (acc, m, l))
-            if tree_blocks:  # a loop of its own: the prefix steps load no mask words
+            if tree_blocks:  # a loop of its own: the prefix steps test no mask bits
                 carry = lax.fori_loop(n_prefix, n, functools.partial(step, tree_visible), carry)
             acc, m, l = carry
             drain(p_free, n, p_stages)  # warpgroup 1 has read the last alpha: the slot can take 1 / l

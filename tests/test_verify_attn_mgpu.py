@@ -127,7 +127,7 @@ def test_split_outputs_match_reference(rng, interpret, dtype, plan, with_tree):
     prefix = np.array([300, 70])  # 5 blocks (2 + 2 + 1 per split, a partial last one) and 2 (1 + 1 + idle)
     q = jnp.asarray(rng.standard_normal((2, tiles * H, 192)), dtype)
     cache = jnp.asarray(rng.standard_normal((1, 2, 320, 192)), dtype)
-    tree_kv = jnp.asarray(rng.standard_normal((2, vm.BLOCK_K, 192)), dtype)  # nodes 0, 1 then padding rows
+    tree_kv = jnp.asarray(rng.standard_normal((2, vm.BLOCK_K, 192)), dtype)  # nodes 0, 1, then rows none sees
     mask = np.zeros((2, tiles, tiles), bool)
     mask[:, 0, 0] = mask[:, 1, 1] = True
     mask[0, 1, 0] = True  # request 0: node 1 is node 0's child; request 1: two roots
