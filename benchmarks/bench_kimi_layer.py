@@ -84,6 +84,7 @@ LAYER_PARTS = (("head", "head"), ("attn", "attention"), ("experts", "experts"), 
                ("router", "router"), ("ffn", "dense_mlp"))
 LAYER_PALLAS_PARTS = {"verify_attn": "attention", "int4": "experts"}  # pallas_call names -> part
 TRACE_HLO, TRACE_KERNELS = "step.hlo.txt", "kernels_by_part.json"  # written beside each --trace profile
+TOP_KERNELS = 8  # kernels per part in a result row (TRACE_KERNELS holds them all)
 # how the routed INT4 experts are stored: as loaded ([E, N, K/8]), or re-laid by `kdtree_jax.moe.tile_experts`, which
 # the engine applies when it loads a target onto one device
 ROW_MAJOR, TILE_MAJOR = "row-major", "tile-major"
@@ -446,11 +447,12 @@ class Runner:
             jax.block_until_ready(steps_of(k)())
         kernels = gpu_kernels(trace_dir)
         args = (kernels, scopes, layer_part, LAYER_PALLAS_PARTS, "other", k)
+        every = top_kernels(*args, n=None)  # largest first in each part
         with open(os.path.join(trace_dir, TRACE_HLO), "w") as f:  # the fusions the kernel names refer to
             f.write(compiled[k].as_text())
         with open(os.path.join(trace_dir, TRACE_KERNELS), "w") as f:
-            json.dump(top_kernels(*args, n=None), f, indent=1)
-        return part_times(*args), top_kernels(*args)
+            json.dump(every, f, indent=1)
+        return part_times(*args), {part: dict(list(names.items())[:TOP_KERNELS]) for part, names in every.items()}
 
     def ar_breakdown(self):
         """The AR step (N = 1) side by side with the same step without the routed experts and with the head alone:
