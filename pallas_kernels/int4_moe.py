@@ -41,19 +41,13 @@ lays the experts out in those tiles).
 `split_k` (static) splits the K loop over more programs, for few rows: fp32 partials, added in XLA (not bit-identical
 to the unsplit kernel; within the same tolerance of the float64 reference).
 
-Unpack variants (static `unpack=`): "f32" forms each weight in fp32 and rounds it (~6 ALU instructions per weight in
-the sm_90 K loop, `benchmarks/kernel_resources.py --int4-mix`); "bf16x2" (bf16 activations only) forms two weights
-per instruction in inline PTX (~2.9 per weight, loop included), the same bf16 weights bit for bit. Neither path
+Unpack variants (static `unpack=`, same bf16 weights bit for bit): "f32" forms each weight in fp32 and rounds it
+(~6 ALU instructions per weight in the sm_90 K loop, `benchmarks/kernel_resources.py --int4-mix`); "bf16x2" (bf16
+activations only) forms two weights per instruction in inline PTX (~2.9 per weight, loop included). Neither path
 round-trips the dequantized tile through shared memory: Triton loads the packed words straight into the mma operand
-layout (no STS in the K loop), so the unpack ALU work, not layout conversion, is what the variants differ in: the
-kernel is bound by its instruction issue, not by memory (bf16x2 with its sub and mul left out, wrong values, ran at
-95% of copy where it runs at 77%: BENCHMARKS.md §4a). "bf16x2_fma" drops one of bf16x2's four instructions per two
-weights: one fma forms nib * scale, and the -8 * scale offset comes from x's per-group sums through one more MMA per
-K tile (16 K columns against 256). Its weights round nib * scale, not (nib - 8) * scale, to bf16: 0.46% of the
-weights' norm off the exact dequantized values where bf16x2 is 0.15% (Gaussian weights quantized with groups of 32,
-whose INT4 error is 9.7%), within the kernel tests' bf16 tolerance.
-The default (`unpack=None`) for bf16 activations is bf16x2_fma where a K tile holds 8 scale groups (K2.6 at the
-engine's tiles), else bf16x2; f32 otherwise.
+layout (no STS in the K loop), so the unpack ALU work, not layout conversion, is what the variants differ in.
+The default (`unpack=None`) is bf16x2 for bf16 activations: 1.32-1.34x faster on the H200 at 1, 16 and 256 tokens,
+same output bits (BENCHMARKS.md §4a); f32 otherwise.
 
 Axes: M tokens, k experts per token, P = M*k pairs, E experts, D hidden, I expert width, K input dim, N output dim,
 R padded routed rows, S slots, RB = R / block_m row blocks.
@@ -121,12 +115,9 @@ MAGIC = float(1 << 23)
 # bf16x2 unpack (sm_90 PTX): one register holds two bf16 lanes (low half = element i, high half = element i+1)
 UNPACK_F32 = "f32"  # nibble -> fp32 (mantissa trick), * scale in fp32, round to the compute dtype
 UNPACK_BF16X2 = "bf16x2"  # inline PTX: two weights per instruction, straight into bf16 pairs
-UNPACK_BF16X2_FMA = "bf16x2_fma"  # bf16x2 forming nib * scale in one fma; the -8 * scale offset through the MMA
-UNPACK_MODES = (UNPACK_F32, UNPACK_BF16X2, UNPACK_BF16X2_FMA)
-OFFSET_MIN_GROUPS = MIN_DOT // 2  # bf16x2_fma: a K tile's (hi, lo) group sums must fill one MMA K step
+UNPACK_MODES = (UNPACK_F32, UNPACK_BF16X2)
 BF16X2_MAGIC = 0x43004300  # bf16 128.0 in both halves: ORing a nibble into the mantissa gives 128 + nibble exactly
 BF16X2_BIAS = 0x43084308  # bf16 136.0 = 128 + INT4_OFFSET in both halves: (128 + nib) - 136 = nib - 8 exactly
-BF16X2_MAGIC_BASE = 128.0  # the magic pattern's value: fma(128 + nib, s, -128 s) = nib * s, rounded once
 BF16X2_NIBBLE_MASK = 0x000F000F  # the low nibble of each 16-bit half
 LOP3_AND_OR = 0xEA  # lop3 truth table of (a & b) | c
 BYTES_PER_WORD = 4
@@ -320,7 +311,6 @@ class _Plan:
     out_nibble_major: bool = False  # write y nibble-major (`_nibble_major` of y): the next kernel's input order
     swap_ab: bool = False  # accumulate y^T = W x^T: the weight tile is the MMA's M side (wgmma on sm_90)
     acc_in_dot: bool = False  # the K loop accumulates inside each MMA (`_dot_acc`), not with an add after it
-    offset_sums: bool = False  # bf16x2_fma: x's group sums come as one more input, the offset's MMA operand
     loads_only: bool = False  # benchmarks: the K loop's loads alone, writing their checksum (`grouped_int4_matmul`)
 
 
@@ -338,7 +328,7 @@ def prmt_selector(byte: int) -> int:
     return byte | (PRMT_HIGH_WORD + byte) << PRMT_BYTE2_SHIFT
 
 
-def _bf16x2_asm(k: int, fma: bool = False) -> str:
+def _bf16x2_asm(k: int) -> str:
     """PTX for plane k of two words (pack=2) as one bf16x2 register: (nib - 8) * scale, each product rounded once.
 
     prmt gathers byte k//2 of both words into the two 16-bit halves (odd k: one shift brings the high nibble down);
@@ -346,35 +336,26 @@ def _bf16x2_asm(k: int, fma: bool = False) -> str:
     -8..7) and mul.rn.bf16x2 by the two scales rounds the exact product once, as the fp32 path does. The prmt is
     the same for planes 2b and 2b+1 (ptxas sees the pasted PTX and can share it). Operands: $0 the plane, $1 / $2
     the two words, $3 their two bf16 scales. (jax 0.11.2 lowers a multi-result inline asm wrongly: one op per plane.)
-    fma: one fma.rn.bf16x2 (128 + nib) * scale + $4 instead of the sub and the mul, $4 holding -128 * scale (exact):
-    nib * scale, the exact value rounded once. The -8 * scale the plane then lacks is the caller's (`_offset_sums`).
     """
     byte, high = divmod(k, 2)
     sel = prmt_selector(byte)
     shift = [f"shr.u32 t, t, {NIBBLE_BITS};"] if high else []
-    tail = (["fma.rn.bf16x2 $0, u, $3, $4;"] if fma else
-            [f"mov.b32 bias, {BF16X2_BIAS:#010x};", "sub.rn.bf16x2 u, u, bias;", "mul.rn.bf16x2 $0, u, $3;"])
-    return "\n".join(["{", ".reg .b32 t, u, bias;", f"prmt.b32 t, $1, $2, {sel:#x};", *shift,
+    return "\n".join(["{", ".reg .b32 t, u, bias;", f"mov.b32 bias, {BF16X2_BIAS:#010x};",
+                      f"prmt.b32 t, $1, $2, {sel:#x};", *shift,
                       f"lop3.b32 u, t, {BF16X2_NIBBLE_MASK:#010x}, {BF16X2_MAGIC:#010x}, {LOP3_AND_OR:#x};",
-                      *tail, "}"])
+                      "sub.rn.bf16x2 u, u, bias;", "mul.rn.bf16x2 $0, u, $3;", "}"])
 
 
-def _planes_bf16x2(words, sc, *, interpret: bool, neg_sc=None):
-    """The eight dequantized planes of a [bn, bw] word tile, bf16 (sc: [bn, bw] bf16 scale of each word); with fma,
-    nib * scale (the offset left out: `_bf16x2_asm`).
+def _planes_bf16x2(words, sc, *, interpret: bool):
+    """The eight dequantized planes of a [bn, bw] word tile, bf16 (sc: [bn, bw] bf16 scale of each word).
 
     Compiled: inline PTX, two weights per instruction. Interpreted (inline asm cannot run there): the same values in
-    jnp — (nib - 8) and nib are exact, and the bf16 product is the exact product rounded once. neg_sc: [bn, bw] bf16
-    -128 * scale, the fma's addend (bf16x2_fma), else None."""
-    fma = neg_sc is not None
+    jnp — (nib - 8) is exact in bf16 and the bf16 product is the exact product rounded once."""
     if interpret:
-        shift = INT4_OFFSET if fma else 0
-        return [((_nibble_f32(words, k) + shift) * sc.astype(jnp.float32)).astype(jnp.bfloat16)
+        return [(_nibble_f32(words, k).astype(jnp.bfloat16) * sc).astype(jnp.bfloat16)
                 for k in range(NIBBLES_PER_WORD)]
     out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
-    args = [words, sc, neg_sc] if fma else [words, sc]
-    constraints = ",".join(["=r"] + ["r"] * (len(args) + 1))  # one bf16x2 register per operand pair (pack=2)
-    return [plt.elementwise_inline_asm(_bf16x2_asm(k, fma), args=args, constraints=constraints, pack=2,
+    return [plt.elementwise_inline_asm(_bf16x2_asm(k), args=[words, sc], constraints="=r,r,r,r", pack=2,
                                        result_shape_dtypes=[out])[0] for k in range(NIBBLES_PER_WORD)]
 
 
@@ -392,11 +373,10 @@ def _silu_mul(g, u):
 def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, precision, unpack: str,
             interpret: bool):
     # block_expert / block_rows [R / block_m] i32 | gather: token_ref [R] i32 | x_ref [R or M, 8*words] nibble-major
-    # | offset_sums: sums_ref [R or M, 2*groups] (`_offset_sums`) | (packed [E, N, words] i32, scale [E, N, words/gw])
-    # for each weight set, then out_ref [R, N] (split_k > 1: one fp32 [split_k, R, N] partial per weight set)
+    # | (packed [E, N, words] i32, scale [E, N, words/gw]) for each weight set, then out_ref [R, N] (split_k > 1:
+    # one fp32 [split_k, R, N] partial per weight set)
     token_ref, refs = (refs[0], refs[1:]) if plan.gather else (None, refs)
     x_ref, refs = refs[0], refs[1:]
-    sums_ref, refs = (refs[0], refs[1:]) if plan.offset_sums else (None, refs)
     n_sets = 2 if swiglu else 1
     w_refs, out_refs = refs[:2 * n_sets], refs[2 * n_sets:]
     weights = [(w_refs[i], w_refs[i + 1]) for i in range(0, len(w_refs), 2)]
@@ -404,27 +384,23 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
     q = pl.program_id(2) if plan.split_k > 1 else 0  # K range (read here: the interpreter has no program_id in loops)
     k_tiles = plan.words // plan.block_w // plan.split_k
     bm, bn, bw, gw = plan.block_m, plan.block_n, plan.block_w, plan.group_words
-    ng = bw // gw  # scale groups per K tile
     e = block_expert_ref[b]
     n_live = block_rows_ref[b]  # 0 for unused blocks: the program exits at once
     cdt = x_ref.dtype
     nt = (((1,), (1,)), ((), ()))  # a @ b.T
 
-    def load_x(ref, rows, live, col):
-        """[bm, width of live] activations at rows `rows`, columns col.., padding rows 0 without a memory access."""
-        cols = pl.ds(col, live.shape[1])
+    def load_x(rows, live, col):
+        """[bm, bw] activations at x rows `rows`, columns col.., padding rows 0 without a memory access."""
         if interpret:  # the interpreter has no masked gather: load, then zero (same values)
-            return jnp.where(live, ref[rows, cols], 0).astype(cdt)
-        return plt.load(ref.at[rows, cols], mask=live, other=0)
+            return jnp.where(live, x_ref[rows, pl.ds(col, bw)], 0).astype(cdt)
+        return plt.load(x_ref.at[rows, pl.ds(col, bw)], mask=live, other=0)
 
     def accumulate(rows, live, jn, t, accs):
-        """accs + this K tile's products for N tile jn, K tile t (rows: the block's x rows; live: ([bm, bw],
-        [bm, 2*ng]) masks of the rows that hold pairs)."""
+        """accs + this K tile's products for N tile jn, K tile t (rows: the block's x rows; live: [bm, bw], the
+        rows that hold pairs)."""
         w0 = pl.multiple_of(t * bw, bw)
         n0 = pl.multiple_of(jn * bn, bn)
-        xs = [load_x(x_ref, rows, live[0], k * plan.words + w0) for k in range(NIBBLES_PER_WORD)]  # [bm, bw] each
-        if plan.offset_sums:  # this K tile's groups: (hi, lo) sums of x, interleaved
-            xs.append(load_x(sums_ref, rows, live[1], pl.multiple_of(t * 2 * ng, 2 * ng)))  # [bm, 2*ng]
+        xs = [load_x(rows, live, k * plan.words + w0) for k in range(NIBBLES_PER_WORD)]  # [bm, bw] each
         if plan.loads_only:  # a checksum of this K step's loads keeps every load live; no unpack, no MMA
             x_sum = sum(jnp.sum(xk.astype(jnp.float32), axis=1) for xk in xs)  # [bm]
         new = []
@@ -440,21 +416,13 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
                 part = x_sum[:, None] + w_sum[None, :]  # x counted once per weight set
                 new.append(acc + (part.T if plan.swap_ab else part))
                 continue
-            offset = []
-            if plan.offset_sums:  # the planes lack -8 * scale: each group's (hi, lo) x sums times -8 * its scale
-                neg = (sc.astype(jnp.float32) * -INT4_OFFSET).astype(cdt)  # exact: a power of two
-                offset = [jnp.broadcast_to(neg[:, :, None], (bn, ng, 2)).reshape(bn, 2 * ng)]  # [bn, 2*ng]
-            per_word = lambda a: jnp.broadcast_to(a[:, :, None], (bn, ng, gw)).reshape(bn, bw)  # noqa: E731
-            neg_sc = None
-            if unpack == UNPACK_BF16X2_FMA:  # -128 * scale per group, then per word: no multiply per word
-                neg_sc = per_word((sc.astype(jnp.float32) * -BF16X2_MAGIC_BASE).astype(jnp.bfloat16))
-            sc = per_word(sc)  # [bn, bw] per word
-            if unpack in (UNPACK_BF16X2, UNPACK_BF16X2_FMA):
-                planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret, neg_sc=neg_sc)
+            sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
+            if unpack == UNPACK_BF16X2:
+                planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret)
             else:
                 planes = _planes_f32(words, sc, cdt)
-            for xk, wk in zip(xs, planes + offset):
-                a, bt = (wk, xk) if plan.swap_ab else (xk, wk)
+            for k in range(NIBBLES_PER_WORD):
+                a, bt = (planes[k], xs[k]) if plan.swap_ab else (xs[k], planes[k])
                 if plan.acc_in_dot:
                     acc = dot_acc(acc, a, bt)
                 else:
@@ -479,8 +447,7 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
 
     def row_block():
         r0 = pl.multiple_of(b * bm, bm)
-        row_live = (lax.iota(jnp.int32, bm) < n_live)[:, None]
-        live = tuple(jnp.broadcast_to(row_live, (bm, w)) for w in (bw, 2 * ng))
+        live = jnp.broadcast_to((lax.iota(jnp.int32, bm) < n_live)[:, None], (bm, bw))
         rows = token_ref[pl.ds(r0, bm)] if plan.gather else pl.ds(r0, bm)
         if plan.split_k > 1:
             accs = lax.fori_loop(q * k_tiles, (q + 1) * k_tiles, lambda t, a: accumulate(rows, live, j, t, a), zeros)
@@ -503,33 +470,15 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
     pl.when(n_live > 0)(row_block)
 
 
-def _resolve_unpack(unpack: str | None, dtype, groups_per_tile: int) -> str:
-    """bf16x2 rounds the weights to bf16: only right when the dot runs in bf16 anyway, and then the default, as
-    bf16x2_fma where a K tile holds OFFSET_MIN_GROUPS scale groups (its offset MMA needs a whole K step)."""
-    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+def _resolve_unpack(unpack: str | None, dtype) -> str:
+    """bf16x2 rounds the weights to bf16: only right when the dot runs in bf16 anyway, and then the default."""
     if unpack is None:
-        if not bf16:
-            return UNPACK_F32
-        return UNPACK_BF16X2_FMA if groups_per_tile >= OFFSET_MIN_GROUPS else UNPACK_BF16X2
+        return UNPACK_BF16X2 if jnp.dtype(dtype) == jnp.bfloat16 else UNPACK_F32
     if unpack not in UNPACK_MODES:
         raise ValueError(f"int4 matmul: unpack={unpack!r} must be one of {UNPACK_MODES}")
-    if unpack != UNPACK_F32 and not bf16:
+    if unpack == UNPACK_BF16X2 and jnp.dtype(dtype) != jnp.bfloat16:
         raise ValueError(f"int4 matmul: unpack={unpack!r} needs bfloat16 activations, got {jnp.dtype(dtype).name}")
-    if unpack == UNPACK_BF16X2_FMA and groups_per_tile < OFFSET_MIN_GROUPS:
-        raise ValueError(f"int4 matmul: unpack={unpack!r} needs K tiles of at least {OFFSET_MIN_GROUPS} scale "
-                         f"groups, got {groups_per_tile} (block_w / group words)")
     return unpack
-
-
-def _offset_sums(xp: jax.Array, plan: _Plan) -> jax.Array:
-    """[rows, 2*groups]: each scale group's sum of nibble-major x rows xp, fp32 split into bf16 hi + lo (interleaved
-    per group), so that the MMA of bf16x2_fma adds sum_g (-8 s_g) (hi_g + lo_g), the weights' offset, within
-    ~2^-17 of the exact sums: y = x (nib s)^T - 8 sum_g s_g X_g = x ((nib - 8) s)^T."""
-    groups = plan.words // plan.group_words
-    sums = xp.reshape(xp.shape[0], NIBBLES_PER_WORD, groups, plan.group_words).astype(jnp.float32).sum(axis=(1, 3))
-    hi = sums.astype(xp.dtype)
-    lo = (sums - hi.astype(jnp.float32)).astype(xp.dtype)
-    return jnp.stack([hi, lo], axis=-1).reshape(xp.shape[0], 2 * groups)
 
 
 def int4_dims(packed: jax.Array) -> tuple[int, int, int]:
@@ -689,11 +638,8 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     row_token[r]; the padded rows are never materialised. Either way padding rows read as zeros.
     weights: ((packed [E, N, K/8] i32, scale [E, N, K/G]),) or two such pairs (gate, up) with swiglu=True, which
     returns silu(x Wg^T) * (x Wu^T). Rows outside every slot's blocks are left unwritten (garbage).
-    unpack: how weights are dequantized (UNPACK_MODES; None: bf16x2_fma for bf16 x where the K tiles allow it, else
-    bf16x2; f32 otherwise). "bf16x2" needs bf16 x and gives the same bf16 weights as "f32". "bf16x2_fma" forms
-    nib * scale (one instruction fewer per two weights) and adds the -8 * scale offset from x's group sums
-    (`_offset_sums`) in one more MMA per K tile: other rounding (nib * s, not (nib - 8) * s, is rounded to bf16), the
-    same accuracy class.
+    unpack: how weights are dequantized (UNPACK_MODES; None: bf16x2 for bf16 x, else f32); "bf16x2" needs bf16 x and
+    gives the same bf16 weights.
     nibble_major: x is already [rows, 8*words'] in the kernel's column order (`moe_route`), words' = K/8 padded
     to whole K tiles; otherwise the wrapper reorders it (a copy of x).
     out_nibble_major: the output comes nibble-major ([R, N], column k*N/8 + j holding column 8j + k: `_nibble_major`
@@ -718,6 +664,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     the same addresses and order, not the same load machinery.
     """
     interpret = resolve_interpret(interpret)
+    unpack = _resolve_unpack(unpack, x.dtype)
     if len(weights) != (2 if swiglu else 1):
         raise ValueError(f"grouped_int4_matmul: swiglu={swiglu} needs {2 if swiglu else 1} weight sets, "
                          f"got {len(weights)}")
@@ -748,7 +695,6 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     if tiled and (plan.n_out, plan.words) != (n_out, words):
         raise ValueError(f"grouped_int4_matmul: tile-major weights {shape} are not whole K tiles of "
                          f"{plan.block_w} words")
-    unpack = _resolve_unpack(unpack, x.dtype, plan.block_w // plan.group_words)
     if loads_only and split_k > 1:
         raise ValueError(f"grouped_int4_matmul: loads_only needs split_k=1, got {split_k}")
     n_tiles = plan.n_out // plan.block_n
@@ -760,8 +706,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                          f"{plan.block_n} columns and a multiple of {NIBBLES_PER_WORD}")
     plan = dataclasses.replace(plan, tiled=tiled, n_per_program=n_per_program, gather=row_token is not None,
                                out_nibble_major=out_nibble_major and split_k == 1, swap_ab=swap_ab,
-                               acc_in_dot=acc_in_dot, loads_only=loads_only,
-                               offset_sums=unpack == UNPACK_BF16X2_FMA)
+                               acc_in_dot=acc_in_dot, loads_only=loads_only)
     want_cols = plan.words * NIBBLES_PER_WORD if nibble_major else k_in
     if x_cols != want_cols:
         raise ValueError(f"grouped_int4_matmul: x has {x_cols} columns, the packed weights need {want_cols}"
@@ -773,8 +718,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
                                interpret=interpret)
     any_spec = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731  (whole array, indexed)
     gather = () if row_token is None else (row_token,)
-    sums = (_offset_sums(xp, plan),) if plan.offset_sums else ()
-    args = (layout.block_expert, layout.block_rows, *gather, xp, *sums, *flat)
+    args = (layout.block_expert, layout.block_rows, *gather, xp, *flat)
     grid = (n_tiles // n_per_program, plan.row_blocks) + ((split_k,) if split_k > 1 else ())
     rows = layout.rows
     if plan.out_nibble_major:

@@ -227,55 +227,18 @@ def test_bf16x2_bit_recipe_decodes_every_nibble(rng):
         np.testing.assert_array_equal(hi - bias, ((w1 >> (4 * k)) & 0xF).astype(np.float32) - 8, f"plane {k} high")
 
 
-def fma_weights_ref(packed, scale) -> np.ndarray:
-    """float64 [E, N, K] weights as bf16x2_fma forms them: nib * s rounded to bf16, then the exact -8 * s offset."""
-    words = packed.astype(np.int64) & 0xFFFFFFFF
-    nib = np.stack([(words >> (4 * k)) & 0xF for k in range(8)], axis=-1).reshape(*packed.shape[:2], -1)
-    s = np.repeat(np.asarray(jnp.asarray(scale).astype(jnp.float32), np.float64), GROUP, axis=-1)
-    rounded = np.asarray(jnp.asarray(nib * s, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
-    return rounded - int4_moe.INT4_OFFSET * s
-
-
 @pytest.mark.heavy
 def test_unpack_variants_agree_bitwise_and_match_reference(rng, interpret):
-    """bf16 activations: f32 and bf16x2 give the same output bits (same bf16 weights), close to float64; bf16x2_fma
-    (the default here) matches its own weights (nib * s rounded, offset exact) to bf16 output rounding."""
+    """bf16 activations: both unpack paths give the same output bits (same bf16 weights), close to float64."""
     packed, scale = random_int4(rng, E, 128, 256)
     idx, _ = random_routing(rng, 9)
     ids = idx.reshape(-1)
     x = as_input(rng.standard_normal((ids.size, 256)), jnp.bfloat16)
     args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids))
     outs = {u: np.asarray(int4_expert_matmul(*args, unpack=u, interpret=interpret).astype(jnp.float32))
-            for u in (*int4_moe.UNPACK_MODES, None)}
+            for u in int4_moe.UNPACK_MODES}
     np.testing.assert_array_equal(outs["bf16x2"], outs["f32"])
-    np.testing.assert_array_equal(outs[None], outs["bf16x2_fma"])
-    ref = int4_expert_matmul_ref(x, packed, scale, ids)
-    for u in ("bf16x2", "bf16x2_fma"):
-        assert_close(outs[u], ref, TOL[jnp.bfloat16], u)
-    own = np.einsum("pk,pnk->pn", x.astype(np.float64), fma_weights_ref(packed, scale)[ids])
-    assert_close(outs["bf16x2_fma"], own, 2.0**-8, "bf16x2_fma vs its weights")
-    assert not np.array_equal(outs["bf16x2_fma"], outs["bf16x2"])  # other rounding: the offset path did run
-
-
-def test_fma_offset_sums_are_group_sums(rng):
-    """The offset's MMA operand: per scale group of the nibble-major rows, hi + lo = the fp32 sum of the group."""
-    plan = int4_moe._make_plan(4, 512, 32, GROUP, 16, None, None)
-    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
-    sums = np.asarray(int4_moe._offset_sums(int4_moe._nibble_major(x, plan.words), plan).astype(jnp.float32))
-    want = np.asarray(x.astype(jnp.float32), np.float64).reshape(4, -1, GROUP).sum(-1)
-    np.testing.assert_allclose(sums[:, 0::2] + sums[:, 1::2], want, rtol=2.0**-16, atol=1e-6)
-    assert np.abs(sums[:, 1::2]).max() > 0  # the lo parts carry the rounding of hi
-
-
-def test_fma_needs_whole_offset_steps(rng):
-    """bf16x2_fma needs 8 scale groups a K tile: asked on 4, it is refused; by default such tiles run bf16x2."""
-    packed, scale = random_int4(rng, E, 32, 128)  # K = 128: 16 words, one K tile of 4 groups
-    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.bfloat16)
-    args = (x, jnp.asarray(packed), jnp.asarray(scale), jnp.zeros((3,), jnp.int32))
-    with pytest.raises(ValueError, match="scale groups"):
-        int4_expert_matmul(*args, unpack="bf16x2_fma")
-    np.testing.assert_array_equal(np.asarray(int4_expert_matmul(*args).astype(jnp.float32)),
-                                  np.asarray(int4_expert_matmul(*args, unpack="bf16x2").astype(jnp.float32)))
+    assert_close(outs["bf16x2"], int4_expert_matmul_ref(x, packed, scale, ids), TOL[jnp.bfloat16], "bf16x2")
 
 
 @pytest.mark.heavy
@@ -298,10 +261,9 @@ def test_bf16x2_rejects_fp32_activations_and_unknown_modes(rng):
         int4_moe_ffn(x, idx, weights, *w, unpack="int8")
 
 
-@pytest.mark.parametrize("unpack", ["bf16x2", "bf16x2_fma"])
 @pytest.mark.parametrize("m", [1, 64])
-def test_bf16x2_lowers_for_h200(m, unpack):
-    fn = functools.partial(int4_moe_ffn, unpack=unpack, interpret=False)
+def test_bf16x2_lowers_for_h200(m):
+    fn = functools.partial(int4_moe_ffn, unpack="bf16x2", interpret=False)
     text = lower_for_h200(fn, *ffn_specs(m, 7168, 2048, 384, 8, jnp.bfloat16)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
 
@@ -334,17 +296,12 @@ def test_k26_unpack_variants_bitwise_on_gpu(rng, m):
             for u in int4_moe.UNPACK_MODES}
     assert np.isfinite(outs["f32"]).all() and np.abs(outs["f32"]).max() > 0
     np.testing.assert_array_equal(outs["bf16x2"], outs["f32"])
-    gap = np.linalg.norm(outs["bf16x2_fma"] - outs["bf16x2"]) / np.linalg.norm(outs["bf16x2"])
-    assert 0 < gap < TOL[jnp.bfloat16], f"bf16x2_fma vs bf16x2: rel {gap:.2e}"
     if m <= K26_REF_MAX_TOKENS:
-        ref = int4_moe_ffn_ref(x, idx, weights, *w)
-        for u in ("bf16x2", "bf16x2_fma"):
-            assert_close(outs[u], ref, TOL[jnp.bfloat16], f"K2.6 {u} m={m}")
+        assert_close(outs["bf16x2"], int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], f"K2.6 bf16x2 m={m}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("unpack", ["bf16x2", "bf16x2_fma"])
-def test_bf16x2_compiled_matches_interpreted(rng, unpack):
+def test_bf16x2_compiled_matches_interpreted(rng):
     """The inline PTX against its jnp stand-in (what CPU runs) on a small expert matmul. The weights they form are the
     same bits, but the tensor cores and the CPU dot add the fp32 products in different orders, so a rare output can
     round to the neighbouring bf16 value (1 of 3072 in one H200 run): at most 1 ulp apart, and almost all equal. A
@@ -353,8 +310,8 @@ def test_bf16x2_compiled_matches_interpreted(rng, unpack):
     ids = rng.integers(0, E, 24).astype(np.int32)
     x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
     args = (x, jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids))
-    got = int4_expert_matmul(*args, unpack=unpack, interpret=False)
-    want = int4_expert_matmul(*args, unpack=unpack, interpret=True)
+    got = int4_expert_matmul(*args, unpack="bf16x2", interpret=False)
+    want = int4_expert_matmul(*args, unpack="bf16x2", interpret=True)
     bits = [np.asarray(jax.lax.bitcast_convert_type(a, jnp.int16)).astype(np.int32) for a in (got, want)]
     ulps = np.abs(bits[0] - bits[1])
     assert np.isfinite(np.asarray(want.astype(jnp.float32))).all() and np.abs(bits[1]).max() > 0
