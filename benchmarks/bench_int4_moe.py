@@ -1,7 +1,7 @@
 """INT4 routed-expert FFN on one GPU: the Pallas grouped kernel vs dequantize-then-matmul in XLA vs bf16 experts.
 
     python benchmarks/bench_int4_moe.py [--quick] [--out results.json] [--tune] [--kernel-only] [--unpack f32,bf16x2]
-                                        [--breakdown] [--budget-s 200] [--skew 1.5]
+                                        [--breakdown] [--budget-s 200] [--skew 1.5] [--part-tune] [--unpack-drop]
 
 K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
 routing is random (distinct experts per token; uniform, or Zipf-skewed with --skew, and each row gives the row blocks
@@ -22,6 +22,8 @@ TUNE_TOKENS and reports the best per token count; no new config starts after --b
 hard limit). --part-tune times the gate/up and the down kernel each alone under PART_TUNE configs (tiles, warps,
 stages, N tiles per program) at the --tune-tokens, each with its % of the copy rate. --layouts times the default
 kernel on row-major weights and on tile-major ones in the engine's tiles (`int4_moe.tile_ffn_int4`).
+--unpack-drop times each kernel at the engine's launch with the bf16x2 unpack's sub, then its sub and mul, left out
+(UNPACK_DROPS: wrong values, GPU only), beside the whole unpack: the kernel's time that its ALU work costs.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_util import copy_ceiling, finish_on_sigterm, per_call_s  # noqa: E402
+from pallas_kernels import int4_moe  # noqa: E402
 from pallas_kernels.int4_moe import (DOWN_LAUNCH, GATE_UP_LAUNCH, UNPACK_BF16X2, UNPACK_F32,  # noqa: E402
                                      UNPACK_MODES, Launch, bf16_gather_ffn, bf16_ragged_dot_ffn,
                                      dequant_then_matmul_ffn, ffn_block_m,
@@ -124,6 +127,11 @@ PART_TUNE = {
              Launch(128, 32, 4, n_per_program=1)),
 }
 BREAKDOWN_PARTS = ("route", "gate_up", "down", "combine")
+# --unpack-drop: the engine's launch of each kernel with instructions left out of its bf16x2 unpack (wrong values,
+# timing only), against the whole unpack: how much of the kernel's time its ALU work costs. "sub, mul": each plane
+# is the magic-ORed nibble itself.
+UNPACK_DROPS = {"none": (), "sub": ("sub.rn.bf16x2",), "sub, mul": ("sub.rn.bf16x2", "mul.rn.bf16x2")}
+BF16X2_MUL = "mul.rn.bf16x2 $0, u, $3;"  # the unpack's last instruction, which writes the plane
 
 
 CPU_UNPACK_NOTE = "CPU: bf16x2 runs its jnp stand-in in the Pallas interpreter, not the inline PTX (needs a GPU)"
@@ -290,20 +298,22 @@ def run_breakdown(row: dict, sets, w4, shape: Shape, interpret: bool, whole) -> 
         row["bd_error"] = short_error(e)
 
 
-def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: float) -> None:
-    """Gate/up and down each alone (inputs precomputed, as --breakdown) under each PART_TUNE config, tile-major at
-    the config's tiles: ms, % of the copy rate for the part's bytes (its share of the distinct experts' words and
-    scales), and whether the routed pairs' output bits equal the first config's (K tiles of another width add in
-    another order: expected to differ in the last bits)."""
+def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: float, configs_by_part=None,
+                  tag: str = "pt", loads_only: bool = True) -> None:
+    """Gate/up and down each alone (inputs precomputed, as --breakdown) under each PART_TUNE config (or
+    configs_by_part's), tile-major at the config's tiles: ms, % of the copy rate for the part's bytes (its share of
+    the distinct experts' words and scales), and whether the routed pairs' output bits equal the first config's (K
+    tiles of another width add in another order: expected to differ in the last bits). Row keys start with `tag`;
+    loads_only: also the first config's loads alone."""
     kw = dict(interpret=interpret)
     route = jax.jit(lambda x, i: moe_route(x, i, shape.experts, group_size=shape.group))
     routed = [route(x, i) for x, i, _ in sets]
     tile = functools.partial(jax.jit, static_argnames=("block_n", "block_w"))(tile_int4)
     hs = None
-    for part, configs in PART_TUNE.items():
+    for part, configs in (configs_by_part or PART_TUNE).items():
         first = None
         for cfg in configs:
-            key = f"pt_{part}_{part_key(cfg)}"
+            key = f"{tag}_{part}_{part_key(cfg)}"
             if time.perf_counter() > deadline:
                 row[f"{key}_error"] = "skipped: --budget-s reached"
                 continue
@@ -328,12 +338,12 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                         grouped_int4_matmul(hp, ((w[0], w[1]),), layout, nibble_major=True, **o))
                     args = [(r[0], h) + tuple(ws) for r, h in zip(routed, hs)]
                 row[f"{key}_ms"] = per_call_s(fn, args) * 1e3
-                if cfg is configs[0]:  # the same launch's loads alone (no unpack, no MMA): its access pattern
+                if loads_only and cfg is configs[0]:  # the same launch's loads alone (no unpack, no MMA)
                     try:
                         loads = functools.partial(fn, o=dict(opts, loads_only=True))
-                        row[f"pt_{part}_loads_only_ms"] = per_call_s(loads, args) * 1e3
+                        row[f"{tag}_{part}_loads_only_ms"] = per_call_s(loads, args) * 1e3
                     except Exception as e:  # noqa: BLE001
-                        row[f"pt_{part}_loads_only_error"] = short_error(e)
+                        row[f"{tag}_{part}_loads_only_error"] = short_error(e)
                 rows_used = routed[0][0].dest  # rows outside every slot's blocks stay unwritten (garbage)
                 out = np.asarray(jax.jit(fn)(*args[0])[rows_used].astype(jnp.float32))
                 first = out if first is None else first
@@ -342,10 +352,54 @@ def run_part_tune(row: dict, sets, w4, shape: Shape, interpret: bool, deadline: 
                 del ws
             except Exception as e:  # noqa: BLE001
                 row[f"{key}_error"] = short_error(e)
-        timed = {part_key(c): row[f"pt_{part}_{part_key(c)}_ms"] for c in configs
-                 if f"pt_{part}_{part_key(c)}_ms" in row}
+        timed = {part_key(c): row[f"{tag}_{part}_{part_key(c)}_ms"] for c in configs
+                 if f"{tag}_{part}_{part_key(c)}_ms" in row}
         if timed:
-            row[f"pt_{part}_best"] = min(timed, key=timed.get)
+            row[f"{tag}_{part}_best"] = min(timed, key=timed.get)
+
+
+def dropped_asm(drops: tuple[str, ...]):
+    """`int4_moe._bf16x2_asm` without the lines that start with `drops` (the plane then written from u, the
+    magic-ORed nibble, if the mul that writes it is dropped)."""
+    real = int4_moe._bf16x2_asm
+
+    def asm(k: int) -> str:
+        lines = real(k).split("\n")
+        if BF16X2_MUL not in lines:
+            raise RuntimeError(f"--unpack-drop: the unpack no longer ends in {BF16X2_MUL!r}: update UNPACK_DROPS")
+        lines = [line for line in lines if not line.startswith(drops)]
+        return "\n".join(lines if BF16X2_MUL in lines else lines[:-1] + ["mov.b32 $0, u;", lines[-1]])
+    return asm
+
+
+def run_unpack_drop(row: dict, sets, w4, shape: Shape, deadline: float) -> None:
+    """Each kernel at the engine's launch with each UNPACK_DROPS variant of its bf16x2 unpack (compiled only: the
+    interpreter runs no inline PTX). Keys `drop_<name>_<part>_<launch>_ms`."""
+    real = int4_moe._bf16x2_asm
+    launches = {"gate_up": (GATE_UP_LAUNCH,), "down": (DOWN_LAUNCH,)}
+    try:
+        for name, drops in UNPACK_DROPS.items():
+            int4_moe._bf16x2_asm = dropped_asm(drops) if drops else real
+            run_part_tune(row, sets, w4, shape, False, deadline, launches, tag=f"drop_{name.replace(', ', '_')}",
+                          loads_only=False)
+    finally:
+        int4_moe._bf16x2_asm = real
+
+
+def unpack_drop_markdown(rows: list[dict], copy_bw: float) -> str:
+    """One line per (kernel, dropped instructions): ms and % copy at each token count."""
+    rows = [r for r in rows if any(k.startswith("drop_") for k in r)]
+    if not rows:
+        return ""
+    lines = ["| kernel | left out of the unpack | " + " | ".join(f"{r['tokens']} tok ms (% copy)" for r in rows) + " |",
+             "|---|---|" + "---|" * len(rows)]
+    for part, launch in (("gate_up", GATE_UP_LAUNCH), ("down", DOWN_LAUNCH)):
+        for name in UNPACK_DROPS:
+            key = f"drop_{name.replace(', ', '_')}_{part}_{part_key(launch)}_ms"
+            cells = [f"{t:.3f} ({100 * part_bytes(r, part) / (t * 1e-3) / copy_bw:.0f}%)" if (t := r.get(key))
+                     else "—" for r in rows]
+            lines.append(f"| {part} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def part_bytes(row: dict, part: str) -> float:
@@ -400,7 +454,8 @@ def run_layouts(row: dict, sets, w4, w4t, ffn) -> None:
 
 def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True,
               unpacks=(UNPACK_F32,), breakdown: bool = False, deadline: float = float("inf"),
-              tune_at: tuple[int, ...] = TUNE_TOKENS, layouts: bool = False, part_tune: bool = False) -> None:
+              tune_at: tuple[int, ...] = TUNE_TOKENS, layouts: bool = False, part_tune: bool = False,
+              unpack_drop: bool = False) -> None:
     """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
     keys = jax.random.split(jax.random.key(0), 3)
     w4 = []
@@ -443,6 +498,8 @@ def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool
             run_tune(row, sets, w4, interpret, deadline)
         if part_tune and tokens in tune_tokens:
             run_part_tune(row, sets, w4, shape, interpret, deadline)
+        if unpack_drop and tokens in tune_tokens and not interpret:
+            run_unpack_drop(row, sets, w4, shape, deadline)
         try:  # the first variant against the XLA baseline on one input set (both bf16: loose, catches wrong experts)
             if unpacks[0] in outs:
                 want = np.asarray(deq(*sets[0], *w4).astype(jnp.float32))
@@ -612,6 +669,8 @@ def main(argv=None):
                         help="also time the default kernel on tile-major weights (`tile_int4`) next to row-major")
     parser.add_argument("--part-tune", action="store_true",
                         help="time gate/up and down each alone under PART_TUNE configs at --tune-tokens")
+    parser.add_argument("--unpack-drop", action="store_true",
+                        help="time each kernel at --tune-tokens with parts of its bf16x2 unpack left out (GPU only)")
     parser.add_argument("--unpack", default=f"{UNPACK_F32},{UNPACK_BF16X2}",
                         help=f"comma-separated INT4 unpack variants to time side by side, from {UNPACK_MODES}")
     args = parser.parse_args(argv)
@@ -637,13 +696,14 @@ def main(argv=None):
     try:
         run_sweep(rows, shape, interpret=not on_gpu, dtype=dtype, tune=args.tune, baselines=not args.kernel_only,
                   unpacks=unpacks, breakdown=args.breakdown, deadline=t0 + args.budget_s,
-                  tune_at=tuple(args.tune_tokens), layouts=args.layouts, part_tune=args.part_tune)
+                  tune_at=tuple(args.tune_tokens), layouts=args.layouts, part_tune=args.part_tune,
+                  unpack_drop=args.unpack_drop)
     finally:  # print whatever finished, even after an unexpected failure
         result = dict(device=device, copy_gbps=copy_bw / 1e9, shape=dataclasses.asdict(shape), rows=rows,
                       unpacks=unpacks, int4_bytes_per_expert=int4_expert_bytes(shape),
                       total_s=time.perf_counter() - t0)
         extra = [t for t in (layout_markdown(rows, copy_bw), breakdown_markdown(rows), tune_markdown(rows),
-                             part_tune_markdown(rows, copy_bw)) if t]
+                             part_tune_markdown(rows, copy_bw), unpack_drop_markdown(rows, copy_bw)) if t]
         print("\n\n".join([markdown(rows, copy_bw), unpack_markdown(rows, copy_bw, unpacks), *extra])
               + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
         if args.out:

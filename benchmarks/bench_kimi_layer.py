@@ -53,7 +53,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from trace_parts import command_buffers_off, gpu_kernels, hlo_scopes, part_times, top_kernels  # (no jax inside)
+from trace_parts import busy_time, command_buffers_off, gpu_kernels, hlo_scopes, part_times, top_kernels  # no jax
 
 if __name__ == "__main__" and "--trace" in sys.argv[1:]:  # before jax reads XLA_FLAGS: kernels must name their op
     command_buffers_off()
@@ -427,8 +427,8 @@ class Runner:
                 row.update(per_step_ms(self.args.steps, [median_s(steps_of(k), min_reps=3, max_reps=10,
                                                                   min_total_s=0.1) for k in self.args.steps]))
                 if self.args.trace:
-                    row["parts_us_per_step"], row["top_kernels_us_per_step"] = self.trace_parts(
-                        f"{mode}_{layout}_b{bt}_n{n}_p{prefix}", compiled, steps_of)
+                    row["parts_us_per_step"], row["top_kernels_us_per_step"], row["gpu_time_per_step"] = \
+                        self.trace_parts(f"{mode}_{layout}_b{bt}_n{n}_p{prefix}", compiled, steps_of)
                 self.bytes_of(row, np.mean(np.stack([np.asarray(d) for d in distinct]), axis=0), bt * prefix)
                 if mode == "skip":  # routed experts not read
                     row["bytes"] -= row["expert_bytes"]
@@ -437,9 +437,10 @@ class Runner:
         except Exception as e:  # noqa: BLE001  (OOM / compile failure: record and go on)
             self.record({**base, "error": short_error(e), "oom": is_oom(e)})
 
-    def trace_parts(self, tag: str, compiled: dict, steps_of) -> tuple[dict[str, float], dict[str, dict]]:
-        """µs of GPU kernel time per step by part (attention, experts, shared expert, router, dense MLP, head, other)
-        and each part's largest kernels, from a profiler trace of one call of the longest loop."""
+    def trace_parts(self, tag: str, compiled: dict, steps_of) -> tuple[dict[str, float], dict[str, dict], dict]:
+        """µs of GPU kernel time per step by part (attention, experts, shared expert, router, dense MLP, head, other),
+        each part's largest kernels, and the kernels' launches, busy and span µs per step (`trace_parts.busy_time`),
+        from a profiler trace of one call of the longest loop."""
         k = max(compiled)
         scopes = hlo_scopes(compiled[k].as_text(), layer_part)
         trace_dir = os.path.join(self.args.trace, tag)
@@ -452,7 +453,8 @@ class Runner:
             f.write(compiled[k].as_text())
         with open(os.path.join(trace_dir, TRACE_KERNELS), "w") as f:
             json.dump(every, f, indent=1)
-        return part_times(*args), {part: dict(list(names.items())[:TOP_KERNELS]) for part, names in every.items()}
+        top = {part: dict(list(names.items())[:TOP_KERNELS]) for part, names in every.items()}
+        return part_times(*args), top, busy_time(kernels, k)
 
     def ar_breakdown(self):
         """The AR step (N = 1) side by side with the same step without the routed experts and with the head alone:
@@ -669,11 +671,14 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
     if traced:
         parts = sorted({p for r in traced for p in r["parts_us_per_step"]})
         lines += ["", "GPU kernel µs per step by part (--trace):", "",
-                  "| MoE | batch | N | prefix | " + " | ".join(parts) + " | sum |", "|---" * (len(parts) + 5) + "|"]
+                  "| MoE | batch | N | prefix | " + " | ".join(parts) + " | sum | launches | busy | span |",
+                  "|---" * (len(parts) + 8) + "|"]
         for r in traced:
-            got = r["parts_us_per_step"]
+            got, gpu = r["parts_us_per_step"], r.get("gpu_time_per_step", {})
             lines.append(f"| {moe_label(r)} | {r['batch']} | {r['nodes']} | {r['prefix']} | "
-                         + " | ".join(f"{got.get(p, 0.0):.1f}" for p in parts) + f" | {sum(got.values()):.1f} |")
+                         + " | ".join(f"{got.get(p, 0.0):.1f}" for p in parts) + f" | {sum(got.values()):.1f} | "
+                         + " | ".join(f"{gpu[k]:.1f}" if k in gpu else "—" for k in ("kernels", "busy_us", "span_us"))
+                         + " |")
     return "\n".join(lines)
 
 

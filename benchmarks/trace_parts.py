@@ -106,6 +106,20 @@ def part_times(kernels: list[dict], scopes: Mapping[str, str], part_of: PartOf, 
     return dict(acc)
 
 
+def busy_time(kernels: list[dict], per: int) -> dict[str, float]:
+    """Per `per` steps: kernel launches, µs in which some kernel ran (overlaps counted once) and µs from the first
+    kernel's start to the last one's end. span - busy is time the GPU sat idle between kernels (launch latency, host
+    round trips of loop predicates), which no kernel's speed-up recovers."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        stop = e["ts"] + e["dur"]
+        if stop > end:
+            busy += stop - max(e["ts"], end)
+            end = stop
+    span = end - min(e["ts"] for e in kernels) if kernels else 0.0
+    return dict(kernels=len(kernels) / per, busy_us=busy / per, span_us=span / per)
+
+
 def top_kernels(kernels: list[dict], scopes: Mapping[str, str], part_of: PartOf, pallas_parts: Mapping[str, str],
                 outside: str, per: int, n: int | None = 8) -> dict[str, dict[str, float]]:
     """The n kernels (by name, launches of one name added; None: all) that take the most µs per `per` in each part:

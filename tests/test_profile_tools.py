@@ -98,6 +98,23 @@ def _check_attribution(rng, cases, scopes, part_of, pallas_parts, outside):
     assert {part: set(names) for part, names in every.items()} == {part: set(n) for part, n in by_name.items()}
 
 
+def test_busy_time_counts_overlaps_once_and_idle_gaps_not_at_all(rng):
+    """Random kernels on a numpy timeline (1 µs cells): busy = the cells some kernel covers, span = first start to
+    last end, launches per step; the events come unsorted."""
+    steps = int(rng.integers(1, 5))
+    starts = rng.integers(0, 400, 30)
+    durs = rng.integers(1, 40, 30)
+    covered = np.zeros(500, bool)
+    for a, d in zip(starts, durs):
+        covered[a:a + d] = True
+    events = [{"name": "k", "ts": float(a), "dur": float(d)} for a, d in zip(starts, durs)]
+    got = trace_parts.busy_time([events[i] for i in rng.permutation(len(events))], steps)
+    assert got["kernels"] == pytest.approx(30 / steps)
+    assert got["busy_us"] == pytest.approx(covered.sum() / steps)
+    assert got["span_us"] == pytest.approx((max(starts + durs) - min(starts)) / steps)
+    assert got["busy_us"] < got["span_us"] or covered[min(starts):max(starts + durs)].all()
+
+
 def test_layer_kernels_attribute_to_step_parts(rng):
     """bench_kimi_layer --trace: the model's named scopes survive compilation, so the compiled step's instructions
     name every part (attention, routed experts, shared expert, router, dense MLP, head), and kernels sum per part."""
