@@ -71,7 +71,7 @@ from kdtree_jax.layers import rms_norm  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
 from kdtree_jax.moe import tile_experts  # noqa: E402
 from kdtree_jax.speculative import aligned_rows  # noqa: E402
-from pallas_kernels.int4_moe import int4_moe_ffn  # noqa: E402
+from pallas_kernels.int4_moe import UNPACK_MODES, int4_moe_ffn  # noqa: E402
 from pallas_kernels.verify_attn import BACKENDS  # noqa: E402
 
 N_SETS = 2  # prefill: token sets cycled per timing (different routing each call)
@@ -187,10 +187,11 @@ def int4_expert_bytes(cfg) -> int:
 
 # ---- MoE swap (local wrapper, active only while tracing) ---------------------------------------------------------
 @contextlib.contextmanager
-def moe_experts(mode: str, record: list, interpret: bool, expert_pool: int | None = None):
+def moe_experts(mode: str, record: list, interpret: bool, expert_pool: int | None = None, unpack: str | None = None):
     """Route the model's MoE expert computation through `mode` ("kernel" | "as_is" | "skip"), recording each layer's
     idx. "skip" returns zeros for the routed experts (router, shared expert and the rest still run): the AR breakdown's
-    step without the routed experts. expert_pool P ("kernel" only): expert ids folded to id mod P before the kernel.
+    step without the routed experts. expert_pool P ("kernel" only): expert ids folded to id mod P before the kernel;
+    unpack: the kernel's INT4 unpack (`int4_moe.UNPACK_MODES`; None: its default).
 
     The model's own path choice is pinned to the XLA shape rule (gather / dense) while tracing, so that on a GPU,
     where "auto" would pick the kernel itself, both modes pass through the recording wrappers below."""
@@ -203,7 +204,7 @@ def moe_experts(mode: str, record: list, interpret: bool, expert_pool: int | Non
         idx = idx if expert_pool is None else idx % expert_pool
         record.append(idx)
         ws = [getattr(moe, n)[...] for n in ROUTED]
-        return int4_moe_ffn(x, idx, weights, *ws, interpret=interpret).astype(x.dtype)
+        return int4_moe_ffn(x, idx, weights, *ws, unpack=unpack, interpret=interpret).astype(x.dtype)
 
     def wrap(fn):
         def experts(moe, x, weights, idx):
@@ -236,7 +237,7 @@ def _distinct(record: list, n_experts: int) -> jax.Array:
 
 
 def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool, attn_backend: str | None = None,
-                expert_pool: int | None = None):
+                expert_pool: int | None = None, unpack: str | None = None):
     """One jit running a verify step once per token set ([calls, Bt, N]) in a loop that threads the cache: the
     host dispatch (tens of µs) is paid once per `calls` steps, as in the engine's compiled decode loop. Returns
     (a logit sum that keeps every step alive, the cache, mean distinct experts per MoE layer)."""
@@ -248,7 +249,7 @@ def make_verify(graphdef, cfg, mode: str, use_pallas: bool, interpret: bool, att
         def step(i, carry):
             cache, acc, distinct = carry
             record = []
-            with moe_experts(mode, record, interpret, expert_pool):
+            with moe_experts(mode, record, interpret, expert_pool, unpack):
                 out = forward_verify(model, token_sets[i], positions, start, mask, cache, use_pallas=use_pallas,
                                      interpret=interpret, attn_backend=attn_backend)
             return out.cache, acc + out.logits[0, 0, 0], distinct + _distinct(record, cfg.n_routed_experts)
@@ -395,7 +396,7 @@ class Runner:
         try:
             t_c = time.perf_counter()
             jitted = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret,
-                                 self.attn_backend, base.get("expert_pool"))
+                                 self.attn_backend, base.get("expert_pool"), self.args.int4_unpack)
             cache = LatentCache(latent=jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, bt, capacity,
                                                                              cfg.latent_dim), self.dtype))
             mask = ancestor_mask(rng, bt, n)
@@ -746,6 +747,8 @@ def main(argv=None):
     parser.add_argument("--expert-pools", type=int, nargs="+", metavar="P",
                         help="also run each kernel-MoE point with the expert ids folded onto the first P experts "
                              "(distinct experts varied at a fixed batch, for the cost model)")
+    parser.add_argument("--int4-unpack", choices=UNPACK_MODES, default=None,
+                        help="the kernel MoE's INT4 unpack in the verify / AR steps (default: the kernel's own)")
     parser.add_argument("--refit", metavar="JSON", nargs="+",
                         help="refit the cost model of saved --out files, as one (no GPU needed)")
     args = parser.parse_args(argv)
@@ -775,7 +778,7 @@ def main(argv=None):
           f"{peak / 1e12:.0f} TFLOP/s\n", flush=True)
     finish_on_sigterm()
     runner, result = None, dict(device=device, copy_gbps=copy_bw / 1e9, matmul_tflops=peak / 1e12,
-                                layers=args.layers)
+                                layers=args.layers, int4_unpack=args.int4_unpack)
     try:
         runner = Runner(cfg, sweep, args, interpret=not on_gpu, dtype=dtype)
         result["weight_bytes"] = runner.wbytes

@@ -47,7 +47,11 @@ activations only) forms two weights per instruction in inline PTX (~2.9 per weig
 round-trips the dequantized tile through shared memory: Triton loads the packed words straight into the mma operand
 layout (no STS in the K loop), so the unpack ALU work, not layout conversion, is what the variants differ in.
 The default (`unpack=None`) is bf16x2 for bf16 activations: 1.32-1.34x faster on the H200 at 1, 16 and 256 tokens,
-same output bits (BENCHMARKS.md §4a); f32 otherwise.
+same output bits (BENCHMARKS.md §4a); f32 otherwise. "fp16" runs the dot in fp16: fp16 1024.0 leaves room for a
+nibble in either half of a byte, so no shift extracts the odd planes (sm_90 K loop, gate/up at 136 tokens: 1291
+instructions, bf16x2 1369), and (nib - 8) * scale is exact in fp16's 11 bits. The FFN (`int4_moe_ffn`) then converts
+x and keeps h in fp16, both saturating at fp16's range, and returns y in the caller's dtype; with fp16 activations it
+is the default, and f32 gives the same bits.
 
 Axes: M tokens, k experts per token, P = M*k pairs, E experts, D hidden, I expert width, K input dim, N output dim,
 R padded routed rows, S slots, RB = R / block_m row blocks.
@@ -115,7 +119,8 @@ MAGIC = float(1 << 23)
 # bf16x2 unpack (sm_90 PTX): one register holds two bf16 lanes (low half = element i, high half = element i+1)
 UNPACK_F32 = "f32"  # nibble -> fp32 (mantissa trick), * scale in fp32, round to the compute dtype
 UNPACK_BF16X2 = "bf16x2"  # inline PTX: two weights per instruction, straight into bf16 pairs
-UNPACK_MODES = (UNPACK_F32, UNPACK_BF16X2)
+UNPACK_FP16 = "fp16"  # inline PTX into fp16 pairs, no shift for odd nibbles; fp16 activations (the FFN converts)
+UNPACK_MODES = (UNPACK_F32, UNPACK_BF16X2, UNPACK_FP16)
 BF16X2_MAGIC = 0x43004300  # bf16 128.0 in both halves: ORing a nibble into the mantissa gives 128 + nibble exactly
 BF16X2_BIAS = 0x43084308  # bf16 136.0 = 128 + INT4_OFFSET in both halves: (128 + nib) - 136 = nib - 8 exactly
 BF16X2_NIBBLE_MASK = 0x000F000F  # the low nibble of each 16-bit half
@@ -123,6 +128,14 @@ LOP3_AND_OR = 0xEA  # lop3 truth table of (a & b) | c
 BYTES_PER_WORD = 4
 PRMT_HIGH_WORD = 4  # prmt selects bytes 4..7 from its second operand
 PRMT_BYTE2_SHIFT = 8  # a prmt selector holds one 4-bit source index per output byte: byte 2's sits at bits 8..11
+# fp16x2 unpack: fp16 1024.0 has ulp 1 and 10 mantissa bits, so a byte's low nibble ORed in gives 1024 + nib and its
+# high nibble, left in place, 1024 + 16 * nib: both exact, no shift
+FP16X2_MAGIC = 0x64006400  # fp16 1024.0 in both halves
+FP16X2_MASKS = (0x000F000F, 0x00F000F0)  # a byte's low / high nibble in each 16-bit half
+FP16X2_LOW_BIAS = 0x64086408  # fp16 1032.0 = 1024 + INT4_OFFSET: (1024 + nib) - 1032 = nib - 8 exactly
+FP16X2_SIXTEENTH = 0x2C002C00  # fp16 1/16: (1024 + 16 * nib) / 16 - 72 = nib - 8 exactly, in one fma
+FP16X2_HIGH_BIAS = 0xD480D480  # fp16 -72.0 = -(1024 / 16 + INT4_OFFSET)
+FP16_MAX = 65504.0  # the largest finite fp16: fp16 activations and outputs saturate here instead of overflowing
 
 
 # ---- routing layout (XLA) ---------------------------------------------------------------------------------------
@@ -359,10 +372,51 @@ def _planes_bf16x2(words, sc, *, interpret: bool):
                                        result_shape_dtypes=[out])[0] for k in range(NIBBLES_PER_WORD)]
 
 
+def _fp16x2_asm(k: int) -> str:
+    """PTX for plane k of two words (pack=2) as one fp16x2 register: (nib - 8) * scale, exact.
+
+    prmt gathers byte k//2 of both words into the two 16-bit halves, as in `_bf16x2_asm`; one lop3 keeps that byte's
+    low (even k) or high (odd k) nibble in place and ORs in fp16 1024.0, so no shift is needed: the half is 1024 + nib
+    or 1024 + 16 * nib. sub.f16x2 of 1032, or fma.f16x2 by 1/16 plus -72, gives nib - 8 exactly, and mul.rn.f16x2
+    by the two scales is exact too: |nib - 8| <= 8 takes 3 significant bits and a bf16 scale 8, within fp16's 11.
+    Operands as `_bf16x2_asm`'s, $3 the two scales in fp16."""
+    byte, high = divmod(k, 2)
+    if high:
+        shift = [f"mov.b32 a, {FP16X2_SIXTEENTH:#010x};", f"mov.b32 c, {FP16X2_HIGH_BIAS:#010x};",
+                 "fma.rn.f16x2 u, u, a, c;"]
+    else:
+        shift = [f"mov.b32 c, {FP16X2_LOW_BIAS:#010x};", "sub.f16x2 u, u, c;"]
+    return "\n".join(["{", ".reg .b32 t, u, a, c;", f"prmt.b32 t, $1, $2, {prmt_selector(byte):#x};",
+                      f"lop3.b32 u, t, {FP16X2_MASKS[high]:#010x}, {FP16X2_MAGIC:#010x}, {LOP3_AND_OR:#x};",
+                      *shift, "mul.rn.f16x2 $0, u, $3;", "}"])
+
+
+def _planes_fp16(words, sc, *, interpret: bool):
+    """The eight dequantized planes of a [bn, bw] word tile in fp16 (sc: [bn, bw] fp16 scale of each word): the exact
+    weights (`_fp16x2_asm`). Interpreted: the same values in jnp (the fp32 product is exact, and so is its cast)."""
+    if interpret:
+        return [(_nibble_f32(words, k) * sc.astype(jnp.float32)).astype(jnp.float16) for k in range(NIBBLES_PER_WORD)]
+    out = jax.ShapeDtypeStruct(words.shape, jnp.float16)
+    return [plt.elementwise_inline_asm(_fp16x2_asm(k), args=[words, sc], constraints="=r,r,r,r", pack=2,
+                                       result_shape_dtypes=[out])[0] for k in range(NIBBLES_PER_WORD)]
+
+
+def to_fp16(x: jax.Array) -> jax.Array:
+    """x in fp16, values past fp16's range saturated to +-FP16_MAX rather than turned into infinities."""
+    return jnp.clip(x.astype(jnp.float32), -FP16_MAX, FP16_MAX).astype(jnp.float16)
+
+
 def _planes_f32(words, sc, cdt):
     """The eight dequantized planes of a [bn, bw] word tile in cdt: fp32 nibble times fp32 scale, rounded once."""
     sc = sc.astype(jnp.float32)
     return [(_nibble_f32(words, k) * sc).astype(cdt) for k in range(NIBBLES_PER_WORD)]
+
+
+def _round_to(y, dtype):
+    """fp32 y in dtype; into fp16 saturating at +-FP16_MAX (an fp16 h must not hand the next kernel infinities)."""
+    if jnp.dtype(dtype) == jnp.float16:
+        y = jnp.clip(y, -FP16_MAX, FP16_MAX)
+    return y.astype(dtype)
 
 
 def _silu_mul(g, u):
@@ -419,6 +473,8 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
             sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
             if unpack == UNPACK_BF16X2:
                 planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret)
+            elif unpack == UNPACK_FP16:
+                planes = _planes_fp16(words, sc.astype(jnp.float16), interpret=interpret)
             else:
                 planes = _planes_f32(words, sc, cdt)
             for k in range(NIBBLES_PER_WORD):
@@ -433,7 +489,7 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
 
     def store(r0, jn, accs):
         y = sum(accs) if plan.loads_only else _silu_mul(*accs) if swiglu else accs[0]
-        y = y.astype(out_refs[0].dtype)
+        y = _round_to(y, out_refs[0].dtype)
         y = y.T if plan.swap_ab else y
         if plan.out_nibble_major:  # out [R, 8, N/8]: column 8i + k of this tile goes to [k, jn*bn/8 + i]
             w0 = pl.multiple_of(jn * (bn // NIBBLES_PER_WORD), bn // NIBBLES_PER_WORD)
@@ -470,14 +526,20 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
     pl.when(n_live > 0)(row_block)
 
 
+UNPACK_DTYPES = {UNPACK_BF16X2: jnp.bfloat16, UNPACK_FP16: jnp.float16}  # the activations each PTX unpack feeds
+
+
 def _resolve_unpack(unpack: str | None, dtype) -> str:
-    """bf16x2 rounds the weights to bf16: only right when the dot runs in bf16 anyway, and then the default."""
+    """A PTX unpack forms weights in its own 16-bit type, so the dot must run in it: for bf16 / fp16 activations it is
+    the default, f32 otherwise."""
     if unpack is None:
-        return UNPACK_BF16X2 if jnp.dtype(dtype) == jnp.bfloat16 else UNPACK_F32
+        return next((u for u, d in UNPACK_DTYPES.items() if jnp.dtype(dtype) == d), UNPACK_F32)
     if unpack not in UNPACK_MODES:
         raise ValueError(f"int4 matmul: unpack={unpack!r} must be one of {UNPACK_MODES}")
-    if unpack == UNPACK_BF16X2 and jnp.dtype(dtype) != jnp.bfloat16:
-        raise ValueError(f"int4 matmul: unpack={unpack!r} needs bfloat16 activations, got {jnp.dtype(dtype).name}")
+    want = UNPACK_DTYPES.get(unpack)
+    if want is not None and jnp.dtype(dtype) != want:
+        raise ValueError(f"int4 matmul: unpack={unpack!r} needs {jnp.dtype(want).name} activations, got "
+                         f"{jnp.dtype(dtype).name}")
     return unpack
 
 
@@ -736,7 +798,7 @@ def grouped_int4_matmul(x: jax.Array, weights, layout: RouteLayout, *, row_token
     if split_k == 1:
         return outs[0][:, :n_out]
     accs = [o[:, :, :n_out].sum(axis=0) for o in outs]  # fp32 partials, added in split order
-    y = (_silu_mul(*accs) if swiglu else accs[0]).astype(out_dtype or x.dtype)
+    y = _round_to(_silu_mul(*accs) if swiglu else accs[0], out_dtype or x.dtype)
     return _nibble_major(y, n_out // NIBBLES_PER_WORD) if out_nibble_major else y  # fused into the partials' sum
 
 
@@ -834,11 +896,16 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     the same routing layout; the k expert outputs of a token are combined in fp32. A pair whose id is outside
     0..E-1 is absent (contributes 0, costs nothing): expert parallelism passes other devices' pairs that way, and
     out_dtype=float32 keeps its partial sums unrounded until the cross-device reduction.
+    unpack="fp16": both kernels run in fp16 with exact weights (`_fp16x2_asm`): x is converted and h kept in fp16,
+    saturating at +-FP16_MAX (an expert input past fp16's range is clipped), and y comes back in out_dtype.
     split_k applies to the gate/up call only; gate_up_n_per_program / down_n_per_program are each call's
     n_per_program (see `grouped_int4_matmul`). Launch options left None are each kernel's own (`moe_gate_up`,
     `moe_down`): on tile-major weights from `tile_ffn_int4`, the tuned GATE_UP_LAUNCH / DOWN_LAUNCH.
     """
     _check_ffn(x, idx, weights, (gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))
+    out_dtype = out_dtype or x.dtype
+    if unpack == UNPACK_FP16:  # the kernels run in fp16 (x and h saturating), y comes back in out_dtype
+        x = to_fp16(x)
     route_w = gate_packed.shape[4] if gate_packed.ndim == 5 else block_w  # tile-major weights carry their tiles
     kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, num_stages=num_stages, unpack=unpack,
               interpret=interpret)
@@ -849,9 +916,12 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     h_nibble_major = _h_nibble_major(gate_packed, down_packed, down_scale, block_n, block_w)
     h = moe_gate_up(xt, layout, row_token, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k,
                     n_per_program=gate_up_n_per_program, out_nibble_major=h_nibble_major, **kw)
+    y_dtype = None  # h's
+    if unpack == UNPACK_FP16:  # y in the caller's 16-bit type (bf16 for an fp32 out_dtype, as h's would be)
+        y_dtype = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
     y = moe_down(h, layout, (down_packed, down_scale), n_per_program=down_n_per_program, nibble_major=h_nibble_major,
-                 **kw)  # [R, D]
-    return moe_combine(y, layout, weights, out_dtype or x.dtype)
+                 out_dtype=y_dtype, **kw)  # [R, D]
+    return moe_combine(y, layout, weights, out_dtype)
 
 
 # ---- XLA baselines (benchmarks) ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequa
                                      route_layout_pairwise, route_layout_sorted)
 from pallas_kernels.int4_moe_ref import int4_expert_matmul_ref, int4_moe_ffn_ref
 
-TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
+TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 GROUP = 32
 E, TOP_K = 8, 2
 
@@ -236,9 +236,81 @@ def test_unpack_variants_agree_bitwise_and_match_reference(rng, interpret):
     x = as_input(rng.standard_normal((ids.size, 256)), jnp.bfloat16)
     args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids))
     outs = {u: np.asarray(int4_expert_matmul(*args, unpack=u, interpret=interpret).astype(jnp.float32))
-            for u in int4_moe.UNPACK_MODES}
+            for u in ("f32", "bf16x2")}
     np.testing.assert_array_equal(outs["bf16x2"], outs["f32"])
     assert_close(outs["bf16x2"], int4_expert_matmul_ref(x, packed, scale, ids), TOL[jnp.bfloat16], "bf16x2")
+
+
+@pytest.mark.heavy
+def test_fp16_unpack_forms_the_exact_weights(rng, interpret):
+    """fp16 activations: the fp16 unpack and the fp32 one give the same bits (both form the exact weights: (nib - 8)
+    * scale fits fp16), within fp16 rounding of float64; bf16 activations are refused at the matmul."""
+    packed, scale = random_int4(rng, E, 128, 256)
+    ids = random_routing(rng, 9)[0].reshape(-1)
+    x = as_input(rng.standard_normal((ids.size, 256)), jnp.float16)
+    args = (jnp.asarray(x, jnp.float16), jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids))
+    outs = {u: np.asarray(int4_expert_matmul(*args, unpack=u, interpret=interpret).astype(jnp.float32))
+            for u in ("f32", "fp16", None)}
+    np.testing.assert_array_equal(outs["fp16"], outs["f32"])
+    np.testing.assert_array_equal(outs[None], outs["fp16"])  # the default for fp16 activations
+    assert_close(outs["fp16"], int4_expert_matmul_ref(x, packed, scale, ids), TOL[jnp.float16], "fp16")
+    with pytest.raises(ValueError, match="float16 activations"):
+        int4_expert_matmul(args[0].astype(jnp.bfloat16), *args[1:], unpack="fp16", interpret=interpret)
+
+
+@pytest.mark.heavy
+def test_ffn_fp16_is_closer_to_float64_than_bf16x2(rng, interpret):
+    """A bf16 FFN through the fp16 kernels (x converted, h in fp16, y back in bf16): exact weights and an 11-bit h
+    put it nearer the float64 reference than bf16x2's rounded weights and 8-bit h."""
+    w = make_ffn(rng, 256, 256)
+    idx, weights = random_routing(rng, 7)
+    x = as_input(rng.standard_normal((7, 256)), jnp.bfloat16)
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w))
+    ref = int4_moe_ffn_ref(x, idx, weights, *w)
+    err = {}
+    for u in ("bf16x2", "fp16"):
+        out = int4_moe_ffn(*args, unpack=u, interpret=interpret)
+        assert out.dtype == jnp.bfloat16
+        assert_close(out, ref, TOL[jnp.bfloat16], u)
+        got = np.asarray(out.astype(jnp.float32), np.float64)
+        err[u] = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err["fp16"] < err["bf16x2"], err
+
+
+def test_fp16_saturates_instead_of_overflowing(rng, interpret):
+    """Activations past fp16's range: x is clipped to +-65504 on the way in (not turned into infinities), so the FFN
+    equals the one on the clipped x, and stays finite."""
+    w = make_ffn(rng, 256, 128)
+    idx, weights = random_routing(rng, 3)
+    x = rng.standard_normal((3, 256))
+    x[0, :5] = [1e6, -3e5, 7e4, 65504.0, -1e9]
+    rest = (jnp.asarray(idx), jnp.asarray(weights), *map(jnp.asarray, w))
+    out = np.asarray(int4_moe_ffn(jnp.asarray(x, jnp.bfloat16), *rest, unpack="fp16", interpret=interpret)
+                     .astype(jnp.float32))
+    clipped = jnp.asarray(np.clip(x, -65504.0, 65504.0), jnp.bfloat16)
+    want = np.asarray(int4_moe_ffn(clipped, *rest, unpack="fp16", interpret=interpret).astype(jnp.float32))
+    assert np.isfinite(out).all() and np.abs(out[0]).max() > 1e3
+    np.testing.assert_array_equal(out, want)
+
+
+def test_fp16x2_bit_recipe_decodes_every_nibble(rng):
+    """The fp16 unpack's constants replayed in numpy on random words: prmt gathers the byte, the low or high nibble
+    kept in place with 1024.0 ORed in is 1024 + nib or 1024 + 16 nib, and the sub / fma leave nib - 8."""
+    w0, w1 = (rng.integers(0, 1 << 32, 4096, dtype=np.uint64) for _ in range(2))
+    halves = lambda bits: [((bits >> s) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)  # noqa: E731
+                           for s in (0, 16)]
+    low_bias = halves(np.array(int4_moe.FP16X2_LOW_BIAS, np.uint64))[0]
+    sixteenth, high_bias = (halves(np.array(c, np.uint64))[0] for c in (int4_moe.FP16X2_SIXTEENTH,
+                                                                       int4_moe.FP16X2_HIGH_BIAS))
+    for k in range(8):
+        asm = int4_moe._fp16x2_asm(k)
+        sel = int4_moe.prmt_selector(k // 2)
+        assert f"{sel:#x}" in asm and "shr" not in asm
+        t = _prmt(w0, w1, sel)
+        lanes = halves((t & int4_moe.FP16X2_MASKS[k % 2]) | int4_moe.FP16X2_MAGIC)
+        for lane, word in zip(lanes, (w0, w1)):
+            got = lane * sixteenth + high_bias if k % 2 else lane - low_bias
+            np.testing.assert_array_equal(got, ((word >> (4 * k)) & 0xF).astype(np.float64) - 8, f"plane {k}")
 
 
 @pytest.mark.heavy
@@ -261,9 +333,10 @@ def test_bf16x2_rejects_fp32_activations_and_unknown_modes(rng):
         int4_moe_ffn(x, idx, weights, *w, unpack="int8")
 
 
+@pytest.mark.parametrize("unpack", ["bf16x2", "fp16"])
 @pytest.mark.parametrize("m", [1, 64])
-def test_bf16x2_lowers_for_h200(m):
-    fn = functools.partial(int4_moe_ffn, unpack="bf16x2", interpret=False)
+def test_bf16x2_lowers_for_h200(m, unpack):
+    fn = functools.partial(int4_moe_ffn, unpack=unpack, interpret=False)
     text = lower_for_h200(fn, *ffn_specs(m, 7168, 2048, 384, 8, jnp.bfloat16)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
 
@@ -297,21 +370,24 @@ def test_k26_unpack_variants_bitwise_on_gpu(rng, m):
     assert np.isfinite(outs["f32"]).all() and np.abs(outs["f32"]).max() > 0
     np.testing.assert_array_equal(outs["bf16x2"], outs["f32"])
     if m <= K26_REF_MAX_TOKENS:
-        assert_close(outs["bf16x2"], int4_moe_ffn_ref(x, idx, weights, *w), TOL[jnp.bfloat16], f"K2.6 bf16x2 m={m}")
+        ref = int4_moe_ffn_ref(x, idx, weights, *w)
+        for u in ("bf16x2", "fp16"):
+            assert_close(outs[u], ref, TOL[jnp.bfloat16], f"K2.6 {u} m={m}")
 
 
 @pytest.mark.gpu
-def test_bf16x2_compiled_matches_interpreted(rng):
+@pytest.mark.parametrize("unpack,dtype", [("bf16x2", jnp.bfloat16), ("fp16", jnp.float16)])
+def test_bf16x2_compiled_matches_interpreted(rng, unpack, dtype):
     """The inline PTX against its jnp stand-in (what CPU runs) on a small expert matmul. The weights they form are the
     same bits, but the tensor cores and the CPU dot add the fp32 products in different orders, so a rare output can
-    round to the neighbouring bf16 value (1 of 3072 in one H200 run): at most 1 ulp apart, and almost all equal. A
+    round to the neighbouring 16-bit value (1 of 3072 in one H200 run): at most 1 ulp apart, and almost all equal. A
     wrong nibble or scale would move whole rows by many ulps."""
     packed, scale = random_int4(rng, E, 128, 256)
     ids = rng.integers(0, E, 24).astype(np.int32)
-    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((24, 256)), dtype)
     args = (x, jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(ids))
-    got = int4_expert_matmul(*args, unpack="bf16x2", interpret=False)
-    want = int4_expert_matmul(*args, unpack="bf16x2", interpret=True)
+    got = int4_expert_matmul(*args, unpack=unpack, interpret=False)
+    want = int4_expert_matmul(*args, unpack=unpack, interpret=True)
     bits = [np.asarray(jax.lax.bitcast_convert_type(a, jnp.int16)).astype(np.int32) for a in (got, want)]
     ulps = np.abs(bits[0] - bits[1])
     assert np.isfinite(np.asarray(want.astype(jnp.float32))).all() and np.abs(bits[1]).max() > 0
