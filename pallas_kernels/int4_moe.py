@@ -917,7 +917,7 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     h = moe_gate_up(xt, layout, row_token, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k,
                     n_per_program=gate_up_n_per_program, out_nibble_major=h_nibble_major, **kw)
     y_dtype = None  # h's
-    if unpack == UNPACK_FP16:  # y in the caller's 16-bit type (bf16 for an fp32 out_dtype, as h's would be)
+    if unpack == UNPACK_FP16:  # y in the caller's 16-bit type; bf16 for an fp32 out_dtype (fp16 rows may saturate)
         y_dtype = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
     y = moe_down(h, layout, (down_packed, down_scale), n_per_program=down_n_per_program, nibble_major=h_nibble_major,
                  out_dtype=y_dtype, **kw)  # [R, D]
