@@ -110,13 +110,14 @@ def busy_time(kernels: list[dict], per: int) -> dict[str, float]:
     """Per `per` steps: kernel launches, µs in which some kernel ran (overlaps counted once) and µs from the first
     kernel's start to the last one's end. span - busy is time the GPU sat idle between kernels (launch latency, host
     round trips of loop predicates), which no kernel's speed-up recovers."""
+    ordered = sorted(kernels, key=lambda e: e["ts"])
     busy, end = 0.0, float("-inf")
-    for e in sorted(kernels, key=lambda e: e["ts"]):
+    for e in ordered:
         stop = e["ts"] + e["dur"]
         if stop > end:
             busy += stop - max(e["ts"], end)
             end = stop
-    span = end - min(e["ts"] for e in kernels) if kernels else 0.0
+    span = end - ordered[0]["ts"] if ordered else 0.0
     return dict(kernels=len(kernels) / per, busy_us=busy / per, span_us=span / per)
 
 

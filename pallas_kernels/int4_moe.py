@@ -121,6 +121,7 @@ UNPACK_F32 = "f32"  # nibble -> fp32 (mantissa trick), * scale in fp32, round to
 UNPACK_BF16X2 = "bf16x2"  # inline PTX: two weights per instruction, straight into bf16 pairs
 UNPACK_FP16 = "fp16"  # inline PTX into fp16 pairs, no shift for odd nibbles; fp16 activations (the FFN converts)
 UNPACK_MODES = (UNPACK_F32, UNPACK_BF16X2, UNPACK_FP16)
+UNPACK_DTYPES = {UNPACK_BF16X2: jnp.bfloat16, UNPACK_FP16: jnp.float16}  # each PTX unpack's weights and activations
 BF16X2_MAGIC = 0x43004300  # bf16 128.0 in both halves: ORing a nibble into the mantissa gives 128 + nibble exactly
 BF16X2_BIAS = 0x43084308  # bf16 136.0 = 128 + INT4_OFFSET in both halves: (128 + nib) - 136 = nib - 8 exactly
 BF16X2_NIBBLE_MASK = 0x000F000F  # the low nibble of each 16-bit half
@@ -359,19 +360,6 @@ def _bf16x2_asm(k: int) -> str:
                       "sub.rn.bf16x2 u, u, bias;", "mul.rn.bf16x2 $0, u, $3;", "}"])
 
 
-def _planes_bf16x2(words, sc, *, interpret: bool):
-    """The eight dequantized planes of a [bn, bw] word tile, bf16 (sc: [bn, bw] bf16 scale of each word).
-
-    Compiled: inline PTX, two weights per instruction. Interpreted (inline asm cannot run there): the same values in
-    jnp — (nib - 8) is exact in bf16 and the bf16 product is the exact product rounded once."""
-    if interpret:
-        return [(_nibble_f32(words, k).astype(jnp.bfloat16) * sc).astype(jnp.bfloat16)
-                for k in range(NIBBLES_PER_WORD)]
-    out = jax.ShapeDtypeStruct(words.shape, jnp.bfloat16)
-    return [plt.elementwise_inline_asm(_bf16x2_asm(k), args=[words, sc], constraints="=r,r,r,r", pack=2,
-                                       result_shape_dtypes=[out])[0] for k in range(NIBBLES_PER_WORD)]
-
-
 def _fp16x2_asm(k: int) -> str:
     """PTX for plane k of two words (pack=2) as one fp16x2 register: (nib - 8) * scale, exact.
 
@@ -391,16 +379,6 @@ def _fp16x2_asm(k: int) -> str:
                       *shift, "mul.rn.f16x2 $0, u, $3;", "}"])
 
 
-def _planes_fp16(words, sc, *, interpret: bool):
-    """The eight dequantized planes of a [bn, bw] word tile in fp16 (sc: [bn, bw] fp16 scale of each word): the exact
-    weights (`_fp16x2_asm`). Interpreted: the same values in jnp (the fp32 product is exact, and so is its cast)."""
-    if interpret:
-        return [(_nibble_f32(words, k) * sc.astype(jnp.float32)).astype(jnp.float16) for k in range(NIBBLES_PER_WORD)]
-    out = jax.ShapeDtypeStruct(words.shape, jnp.float16)
-    return [plt.elementwise_inline_asm(_fp16x2_asm(k), args=[words, sc], constraints="=r,r,r,r", pack=2,
-                                       result_shape_dtypes=[out])[0] for k in range(NIBBLES_PER_WORD)]
-
-
 def to_fp16(x: jax.Array) -> jax.Array:
     """x in fp16, values past fp16's range saturated to +-FP16_MAX rather than turned into infinities."""
     return jnp.clip(x.astype(jnp.float32), -FP16_MAX, FP16_MAX).astype(jnp.float16)
@@ -410,6 +388,22 @@ def _planes_f32(words, sc, cdt):
     """The eight dequantized planes of a [bn, bw] word tile in cdt: fp32 nibble times fp32 scale, rounded once."""
     sc = sc.astype(jnp.float32)
     return [(_nibble_f32(words, k) * sc).astype(cdt) for k in range(NIBBLES_PER_WORD)]
+
+
+def _planes_ptx(words, sc, unpack: str, *, interpret: bool):
+    """The eight dequantized planes of a [bn, bw] word tile in the dtype of a PTX unpack (`UNPACK_DTYPES`; sc: [bn, bw]
+    scale of each word).
+
+    Compiled: its inline PTX (`_bf16x2_asm`, `_fp16x2_asm`), two weights per instruction. Interpreted (inline asm
+    cannot run there): `_planes_f32`, the same values: (nib - 8) * scale is exact in fp32 and rounds once into the
+    dtype, as the PTX's last multiply does."""
+    dtype = UNPACK_DTYPES[unpack]
+    if interpret:
+        return _planes_f32(words, sc, dtype)
+    asm = _bf16x2_asm if unpack == UNPACK_BF16X2 else _fp16x2_asm  # looked up per call: benchmarks swap them
+    out = jax.ShapeDtypeStruct(words.shape, dtype)
+    return [plt.elementwise_inline_asm(asm(k), args=[words, sc.astype(dtype)], constraints="=r,r,r,r", pack=2,
+                                       result_shape_dtypes=[out])[0] for k in range(NIBBLES_PER_WORD)]
 
 
 def _round_to(y, dtype):
@@ -471,10 +465,8 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
                 new.append(acc + (part.T if plan.swap_ab else part))
                 continue
             sc = jnp.broadcast_to(sc[:, :, None], (bn, bw // gw, gw)).reshape(bn, bw)  # [bn, bw] per word
-            if unpack == UNPACK_BF16X2:
-                planes = _planes_bf16x2(words, sc.astype(jnp.bfloat16), interpret=interpret)
-            elif unpack == UNPACK_FP16:
-                planes = _planes_fp16(words, sc.astype(jnp.float16), interpret=interpret)
+            if unpack in UNPACK_DTYPES:
+                planes = _planes_ptx(words, sc, unpack, interpret=interpret)
             else:
                 planes = _planes_f32(words, sc, cdt)
             for k in range(NIBBLES_PER_WORD):
@@ -524,9 +516,6 @@ def _kernel(block_expert_ref, block_rows_ref, *refs, plan: _Plan, swiglu: bool, 
             lax.fori_loop(0, plan.n_per_program * k_tiles, step, zeros)
 
     pl.when(n_live > 0)(row_block)
-
-
-UNPACK_DTYPES = {UNPACK_BF16X2: jnp.bfloat16, UNPACK_FP16: jnp.float16}  # the activations each PTX unpack feeds
 
 
 def _resolve_unpack(unpack: str | None, dtype) -> str:
@@ -904,8 +893,10 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     """
     _check_ffn(x, idx, weights, (gate_packed, gate_scale), (up_packed, up_scale), (down_packed, down_scale))
     out_dtype = out_dtype or x.dtype
-    if unpack == UNPACK_FP16:  # the kernels run in fp16 (x and h saturating), y comes back in out_dtype
+    y_dtype = None  # h's
+    if unpack == UNPACK_FP16:  # fp16 kernels, x and h saturating
         x = to_fp16(x)
+        y_dtype = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype  # y unsaturated: caller's 16 bits
     route_w = gate_packed.shape[4] if gate_packed.ndim == 5 else block_w  # tile-major weights carry their tiles
     kw = dict(block_n=block_n, block_w=block_w, num_warps=num_warps, num_stages=num_stages, unpack=unpack,
               interpret=interpret)
@@ -916,9 +907,6 @@ def int4_moe_ffn(x: jax.Array, idx: jax.Array, weights: jax.Array, gate_packed, 
     h_nibble_major = _h_nibble_major(gate_packed, down_packed, down_scale, block_n, block_w)
     h = moe_gate_up(xt, layout, row_token, (gate_packed, gate_scale), (up_packed, up_scale), split_k=split_k,
                     n_per_program=gate_up_n_per_program, out_nibble_major=h_nibble_major, **kw)
-    y_dtype = None  # h's
-    if unpack == UNPACK_FP16:  # y in the caller's 16-bit type; bf16 for an fp32 out_dtype (fp16 rows may saturate)
-        y_dtype = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.float32 else out_dtype
     y = moe_down(h, layout, (down_packed, down_scale), n_per_program=down_n_per_program, nibble_major=h_nibble_major,
                  out_dtype=y_dtype, **kw)  # [R, D]
     return moe_combine(y, layout, weights, out_dtype)

@@ -207,22 +207,22 @@ def _prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
     return sum(src[(selector >> (4 * i)) & 7] << (8 * i) for i in range(4))
 
 
-def _bf16_halves(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A bf16x2 register's (low, high) lanes as float32."""
-    as_f32 = lambda h: ((h & 0xFFFF) << 16).astype(np.uint32).view(np.float32)  # noqa: E731
-    return as_f32(bits), as_f32(bits >> 16)
+def _halves(bits: np.ndarray, dtype=jnp.bfloat16) -> tuple[np.ndarray, np.ndarray]:
+    """A 16-bit-pair register's (low, high) lanes in `dtype` (bf16x2 or fp16x2), as float64."""
+    lane = lambda h: (h & 0xFFFF).astype(np.uint16).view(dtype).astype(np.float64)  # noqa: E731
+    return lane(bits), lane(bits >> 16)
 
 
 def test_bf16x2_bit_recipe_decodes_every_nibble(rng):
     """The constants the inline PTX uses, replayed in numpy on random words: prmt gathers the byte of both words,
     the mask / magic OR gives 128 + nib per lane, minus the bias it is nib - 8, for all eight planes."""
     w0, w1 = (rng.integers(0, 1 << 32, 4096, dtype=np.uint64) for _ in range(2))
-    bias = _bf16_halves(np.array(int4_moe.BF16X2_BIAS, np.uint64))[0]
+    bias = _halves(np.array(int4_moe.BF16X2_BIAS, np.uint64))[0]
     for k in range(8):
         sel = int4_moe.prmt_selector(k // 2)
         assert f"{sel:#x}" in int4_moe._bf16x2_asm(k)
         t = _prmt(w0, w1, sel) >> (int4_moe.NIBBLE_BITS * (k % 2))
-        lo, hi = _bf16_halves((t & int4_moe.BF16X2_NIBBLE_MASK) | int4_moe.BF16X2_MAGIC)
+        lo, hi = _halves((t & int4_moe.BF16X2_NIBBLE_MASK) | int4_moe.BF16X2_MAGIC)
         np.testing.assert_array_equal(lo - bias, ((w0 >> (4 * k)) & 0xF).astype(np.float32) - 8, f"plane {k} low")
         np.testing.assert_array_equal(hi - bias, ((w1 >> (4 * k)) & 0xF).astype(np.float32) - 8, f"plane {k} high")
 
@@ -297,8 +297,7 @@ def test_fp16x2_bit_recipe_decodes_every_nibble(rng):
     """The fp16 unpack's constants replayed in numpy on random words: prmt gathers the byte, the low or high nibble
     kept in place with 1024.0 ORed in is 1024 + nib or 1024 + 16 nib, and the sub / fma leave nib - 8."""
     w0, w1 = (rng.integers(0, 1 << 32, 4096, dtype=np.uint64) for _ in range(2))
-    halves = lambda bits: [((bits >> s) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)  # noqa: E731
-                           for s in (0, 16)]
+    halves = functools.partial(_halves, dtype=np.float16)
     low_bias = halves(np.array(int4_moe.FP16X2_LOW_BIAS, np.uint64))[0]
     sixteenth, high_bias = (halves(np.array(c, np.uint64))[0] for c in (int4_moe.FP16X2_SIXTEENTH,
                                                                        int4_moe.FP16X2_HIGH_BIAS))
