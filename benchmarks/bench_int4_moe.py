@@ -2,6 +2,7 @@
 
     python benchmarks/bench_int4_moe.py [--quick] [--out results.json] [--tune] [--kernel-only] [--unpack f32,bf16x2]
                                         [--breakdown] [--budget-s 200] [--skew 1.5] [--part-tune] [--unpack-drop]
+                                        [--once]
 
 K2.6 MoE layer shapes (hidden 7168, expert width 2048, 384 experts, top-8, INT4 group 32). For each token count the
 routing is random (distinct experts per token; uniform, or Zipf-skewed with --skew, and each row gives the row blocks
@@ -24,6 +25,8 @@ stages, N tiles per program) at the --tune-tokens, each with its % of the copy r
 kernel on row-major weights and on tile-major ones in the engine's tiles (`int4_moe.tile_ffn_int4`).
 --unpack-drop times each kernel at the engine's launch with the bf16x2 unpack's sub, then its sub and mul, left out
 (UNPACK_DROPS: wrong values, GPU only), beside the whole unpack: the kernel's time that its ALU work costs.
+--once runs each --unpack variant's FFN once per token count on tile-major weights at the engine's launches, after
+compiling it, and times nothing: the calls a profiler records (`ncu -k regex:int4 python ... --once`).
 """
 from __future__ import annotations
 
@@ -452,15 +455,35 @@ def run_layouts(row: dict, sets, w4, w4t, ffn) -> None:
         row["layout_check_error"] = short_error(e)
 
 
+def random_ffn_int4(shape: Shape) -> list:
+    """Gate, up and down packed words and scales of `shape`'s experts, row-major (as loaded)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    w4 = []
+    for key, (n_out, n_in) in zip(keys, ((shape.inter, shape.d), (shape.inter, shape.d), (shape.d, shape.inter))):
+        w4 += list(random_int4(key, shape.experts, n_out, n_in, shape.group))
+    return w4
+
+
+def run_once(shape: Shape, unpacks, dtype, interpret: bool) -> dict:
+    """{(tokens, unpack): y} of one FFN call each on the first input set, tile-major experts; each call compiled
+    before it runs, so a profiler sees only the kernels of the calls themselves."""
+    w4t = jax.jit(tile_ffn_int4)(*random_ffn_int4(shape))
+    outs = {}
+    for tokens in shape.tokens:
+        x, idx, w = make_sets(shape, tokens, dtype, seed=tokens)[0]
+        for u in unpacks:
+            fn = jax.jit(functools.partial(int4_moe_ffn, unpack=u, interpret=interpret))
+            compiled = fn.lower(x, idx, w, *w4t).compile()
+            outs[tokens, u] = jax.block_until_ready(compiled(x, idx, w, *w4t))
+    return outs
+
+
 def run_sweep(rows: list[dict], shape: Shape, interpret: bool, dtype, tune: bool, baselines: bool = True,
               unpacks=(UNPACK_F32,), breakdown: bool = False, deadline: float = float("inf"),
               tune_at: tuple[int, ...] = TUNE_TOKENS, layouts: bool = False, part_tune: bool = False,
               unpack_drop: bool = False) -> None:
     """Appends one row per token count to `rows` (so a crash still leaves the finished rows)."""
-    keys = jax.random.split(jax.random.key(0), 3)
-    w4 = []
-    for key, (n_out, n_in) in zip(keys, ((shape.inter, shape.d), (shape.inter, shape.d), (shape.d, shape.inter))):
-        w4 += list(random_int4(key, shape.experts, n_out, n_in, shape.group))
+    w4 = random_ffn_int4(shape)
     ffn = {u: (lambda x, i, w, *ws, u=u: int4_moe_ffn(x, i, w, *ws, unpack=u, interpret=interpret)) for u in unpacks}
     deq = jax.jit(dequant_then_matmul_ffn)
     default_ffn = lambda x, i, w, *ws: int4_moe_ffn(x, i, w, *ws, interpret=interpret)  # noqa: E731
@@ -673,6 +696,8 @@ def main(argv=None):
                         help="time each kernel at --tune-tokens with parts of its bf16x2 unpack left out (GPU only)")
     parser.add_argument("--unpack", default=f"{UNPACK_F32},{UNPACK_BF16X2}",
                         help=f"comma-separated INT4 unpack variants to time side by side, from {UNPACK_MODES}")
+    parser.add_argument("--once", action="store_true",
+                        help="run each --unpack variant once per token count and exit (for a profiler)")
     args = parser.parse_args(argv)
     unpacks = parse_unpacks(args.unpack)
     on_gpu = jax.default_backend() == "gpu"
@@ -686,6 +711,10 @@ def main(argv=None):
               f"({jnp.dtype(dtype).name} activations)", file=sys.stderr)
         if UNPACK_BF16X2 in unpacks:
             print(f"warning: {CPU_UNPACK_NOTE}", file=sys.stderr)
+    if args.once:
+        for (tokens, u), y in run_once(shape, unpacks, dtype, interpret=not on_gpu).items():
+            print(f"tokens {tokens} unpack {u}: y {y.shape} {y.dtype}", flush=True)
+        return
     t0 = time.perf_counter()
     device = jax.devices()[0].device_kind
     copy_bw = copy_ceiling(shape.copy_bytes)
