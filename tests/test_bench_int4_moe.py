@@ -2,12 +2,15 @@
 import os
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import bench_int4_moe as bench  # noqa: E402
 from pallas_kernels import int4_moe  # noqa: E402
+from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref  # noqa: E402
 
 
 @pytest.mark.parametrize("k", range(8))
@@ -30,11 +33,6 @@ def test_dropped_asm_refuses_an_unpack_it_does_not_know(monkeypatch):
 
 def test_once_runs_each_unpack_on_tile_major_experts_and_matches_float64():
     """--once's calls (what a profiler records) compute the FFN: each variant against the float64 reference."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref
-
     shape = bench.dataclasses.replace(bench.CPU_SMOKE, tokens=(3,))
     outs = bench.run_once(shape, (int4_moe.UNPACK_F32, int4_moe.UNPACK_BF16X2), jnp.bfloat16, interpret=True)
     assert sorted(outs) == [(3, int4_moe.UNPACK_BF16X2), (3, int4_moe.UNPACK_F32)]
