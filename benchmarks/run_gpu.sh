@@ -33,6 +33,8 @@
 #   mesh            K2.6-width layers on 2 GPUs vs one, same tokens, ms per round (nvidia-h200-x2)
 #   int4-tma        a TMA-fed Mosaic GPU INT4 matmul (load-only modes and full) vs the Triton kernels, at the
 #                   experts and rows of a batch-8 B = 16 verify (benchmarks/bench_int4_tma.py)
+#   int4-stalls     where the INT4 kernels' warps wait, per SASS instruction, at the tokens of AR batch 64, then of a
+#                   batch-8 B = 16 verify: ncu's warp-state samples by opcode and reason (benchmarks/ncu_sass.py)
 #   kernel-tests    the kernel, lowering and engine-equality tests, compiled on the GPU
 #   serving         the serving engine in-process: ar / ddtree-16 / auto at concurrency 1-16 (scripts/bench_serving.py)
 #   serving-http    the OpenAI server, one per config (ar, ddtree-16, auto), at concurrency 1-32; against $SERVING_JSON
@@ -131,6 +133,10 @@ target() {
     mesh) "$PY" benchmarks/bench_mesh_scaling.py --layers 4 --batch 1 --modes ar ddtree --meshes 1x1x2 \
         --out "$OUT/mesh.json" ;;
     int4-tma) "$PY" benchmarks/bench_int4_tma.py --out "$OUT/int4_tma.json" ;;
+    int4-stalls) ncu --clock-control none -k regex:int4 --section SourceCounters --section WarpStateStats \
+        -o "$OUT/int4_stalls" "$PY" benchmarks/bench_int4_moe.py --once --unpack bf16x2 --tokens 64 136 &&
+        ncu -i "$OUT/int4_stalls.ncu-rep" --page source --csv --print-source sass > "$OUT/int4_stalls_sass.csv" &&
+        "$PY" benchmarks/ncu_sass.py "$OUT/int4_stalls_sass.csv" | tee "$OUT/int4_stalls.md" ;;
     kernel-tests) "$PY" -m pytest -q -rf -m 'not heavy and not slow' tests/test_verify_attn.py \
         tests/test_verify_attn_mgpu.py tests/test_tree_build.py tests/test_tree_accept.py tests/test_topk.py \
         tests/test_int4_moe.py tests/test_dot_acc.py tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
