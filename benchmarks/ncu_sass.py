@@ -24,6 +24,7 @@ from triton_report import MIX_GROUPS, mma_loop  # noqa: E402
 
 ALL_SAMPLES = "Warp Stall Sampling (All Samples)"
 REASON = re.compile(r"^stall_(\w+)$")  # per-reason sample columns (those with " (Not Issued)" count only non-issues)
+BY = ("group", "opcode", "reason")
 _OPCODE = re.compile(r"^\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)\S*\s*(.*)$")
 
 
@@ -41,7 +42,10 @@ class KernelSamples:
         return sum(s for a, _, _, s, _ in self.instrs if span is None or span[0] <= a <= span[1])
 
     def by(self, key: str, in_loop: bool = False) -> dict:
-        """Share of the kernel's samples (or of its K loop's) by "opcode", "group" (`MIX_GROUPS`) or "reason"."""
+        """Share of the kernel's samples (or of its K loop's, the whole kernel's if it has none) by "opcode", "group"
+        (`MIX_GROUPS`) or "reason"."""
+        if key not in BY:
+            raise ValueError(f"ncu_sass: by={key!r} must be one of {BY}")
         span = self.loop if in_loop else None
         group_of = {op: g for g, ops in MIX_GROUPS.items() for op in ops}
         out: dict = {}
@@ -95,9 +99,10 @@ def markdown(kernels: list[KernelSamples], top: int = 8) -> str:
     for k in kernels:
         loop_share = k.total(in_loop=True) / (k.total() or 1.0)
         lines.append(f"### {k.name}: {k.total():.0f} samples, {100 * loop_share:.0f}% in the K loop\n")
-        lines.append("| K loop, by | " + " | ".join(f"{i + 1}" for i in range(top)) + " |")
+        where = "K loop" if k.loop else "no K loop: kernel"
+        lines.append(f"| {where}, by | " + " | ".join(f"{i + 1}" for i in range(top)) + " |")
         lines.append("|---" * (top + 1) + "|")
-        for key in ("group", "opcode", "reason"):
+        for key in BY:
             cells = [f"{name} {100 * v:.1f}%" for name, v in list(k.by(key, in_loop=True).items())[:top]]
             lines.append(f"| {key} | " + " | ".join(cells + [""] * (top - len(cells))) + " |")
         lines.append("")

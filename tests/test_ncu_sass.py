@@ -43,9 +43,12 @@ def test_samples_sum_by_opcode_group_and_reason_over_the_k_loop():
     assert k.by("opcode") == pytest.approx({"LDC": 20 / 46, "LOP3": 12 / 46, "HMMA": 8 / 46, "HADD2": 5 / 46,
                                             "BRA": 1 / 46})
     assert ks[1].loop is None and ks[1].by("reason") == pytest.approx({"selected": 0.5, "wait": 0.5})
+    with pytest.raises(ValueError, match="opcode"):
+        k.by("pipe")
     text = ncu_sass.markdown(ks, top=3)
     assert "### int4_swiglu: 46 samples, 57% in the K loop" in text
     assert "| opcode | LOP3 46.2% | HMMA 30.8% | HADD2 19.2% |" in text
+    assert "| no K loop: kernel, by |" in text  # int4_matmul's page has no backward branch
 
 
 def test_a_page_without_stall_sampling_names_the_kernel_and_the_sections():
