@@ -467,7 +467,7 @@ def random_ffn_int4(shape: Shape) -> list:
 def run_once(shape: Shape, unpacks, dtype, interpret: bool) -> dict:
     """{(tokens, unpack): y} of one FFN call each on the first input set, tile-major experts; each call compiled
     before it runs, so a profiler sees only the kernels of the calls themselves."""
-    w4t = jax.jit(tile_ffn_int4)(*random_ffn_int4(shape))
+    w4t = tiled_weights(random_ffn_int4(shape))
     outs = {}
     for tokens in shape.tokens:
         x, idx, w = make_sets(shape, tokens, dtype, seed=tokens)[0]

@@ -14,18 +14,20 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import os
 import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from triton_report import MIX_GROUPS, mma_loop  # noqa: E402
+from triton_report import MIX_GROUPS, SASS_INSTRUCTION, mma_loop  # noqa: E402
 
 ALL_SAMPLES = "Warp Stall Sampling (All Samples)"
 REASON = re.compile(r"^stall_(\w+)$")  # per-reason sample columns (those with " (Not Issued)" count only non-issues)
 BY = ("group", "opcode", "reason")
-_OPCODE = re.compile(r"^\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)\S*\s*(.*)$")
+_OPCODE = re.compile(r"^\s*" + SASS_INSTRUCTION)
+_GROUP_OF = {op: g for g, ops in MIX_GROUPS.items() for op in ops}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +35,7 @@ class KernelSamples:
     name: str
     instrs: list  # (address, opcode, operands, all samples, {reason: samples})
 
-    @property
+    @functools.cached_property
     def loop(self) -> tuple[int, int] | None:
         return mma_loop([(a, op, args) for a, op, args, _, _ in self.instrs])
 
@@ -47,7 +49,6 @@ class KernelSamples:
         if key not in BY:
             raise ValueError(f"ncu_sass: by={key!r} must be one of {BY}")
         span = self.loop if in_loop else None
-        group_of = {op: g for g, ops in MIX_GROUPS.items() for op in ops}
         out: dict = {}
         for a, op, _, samples, reasons in self.instrs:
             if span is not None and not span[0] <= a <= span[1]:
@@ -56,7 +57,7 @@ class KernelSamples:
                 for r, n in reasons.items():
                     out[r] = out.get(r, 0.0) + n
             else:
-                k = op if key == "opcode" else group_of.get(op, "other")
+                k = op if key == "opcode" else _GROUP_OF.get(op, "other")
                 out[k] = out.get(k, 0.0) + samples
         total = self.total(in_loop) or 1.0
         return dict(sorted(((k, v / total) for k, v in out.items()), key=lambda kv: -kv[1]))
@@ -89,7 +90,7 @@ def parse(lines) -> list[KernelSamples]:
             m = _OPCODE.match(row[src_col])
             if m is None:
                 continue
-            kernels[-1].instrs.append((int(row[addr_col], 16), m.group(1), m.group(2).strip(),
+            kernels[-1].instrs.append((int(row[addr_col], 16), m.group(1), m.group(3).strip(),
                                        _number(row[all_col]), {r: _number(row[i]) for i, r in reasons.items()}))
     return kernels
 

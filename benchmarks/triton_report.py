@@ -149,7 +149,9 @@ MIX_GROUPS = {
     "half2": ("HADD2", "HMUL2", "HFMA2"),  # packed 16-bit lanes (fp16 / bf16 pairs)
     "mma": ("HMMA", "HGMMA"),
 }
-_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*([^;]*);", re.M)
+# one SASS instruction as cuobjdump and ncu print it: [predicate] opcode, its .modifiers, operands
+SASS_INSTRUCTION = r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\S*)\s*([^;]*)"
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+" + SASS_INSTRUCTION + ";", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
