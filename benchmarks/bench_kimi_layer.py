@@ -671,15 +671,19 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
     traced = [r for r in rows if "parts_us_per_step" in r]
     if traced:
         parts = sorted({p for r in traced for p in r["parts_us_per_step"]})
-        lines += ["", "GPU kernel µs per step by part (--trace):", "",
-                  "| MoE | batch | N | prefix | " + " | ".join(parts) + " | sum | launches | busy | span |",
-                  "|---" * (len(parts) + 8) + "|"]
+        lines += ["", "GPU kernel µs per step by part (--trace); span: first kernel start to last kernel end over the "
+                  "steps, so no per-call host time, a check on the slope:", "",
+                  "| MoE | batch | N | prefix | " + " | ".join(parts) + " | sum | launches | busy | span | "
+                  "span × part roofline |", "|---" * (len(parts) + 9) + "|"]
         for r in traced:
             got, gpu = r["parts_us_per_step"], r.get("gpu_time_per_step", {})
+            bw = r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw
+            x_span = (f"{gpu['span_us'] / 1e6 / part_roofline_s(r, bw, peak):.2f}"
+                      if "span_us" in gpu and "flops_by_part" in r else "—")
             lines.append(f"| {moe_label(r)} | {r['batch']} | {r['nodes']} | {r['prefix']} | "
                          + " | ".join(f"{got.get(p, 0.0):.1f}" for p in parts) + f" | {sum(got.values()):.1f} | "
                          + " | ".join(f"{gpu[k]:.1f}" if k in gpu else "—" for k in ("kernels", "busy_us", "span_us"))
-                         + " |")
+                         + f" | {x_span} |")
     return "\n".join(lines)
 
 

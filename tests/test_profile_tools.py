@@ -336,3 +336,32 @@ def test_bytes_model_reads_each_data_groups_cache_and_experts(rng):
         experts = min(cfg.n_routed_experts, group * cfg.num_experts_per_tok)
         want = w["other"] + n_moe * experts * w["expert_bytes"] + predict.cache_bytes(cfg, group, prefix)
         assert got["experts"] == experts and got["bytes"] == pytest.approx(want, rel=1e-12)
+
+
+def test_trace_table_gives_the_span_against_the_part_roofline(rng):
+    """bench_kimi_layer's part table: a traced row's span per step over its part roofline, at the row's own run's copy
+    rate (a refit of several runs) where it has one; a row without the span says so."""
+    bw, peak = 4e12, 6e14
+    rows = []
+    for own_bw in (None, rng.uniform(3e12, 5e12)):
+        cache, weights, experts = rng.uniform(1e7, 5e9, 3)
+        row = dict(kind="verify", moe="kernel", expert_layout="tile-major", batch=8, nodes=17, prefix=4096,
+                   ms=rng.uniform(1.0, 9.0), distinct_experts=[100.0], bytes=cache + weights + experts,
+                   cache_bytes=cache, expert_bytes=experts,
+                   flops_by_part=dict(zip(("attention", "weights", "experts"), rng.uniform(1e10, 3e12, 3))),
+                   parts_us_per_step=dict(experts=rng.uniform(100, 900), attention=rng.uniform(100, 900)),
+                   gpu_time_per_step=dict(kernels=90.0, busy_us=rng.uniform(1e3, 5e3), span_us=rng.uniform(1e3, 9e3)))
+        if own_bw is not None:
+            row["copy_gbps"] = own_bw / 1e9
+        rows.append(row)
+    rows.append({**rows[0], "gpu_time_per_step": {}})
+    lines = bench_kimi_layer.markdown(rows, bw, peak).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| MoE |"))
+    header = [c.strip() for c in lines[start].split("|")]
+    col = header.index("span × part roofline")
+    got = [line.split("|")[col].strip() for line in lines[start + 2:start + 5]]
+    for row, cell in zip(rows[:2], got):
+        row_bw = row["copy_gbps"] * 1e9 if "copy_gbps" in row else bw
+        want = row["gpu_time_per_step"]["span_us"] / 1e6 / bench_kimi_layer.part_roofline_s(row, row_bw, peak)
+        assert cell == f"{want:.2f}"
+    assert got[2] == "—"
