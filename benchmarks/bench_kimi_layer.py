@@ -613,7 +613,7 @@ def fit_cost_model(rows: list[dict], cfg, copy_bw: float, peak: float) -> dict:
         return dict(error=f"only {len(pts)} points")
 
     def terms(r):
-        bw = r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw
+        bw = row_copy_bw(r, copy_bw)
         pk = r["matmul_tflops"] * 1e12 if "matmul_tflops" in r else peak
         attn = attn_roofline_s(r["cache_bytes"], attn_flops(cfg, r["batch"], r["nodes"], r["prefix"]), bw, pk)
         return [1.0, attn, r["expert_bytes"], r["batch"] * r["nodes"]]
@@ -637,6 +637,11 @@ def fit_cost_model(rows: list[dict], cfg, copy_bw: float, peak: float) -> dict:
                 max_abs_rel_err=err, loo_max_abs_rel_err=float(np.abs(loo).max()), points=len(pts))
 
 
+def row_copy_bw(r: dict, copy_bw: float) -> float:
+    """A row's copy rate in bytes/s: its own run's in a refit of several runs, else copy_bw."""
+    return r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw
+
+
 def moe_label(r: dict) -> str:
     """The MoE column: the kernel's rows name their expert layout (and an expert pool, if folded onto one)."""
     if r.get("moe") != "kernel":
@@ -655,7 +660,7 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
             empty = " — |" * 8
             lines.append(f"| {r['kind']} | {moe_label(r)} | {r['batch']} | {n} |{empty} {note} |")
             continue
-        bw = r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw  # a refit of several runs: the row's own run's
+        bw = row_copy_bw(r, copy_bw)
         roof = r["bytes"] / bw
         if "flops" in r:
             roof = max(roof, r["flops"] / peak)
@@ -677,8 +682,7 @@ def markdown(rows: list[dict], copy_bw: float, peak: float) -> str:
                   "span × part roofline |", "|---" * (len(parts) + 9) + "|"]
         for r in traced:
             got, gpu = r["parts_us_per_step"], r.get("gpu_time_per_step", {})
-            bw = r["copy_gbps"] * 1e9 if "copy_gbps" in r else copy_bw
-            x_span = (f"{gpu['span_us'] / 1e6 / part_roofline_s(r, bw, peak):.2f}"
+            x_span = (f"{gpu['span_us'] / 1e6 / part_roofline_s(r, row_copy_bw(r, copy_bw), peak):.2f}"
                       if "span_us" in gpu and "flops_by_part" in r else "—")
             lines.append(f"| {moe_label(r)} | {r['batch']} | {r['nodes']} | {r['prefix']} | "
                          + " | ".join(f"{got.get(p, 0.0):.1f}" for p in parts) + f" | {sum(got.values()):.1f} | "
