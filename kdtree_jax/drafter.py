@@ -26,6 +26,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from kdtree_jax import paged
 from kdtree_jax.atomic import atomic_dir
 from kdtree_jax.drafter_config import DrafterConfig
 
@@ -223,18 +224,38 @@ def _run_layers(drafter: DFlashDrafter, x: jax.Array, q_pos: jax.Array, block_vi
 # ---- inference: context cache + one block ---------------------------------------------------------------------
 @flax.struct.dataclass
 class DrafterCache:
-    k: jax.Array  # [n_layers, Bt, Hk, S, Dh] context keys after k_norm and rope; row = position
-    v: jax.Array  # [n_layers, Bt, Hk, S, Dh] context values
+    """The drafter's context K/V. Contiguous: [n_layers, Bt, Hk, S, Dh]. Paged: a pool [n_layers, n_pages, Hk, P, Dh]
+    addressed by the target cache's page table, so one request's pages hold both caches' rows for its positions."""
+
+    k: jax.Array  # context keys after k_norm and rope; row = position
+    v: jax.Array  # context values
     length: jax.Array  # [Bt] int32 committed context rows (= committed tokens, bonus excluded)
+    page_table: jax.Array | None = None  # [Bt, W] int32 (paged), -1 where the request owns no page
 
     @classmethod
     def zeros(cls, cfg: DrafterConfig, batch: int, capacity: int, dtype: Any = jnp.bfloat16) -> "DrafterCache":
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
 
+    @classmethod
+    def pool(cls, cfg: DrafterConfig, n_pages: int, page_size: int, page_table: jax.Array,
+             dtype: Any = jnp.bfloat16) -> "DrafterCache":
+        shape = (cfg.num_hidden_layers, n_pages, cfg.num_key_value_heads, page_size, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   length=jnp.zeros((page_table.shape[0],), jnp.int32), page_table=page_table)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        """Rows one request can hold."""
+        return self.page_table.shape[1] * self.k.shape[3] if self.paged else self.k.shape[3]
+
+    def locate(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(page, offset) of logical rows [Bt, R] (paged only); rows a request does not own give an out-of-range page."""
+        return paged.locate(self.page_table, rows, self.k.shape[3], self.k.shape[1])
 
 
 def draft(drafter: DFlashDrafter, cache: DrafterCache, ctx_hidden: jax.Array, n_ctx: jax.Array, bonus: jax.Array,
@@ -270,35 +291,47 @@ def draft(drafter: DFlashDrafter, cache: DrafterCache, ctx_hidden: jax.Array, n_
         new_v.append(v)
     # [Bt, C, n_layers, Hk, Dh] (the advanced-index dims first) scattered to rows length[b] + j of the
     # [n_layers, Bt, Hk, S, Dh] cache; padding rows are dropped
-    ks = cache.k.at[:, batch_idx, :, rows].set(jnp.stack(new_k, 2).astype(cache.k.dtype), mode="drop")
-    vs = cache.v.at[:, batch_idx, :, rows].set(jnp.stack(new_v, 2).astype(cache.v.dtype), mode="drop")
+    where = cache.locate(rows) if cache.paged else (batch_idx, rows)
+    ks = cache.k.at[:, where[0], :, where[1]].set(jnp.stack(new_k, 2).astype(cache.k.dtype), mode="drop")
+    vs = cache.v.at[:, where[0], :, where[1]].set(jnp.stack(new_v, 2).astype(cache.v.dtype), mode="drop")
 
     block_pos = length_new[:, None] + jnp.arange(L, dtype=jnp.int32)  # [Bt, L]
     tokens = jnp.concatenate([bonus.astype(jnp.int32)[:, None], jnp.full((bt, L - 1), mask_id, jnp.int32)], 1)
     x = drafter.embed_block(tokens, embed)
     h = _run_layers(drafter, x, block_pos, jnp.ones((bt, L, L), bool), block_pos,
-                    lambda i: _context_view(cfg, i, ks[i], vs[i], length_new))
-    return drafter.logits(h[:, 1:], lm_head), DrafterCache(k=ks, v=vs, length=length_new)
+                    lambda i: _context_view(cfg, i, cache.replace(k=ks, v=vs), length_new))
+    return drafter.logits(h[:, 1:], lm_head), cache.replace(k=ks, v=vs, length=length_new)
 
 
-def _context_view(cfg: DrafterConfig, layer: int, k: jax.Array, v: jax.Array, length: jax.Array):
+def _context_view(cfg: DrafterConfig, layer: int, cache: DrafterCache, length: jax.Array):
     """Layer `layer`'s context for a block at positions length, length + 1, ...: (K, V, positions, visible).
 
     A sliding layer with window W sees only context rows > length - W, so it reads a W - 1 row slice per request
     instead of the whole cache (5 of the 6 K2.6-DFlash layers: 2047 rows instead of the context length)."""
-    bt, cap = k.shape[0], k.shape[2]
+    bt, cap = length.shape[0], cache.capacity
     window = cfg.window(layer)
     if window is None or not 0 < window - 1 < cap:  # no window, W = 1 (no context row), or W - 1 >= the cache
         pos = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (bt, cap))
-        return k, v, pos, (pos < length[:, None])[:, None]
-    rows = window - 1
-    start = jnp.clip(length - rows, 0, cap - rows)  # [Bt]
+    else:
+        start = jnp.clip(length - (window - 1), 0, cap - (window - 1))  # [Bt]
+        pos = start[:, None] + jnp.arange(window - 1, dtype=jnp.int32)
+    visible = (pos < length[:, None])[:, None]
+    k, v = cache.k[layer], cache.v[layer]
+    if cache.paged:  # the rows through the page table: [n_pages, Hk, P, Dh] -> [Bt, Hk, rows, Dh]
+        page, offset = cache.locate(pos)
+        page = jnp.minimum(page, k.shape[0] - 1)  # unowned rows are past `length`: never visible
+
+        def rows(a):  # rows past `length` may be another request's, NaN included: 0 * NaN would leak through
+            return jnp.where(visible[..., None], jnp.moveaxis(a[page, :, offset], 2, 1), 0)
+
+        return rows(k), rows(v), pos, visible
+    if pos.shape[1] == cap:
+        return k, v, pos, visible
 
     def cut(a):
-        return jax.vmap(lambda a_b, s: jax.lax.dynamic_slice_in_dim(a_b, s, rows, axis=1))(a, start)
+        return jax.vmap(lambda a_b, s: jax.lax.dynamic_slice_in_dim(a_b, s, pos.shape[1], axis=1))(a, pos[:, 0])
 
-    pos = start[:, None] + jnp.arange(rows, dtype=jnp.int32)
-    return cut(k), cut(v), pos, (pos < length[:, None])[:, None]
+    return cut(k), cut(v), pos, visible
 
 
 # ---- training forward -----------------------------------------------------------------------------------------

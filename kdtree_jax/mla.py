@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdtree_jax import paged
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import apply_rope, init_norm_weight, init_normal, rms_norm
 from kdtree_jax.sharding import verify_attn_on_mesh
@@ -111,8 +112,11 @@ def absorbed_attention_jnp(q: jax.Array, cache: jax.Array, prefix_len: jax.Array
     -> o_lat [B, N, H, R] float32. Row i sees cache rows [0, prefix_len_b) and tree rows j with tree_mask[b, i, j].
     """
     f32 = jnp.float32
-    s_cache = jnp.einsum("bnha,bsa->bnhs", q, cache.astype(q.dtype), preferred_element_type=f32) * scale
     in_prefix = jnp.arange(cache.shape[1])[None, :] < prefix_len[:, None]  # [B, S]
+    # rows past the prefix may hold anything, NaN included (another request's page, a failed request's rows): a
+    # zero weight on them would still give 0 * NaN
+    cache = jnp.where(in_prefix[..., None], cache, 0)
+    s_cache = jnp.einsum("bnha,bsa->bnhs", q, cache.astype(q.dtype), preferred_element_type=f32) * scale
     s_cache = jnp.where(in_prefix[:, None, None, :], s_cache, NEG_INF)
     s_tree = jnp.einsum("bnha,bma->bnhm", q, tree_kv.astype(q.dtype), preferred_element_type=f32) * scale
     s_tree = jnp.where(tree_mask[:, :, None, :], s_tree, NEG_INF)
@@ -124,10 +128,12 @@ def absorbed_attention_jnp(q: jax.Array, cache: jax.Array, prefix_len: jax.Array
 
 def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array, mask: jax.Array,
                cache: jax.Array, *, layer: int | None = None, use_pallas: bool = False, interpret: bool | None = None,
-               attn_backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+               attn_backend: str | None = None, page_table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA for N new rows over the cache (rows [0, start_b) valid), new rows under `mask`.
 
-    cache: this layer's [B, S, A], or the model's [L, B, S, A] with a static `layer` (the kernel reads it in place).
+    cache: this layer's [B, S, A], or the model's [L, B, S, A] with a static `layer` (the kernel reads it in place);
+    with page_table [B, W] a page pool ([n_pages, P, A] or [L, n_pages, P, A]) that the kernel reads through the
+    table.
     Returns (out [B, N, D], latent rows [B, N, A] in the cache dtype, for the caller to write at
     [start_b, start_b + N)). attn_backend: verify_attn's backend (None: its own choice by device and shape).
     """
@@ -141,11 +147,16 @@ def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: j
                   backend=attn_backend)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.size > 1:  # each device runs the kernel on its requests and heads
-            o_lat = verify_attn_on_mesh(q, cache, start, tree_kv, mask, **kw)
+            o_lat = verify_attn_on_mesh(q, cache, start, tree_kv, mask, page_table=page_table, **kw)
+        elif page_table is not None:
+            o_lat = verify_attn(q, cache, start, tree_kv, mask, page_table=paged.readable(page_table), **kw)
         else:
             o_lat = verify_attn(q, cache, start, tree_kv, mask, **kw)
     else:
-        o_lat = absorbed_attention_jnp(q, cache if layer is None else cache[layer], start, tree_kv, mask,
+        layer_cache = cache if layer is None else cache[layer]
+        if page_table is not None:
+            layer_cache = paged.gather_prefix(layer_cache, page_table)
+        o_lat = absorbed_attention_jnp(q, layer_cache, start, tree_kv, mask,
                                        scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
     o = jnp.einsum("bnhr,hvr->bnhv", o_lat.astype(dt), attn.w_uv[...].astype(dt))  # [B, N, H, V]
     return _output(attn, o), tree_kv

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdtree_jax.cache_update import write_rows
+from kdtree_jax.cache_update import write_cache_rows
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.layers import init_norm_weight, init_normal, rms_norm, rope_cos_sin, yarn_inv_freq
 from kdtree_jax.mla import MLA, mla_prefill, mla_verify
@@ -24,13 +24,32 @@ from kdtree_jax.moe import MLP, MoE
 
 @flax.struct.dataclass
 class LatentCache:
-    """Absorbed-MLA cache: row s of request b in layer l = [c_kv after kv_a_layernorm | k_pe after rope]."""
+    """Absorbed-MLA cache: row s of request b in layer l = [c_kv after kv_a_layernorm | k_pe after rope].
 
-    latent: jax.Array  # [L, B, S, A]; valid length per request is tracked by the engine
+    Contiguous: latent [L, B, S, A], request b's rows in latent[:, b]. Paged: latent is a pool [L, n_pages, P, A]
+    and row s of request b lives in page page_table[b, s // P] (`kdtree_jax/paged.py`)."""
+
+    latent: jax.Array  # valid length per request is tracked by the engine
+    page_table: jax.Array | None = None  # [B, W] int32 (paged), -1 where the request owns no page
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> "LatentCache":
         return cls(latent=jnp.zeros((cfg.num_hidden_layers, batch, capacity, cfg.latent_dim), dtype))
+
+    @classmethod
+    def pool(cls, cfg: ModelConfig, n_pages: int, page_size: int, page_table: jax.Array,
+             dtype=jnp.bfloat16) -> "LatentCache":
+        return cls(latent=jnp.zeros((cfg.num_hidden_layers, n_pages, page_size, cfg.latent_dim), dtype),
+                   page_table=page_table)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+    @property
+    def capacity(self) -> int:
+        """Rows one request can hold."""
+        return self.page_table.shape[1] * self.latent.shape[2] if self.paged else self.latent.shape[2]
 
 
 @flax.struct.dataclass
@@ -100,7 +119,8 @@ def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: Laten
     cfg, dt = model.cfg, model.dtype
     taps = _check_taps(cfg, taps)
     if cache.latent.shape[0] != cfg.num_hidden_layers or cache.latent.shape[-1] != cfg.latent_dim:
-        raise ValueError(f"cache: latent shape {cache.latent.shape} does not fit [{cfg.num_hidden_layers}, B, S, "
+        rows = "n_pages, P" if cache.paged else "B, S"
+        raise ValueError(f"cache: latent shape {cache.latent.shape} does not fit [{cfg.num_hidden_layers}, {rows}, "
                          f"{cfg.latent_dim}]")
     cos, sin = rope_cos_sin(positions, yarn_inv_freq(cfg), cfg.rope_amplitude)  # [B, T, P/2]
     h = model.embed[...][tokens].astype(dt)  # [B, T, D]
@@ -126,7 +146,7 @@ def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: Laten
     with jax.named_scope("head"):
         logits = jnp.einsum("btd,dv->btv", rms_norm(h, model.norm[...], cfg.rms_norm_eps),
                             model.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
-    return ForwardOut(logits=logits, hidden=hidden, cache=LatentCache(latent=latent))
+    return ForwardOut(logits=logits, hidden=hidden, cache=cache.replace(latent=latent))
 
 
 def forward_prefill(model: KimiModel, tokens: jax.Array, start, cache: LatentCache, *,
@@ -169,9 +189,9 @@ def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, st
 
     def attend(attn, x, cos, sin, latent, layer):  # the whole cache: the kernel reads the layer in place
         return mla_verify(attn, x, cos, sin, start, mask, latent, layer=layer, use_pallas=use_pallas,
-                          interpret=interpret, attn_backend=attn_backend)
+                          interpret=interpret, attn_backend=attn_backend, page_table=cache.page_table)
 
     def write(latent, layer, rows):  # [B, N, A] at rows [start_b, start_b + N) of layer `layer`: one scatter
-        return write_rows(latent, rows, start, layer=layer)
+        return write_cache_rows(latent, cache.page_table, rows, start, layer=layer)
 
     return _run(model, tokens, positions, cache, taps, attend, write, valid)

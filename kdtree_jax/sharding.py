@@ -238,12 +238,15 @@ def total_bytes(state) -> int:
 
 
 # ---- attention on a mesh ---------------------------------------------------------------------------------------
-def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int | None, mesh=None, **kw):
+def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int | None, mesh=None,
+                        page_table=None, **kw):
     """`pallas_kernels.verify_attn` run by every device on its own requests and heads (jax.shard_map).
 
     GSPMD cannot split a custom call, so a Triton kernel fed a batch-split cache would first have it gathered onto
     every device. Here each device passes its batch shard of the cache ([L, Bt/data, S, A], replicated over the
     head split, as LATENT_CACHE_AXES lays it out) and its slice of the heads ("heads" axes) straight to the kernel.
+    A page pool ([L, n_pages, P, A] with page_table [Bt, W]) splits its pages the same way: each data group owns
+    the pages of its requests, so the group's table entries (global page ids) fall in its own shard.
     """
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     q_spec = logical_spec(("batch", None, "heads", None), q.shape, mesh, name="verify_attn q")  # as the weights
@@ -251,8 +254,29 @@ def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int 
     cache_spec = P(data) if layer is None else P(None, data)  # LATENT_CACHE_AXES: batch-split, never head-split
     row = P(data)
 
-    def local(q, cache, prefix_len, tree_kv, tree_mask):
-        return verify_attn(q, cache, prefix_len, tree_kv, tree_mask, layer=layer, **kw)
+    if page_table is None:
+        def local(q, cache, prefix_len, tree_kv, tree_mask):
+            return verify_attn(q, cache, prefix_len, tree_kv, tree_mask, layer=layer, **kw)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, cache_spec, row, row, row), out_specs=q_spec,
-                         check_vma=False)(q, cache, prefix_len, tree_kv, tree_mask)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, cache_spec, row, row, row), out_specs=q_spec,
+                             check_vma=False)(q, cache, prefix_len, tree_kv, tree_mask)
+
+    def local_paged(q, cache, prefix_len, tree_kv, tree_mask, page_table):
+        pages = cache.shape[0 if layer is None else 1]
+        first = _data_index(data) * pages  # the first global page id of this device's shard
+        table = jnp.clip(page_table - first, 0, pages - 1)
+        return verify_attn(q, cache, prefix_len, tree_kv, tree_mask, layer=layer, page_table=table, **kw)
+
+    return jax.shard_map(local_paged, mesh=mesh, in_specs=(q_spec, cache_spec, row, row, row, row), out_specs=q_spec,
+                         check_vma=False)(q, cache, prefix_len, tree_kv, tree_mask, page_table)
+
+
+def _data_index(data) -> jax.Array:
+    """This device's index along the (possibly compound) data axes of a shard_map, 0 where nothing is split."""
+    if data is None:
+        return jnp.int32(0)
+    names = data if isinstance(data, tuple) else (data,)
+    index = jnp.int32(0)
+    for name in names:
+        index = index * jax.lax.axis_size(name) + jax.lax.axis_index(name)
+    return index

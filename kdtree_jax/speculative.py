@@ -222,7 +222,8 @@ def verify_and_commit(spec: DecodeSpec, target, state: DecodeState, tree: Tree):
     with jax.named_scope("round/accept"):
         acc = tree_accept(choice, tree.tokens, tree.parents, tree.n_nodes, max_depth=spec.depth)
     with jax.named_scope("round/cache_update"):
-        cache = LatentCache(latent=cache_update.compact_latents(out.cache.latent, state.length, acc.src_slot))
+        cache = out.cache.replace(latent=cache_update.compact_latents(out.cache.latent, state.length, acc.src_slot,
+                                                                      out.cache.page_table))
         emitted = cache_update.emitted_tokens(tree.tokens, acc.path, acc.n_accepted, acc.bonus)
         new = commit(state, emitted, acc.n_accepted, nonfinite_slots(out.logits, tree))
     return new.replace(cache=cache), out, acc
