@@ -1,7 +1,8 @@
 """Absorbed-MLA tree attention for DDTree verify as a Pallas Triton kernel (flash-style, split-K).
 
 `verify_attn(backend=...)` also routes calls to the Mosaic GPU (Hopper wgmma) prefix kernel in verify_attn_mgpu;
-`pick_backend` says when. What follows describes the Triton kernel.
+`pick_backend` says when. What follows describes the Triton kernel. With a page table (a paged cache) only where a
+prefix block's rows are read changes (`_row_address`): blocks never cross a page, so each is one page's slice.
 
 Every query row (node n, head h) attends to the request's latent cache rows [0, prefix_len) and to the tree rows
 its mask row allows. The KV side is one shared 576-wide latent head (MQA: c_kv | k_pe), so the (N, H) query rows
@@ -59,6 +60,7 @@ DEFAULTS = {2: ((32, 64, 1), (16, 32, 2), 4, 3), 4: ((16, 32, 1), (16, 32, 1), 8
 SM_COUNT = 132  # H200
 WAVE_SLACK = 0.05  # the split rule takes the fewest splits within this fraction of the best predicted time
 MIN_SPLIT_ROWS = 256  # a split reads at least this many cache rows, so partial outputs stay small vs the cache
+PAGE_SIZES = (16, 32, 64, 128)  # rows per page of a paged cache: powers of two, so a block never crosses a page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,7 @@ class _Plan:
     n_q: int  # query tiles
     n_splits: int
     min_split_blocks: int  # prefix blocks an active split reads at least
+    page: int = 0  # rows per page of a paged cache (a multiple of block_k), 0 for a contiguous one
 
 
 def _prev_pow2(n: int) -> int:
@@ -140,24 +143,37 @@ def _split_range(prefix, j, plan: _Plan):
     return lo, jnp.minimum(n_blocks, lo + per_split), n_active
 
 
-def _kernel(plen_ref, q_ref, cache_ref, tree_ref, mask_ref, *out_refs, plan: _Plan, scale: float, precision):
-    # plen_ref [Bt] i32 | q_ref [rows, r+dr] | cache_ref [seq, r+dr] | tree_ref [tree, r+dr]
-    # mask_ref [mask_rows, tree] int8
+def _row_address(page_ref, b, page: int):
+    """Where request b's prefix row `row` sits in the cache operand: at `row` in its own contiguous rows, or, paged,
+    at its page's first row in the pool (pages back to back) plus its offset in the page. A prefix block of block_k
+    rows starts at a multiple of block_k, which divides the page size, so its rows share one page and one address."""
+    if not page:
+        return lambda row: row
+    return lambda row: page_ref[b, lax.div(row, page)] * page + lax.rem(row, page)
+
+
+def _kernel(*refs, plan: _Plan, scale: float, precision):
+    # plen_ref [Bt] i32 | page_ref [Bt, W] i32 (paged only) | q_ref [rows, r+dr] | cache_ref [seq, r+dr] (paged:
+    # [n_pages * page, r+dr]) | tree_ref [tree, r+dr] | mask_ref [mask_rows, tree] int8
     # out_refs: (out [rows, r]) with one split, else (o [rows, r] f32, lse [rows] f32) of this split
+    plen_ref, page_ref = refs[0], (refs[1] if plan.page else None)
+    q_ref, cache_ref, tree_ref, mask_ref, *out_refs = refs[2 if plan.page else 1:]
     i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     prefix = plen_ref[b]
     lo, hi, n_active = _split_range(prefix, j, plan)
     attend = functools.partial(_attend, q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi,
-                               j == n_active - 1, plan=plan, scale=scale, precision=precision)
+                               j == n_active - 1, _row_address(page_ref, b, plan.page), plan=plan, scale=scale,
+                               precision=precision)
     if plan.n_splits == 1:
         attend()
     else:
         pl.when(j < n_active)(attend)
 
 
-def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi, with_tree, *, plan: _Plan,
+def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi, with_tree, address, *, plan: _Plan,
             scale: float, precision):
-    """Query tile i over prefix blocks [lo, hi) (+ the tree blocks if with_tree); writes this split's result."""
+    """Query tile i over prefix blocks [lo, hi) (+ the tree blocks if with_tree); writes this split's result.
+    `address` maps a prefix row to its row in cache_ref (`_row_address`)."""
     bq, bk, r, dr = plan.block_q, plan.block_k, plan.r, plan.dr
     r0 = jnp.minimum(i * bq, plan.rows - bq)  # the last tile ends at the last row
     q_lat = q_ref[pl.ds(r0, bq), pl.ds(0, r)]  # [bq, r]
@@ -173,7 +189,7 @@ def _attend(q_ref, cache_ref, tree_ref, mask_ref, out_refs, i, prefix, lo, hi, w
         start = jnp.minimum(blk * bk, plan.seq - bk)  # the last block ends at the last row; overlap masked below
         idx = start + jnp.arange(bk, dtype=jnp.int32)
         valid = ((idx >= blk * bk) & (idx < prefix))[None, :]  # [1, bk]
-        return step(carry, valid=valid, **kv(cache_ref, start))
+        return step(carry, valid=valid, **kv(cache_ref, address(start)))
 
     carry = lax.fori_loop(lo, hi, prefix_block, carry)
 
@@ -244,15 +260,20 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer):
+def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer, page_table):
     if q.ndim != 4:
         raise ValueError(f"verify_attn: q must be [Bt, N, H, A], got shape {q.shape}")
     bt, n, _, a = q.shape
+    rows = "Bt, S" if page_table is None else "n_pages, P"
     if layer is not None and not (cache.ndim == 4 and 0 <= layer < cache.shape[0]):
-        raise ValueError(f"verify_attn: with layer={layer} the cache must be [L > layer, Bt, S, A], got {cache.shape}")
-    cache_shape = (bt, None, a) if layer is None else (cache.shape[0], bt, None, a)
+        raise ValueError(f"verify_attn: with layer={layer} the cache must be [L > layer, {rows}, A], got {cache.shape}")
+    cache_shape = (bt, None, a) if page_table is None else (None, None, a)
+    if layer is not None:
+        cache_shape = (cache.shape[0], *cache_shape)
     expect = {"cache": (cache, cache_shape), "prefix_len": (prefix_len, (bt,)),
               "tree_kv": (tree_kv, (bt, n, a)), "tree_mask": (tree_mask, (bt, n, n))}
+    if page_table is not None:
+        expect["page_table"] = (page_table, (bt, None))
     for name, (x, shape) in expect.items():
         if x.ndim != len(shape) or any(want is not None and got != want for got, want in zip(x.shape, shape)):
             raise ValueError(f"verify_attn: {name} must have shape {shape} (None = any) for q {q.shape}, "
@@ -265,9 +286,18 @@ def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
         raise ValueError(f"verify_attn: q dtype {q.dtype} must be bfloat16, float16 or float32")
     if not jnp.issubdtype(prefix_len.dtype, jnp.integer):
         raise ValueError(f"verify_attn: prefix_len must be integer, got {prefix_len.dtype}")
+    if page_table is not None:
+        page = cache.shape[-2]
+        if not jnp.issubdtype(page_table.dtype, jnp.integer):
+            raise ValueError(f"verify_attn: page_table must be integer, got {page_table.dtype}")
+        if page not in PAGE_SIZES:
+            raise ValueError(f"verify_attn: the page size (cache rows per page) must be one of {PAGE_SIZES}, got "
+                             f"{page}")
 
 
-def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsize) -> _Plan:
+def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsize, page: int = 0) -> _Plan:
+    """The tiling of one call; `page` > 0: a paged cache of `s` = W * page logical rows, whose blocks must not cross
+    a page (block_k is capped at the page size: both are powers of two)."""
     rows, seq = max(n * h, MIN_DOT), max(s, MIN_DOT)
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if blk is not None and (blk < MIN_DOT or blk != next_pow2(blk)):
@@ -275,7 +305,7 @@ def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsiz
     tiles, one_tile, _, _ = DEFAULTS[min(itemsize, 4)]
     default_q, default_k, resident = one_tile if n * h <= MIN_DOT else tiles
     bq = min(block_q or default_q, _prev_pow2(rows))
-    bk = min(block_k or default_k, _prev_pow2(seq))
+    bk = min(block_k or default_k, _prev_pow2(seq), page or seq)
     n_q = pl.cdiv(rows, bq)
     min_split_blocks = 1  # an explicit num_splits divides any prefix over all of them (tests, tuning)
     if num_splits is None:
@@ -288,7 +318,7 @@ def _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, itemsiz
     tree = pl.cdiv(n, bk) * bk
     return _Plan(r=r_pad, dr=dr_pad, heads=h, rows=rows, seq=seq, tree=tree, mask_rows=pl.cdiv(rows, h) + sel,
                  sel=sel, block_q=bq, block_k=bk, n_q=n_q, n_splits=num_splits,
-                 min_split_blocks=min_split_blocks)
+                 min_split_blocks=min_split_blocks, page=page)
 
 
 BACKENDS = ("triton", "mosaic")
@@ -394,20 +424,23 @@ def _tail_plan(items: int, seq: int, block_k: int, program_rows: int, merge_rows
 
 
 def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, layer, num_splits, interpret,
-                        plan: verify_attn_mgpu.SplitPlan | None = None, tree_in_kernel: bool | None = None):
+                        plan: verify_attn_mgpu.SplitPlan | None = None, tree_in_kernel: bool | None = None,
+                        page_table=None):
     """verify_attn on the wgmma path: verify_attn_mgpu (rows padded to 64-row tiles) in `plan`'s splits (default:
     `_tail_plan`, or `num_splits` for every tile), then the merge of the splits in XLA.
 
     When every query tile holds one tree node (H a multiple of 64: K2's 64 heads), the kernel's last split of each
     tile also runs the tree block, and a single-split tile's output is final: its hi part is o rounded, as the merge
     would round it. Otherwise (fewer heads: a tile spans nodes) the tree block runs in XLA (`_tree_partial`) and
-    joins the merge. tree_in_kernel: False keeps the tree in XLA at any H (None: in the kernel where it can be)."""
+    joins the merge. tree_in_kernel: False keeps the tree in XLA at any H (None: in the kernel where it can be).
+    page_table: cache is a page pool [L, n_pages, P, A] (`verify_attn`), read by the kernel through the table."""
     bt, n, h, a = q.shape
     rows, tile = n * h, verify_attn_mgpu.ROWS
     tiles = pl.cdiv(rows, tile)
+    seq = cache.shape[2] * (1 if page_table is None else page_table.shape[1])
     if plan is None:
         plan = (verify_attn_mgpu.SplitPlan(items=bt * tiles, splits=num_splits) if num_splits is not None else
-                _tail_plan(bt * tiles, cache.shape[2], verify_attn_mgpu.BLOCK_K, verify_attn_mgpu.PROGRAM_ROWS,
+                _tail_plan(bt * tiles, seq, verify_attn_mgpu.BLOCK_K, verify_attn_mgpu.PROGRAM_ROWS,
                            verify_attn_mgpu.MERGE_ROWS))
     q_rows = _pad_axis(q.reshape(bt, rows, a), 1, tiles * tile)  # padding rows: computed, dropped
     in_kernel = h % tile == 0 and tree_in_kernel is not False
@@ -419,7 +452,7 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
         keys = pl.cdiv(n, verify_attn_mgpu.BLOCK_K) * verify_attn_mgpu.BLOCK_K
         tree = (_pad_axis(tree_kv, 1, keys), verify_attn_mgpu.tree_bits(tree_mask, h // tile))
     o, lse = verify_attn_mgpu.prefix_attn(q_rows, cache, prefix_len, scale=scale, value_width=r, plan=plan,
-                                          layer=layer, tree=tree, interpret=interpret)
+                                          layer=layer, tree=tree, page_table=page_table, interpret=interpret)
     if in_kernel:
         merged = [o_g[:, 0, 0].astype(jnp.float32) if o_g.shape[1] == 1 else
                   _merge_splits(verify_attn_mgpu.join_parts(o_g), lse_g)
@@ -439,15 +472,21 @@ def _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, *, scale, r, l
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "layer", "block_k", "block_q", "num_splits",
                                              "num_warps", "num_stages", "interpret", "backend", "tree_in_kernel"))
 def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lora_rank: int, layer: int | None = None,
-                block_k: int | None = None, block_q: int | None = None, num_splits: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None,
-                backend: str | None = None, tree_in_kernel: bool | None = None) -> jax.Array:
+                page_table: jax.Array | None = None, block_k: int | None = None, block_q: int | None = None,
+                num_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                interpret: bool | None = None, backend: str | None = None,
+                tree_in_kernel: bool | None = None) -> jax.Array:
     """Tree-verify attention over the latent cache: -> [Bt, N, H, R] in q's dtype (fp32 accumulation).
 
     q [Bt, N, H, A] absorbed queries (q_lat | q_pe); cache [Bt, S, A] latents (c_kv | k_pe), valid rows
     [0, prefix_len[b]) (clipped to S), or the whole model's cache [L, Bt, S, A] with a static `layer`: the kernel
     then reads that layer in place (a sliced operand would be materialised: one extra read + write of the layer's
     cache per call); tree_kv [Bt, N, A] the tree's own latents; tree_mask [Bt, N, N] bool.
+    page_table [Bt, W] int32 makes `cache` a page pool, [n_pages, P, A] or [L, n_pages, P, A] with `layer`, P in
+    PAGE_SIZES: prefix row s of request b is pool[page_table[b, s // P], s % P], prefix_len <= W * P. The kernels
+    read each block of rows from its page in place (no gather into a contiguous cache) and never read table entries
+    past a prefix's last page (callers may leave them 0); as in a contiguous cache, the rows of that last page past
+    the prefix must be finite.
     backend: "triton" (this module's kernel, any shape), "mosaic" (verify_attn_mgpu: Hopper wgmma for the prefix,
     and for the tree block where a query tile holds one node) or None = `pick_backend`'s choice.
     Tuning knobs (all optional): block_k / block_q (powers of two >= 16, Triton); num_splits (split-K programs per
@@ -455,36 +494,45 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     every prefix over all of them); num_warps / num_stages (Triton); tree_in_kernel (mosaic: False runs the tree
     block in XLA; default: in the kernel when H % 64 == 0, `_verify_attn_mosaic`).
     """
-    _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer)
+    _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer, page_table)
     interpret = resolve_interpret(interpret)
     if layer is not None and interpret:  # the interpreter's loop would carry (copy) every layer: hand it one
         cache, layer = cache[layer], None
     if layer is None:
-        cache, layer = cache[None], 0  # [1, Bt, S, A]: one code path
+        cache, layer = cache[None], 0  # [1, Bt, S, A] (paged: [1, n_pages, P, A]): one code path
     bt, n, h, a = q.shape
-    s, r, dr = cache.shape[2], kv_lora_rank, a - kv_lora_rank
+    page = 0 if page_table is None else cache.shape[2]
+    s = cache.shape[2] if page_table is None else page * page_table.shape[1]  # the prefix rows a request can have
+    r, dr = kv_lora_rank, a - kv_lora_rank
     prefix_len = prefix_len.astype(jnp.int32)
+    paged = () if page_table is None else (page_table.astype(jnp.int32),)
     tree_kv = tree_kv.astype(q.dtype)
     if pick_backend(backend, q.dtype, n * h, r, dr, s, interpret) == "mosaic":  # its kernel clips prefix_len
         return _verify_attn_mosaic(q, cache, prefix_len, tree_kv, tree_mask, scale=float(scale), r=r, layer=layer,
-                                   num_splits=num_splits, interpret=interpret, tree_in_kernel=tree_in_kernel)
+                                   num_splits=num_splits, interpret=interpret, tree_in_kernel=tree_in_kernel,
+                                   page_table=page_table)
     prefix_len = jnp.clip(prefix_len, 0, s)
     r_pad, dr_pad = next_pow2(max(r, MIN_DOT)), next_pow2(max(dr, MIN_DOT))
-    plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize)
+    plan = _make_plan(bt, n, h, s, r_pad, dr_pad, block_q, block_k, num_splits, q.dtype.itemsize, page)
 
     q2 = q.reshape(bt, n * h, a)  # [Bt, N*H, A]: row n*H + h
     if (r_pad, dr_pad) != (r, dr):  # tiny configs only; K2's 512 + 64 needs no copy
         q2, cache, tree_kv = (_pad_latent(x, r, r_pad, dr_pad) for x in (q2, cache, tree_kv))
     q2 = _pad_axis(q2, 1, plan.rows)  # [Bt, rows, A']
-    cache = _pad_axis(cache, 2, plan.seq)  # [L, Bt, seq, A']
     tree_kv = _pad_axis(tree_kv, 1, plan.tree)  # [Bt, tree, A']
     mask = _pad_axis(_pad_axis(tree_mask.astype(jnp.int8), 2, plan.tree), 1, plan.mask_rows)  # [Bt, mask_rows, tree]
 
     ap = r_pad + dr_pad
     full = lambda *shape: pl.BlockSpec((None, *shape), lambda i, j, b: (b,) + (0,) * len(shape))  # noqa: E731
-    cache_spec = pl.BlockSpec((None, None, plan.seq, ap), lambda i, j, b: (layer, b, 0, 0))
-    in_specs = [pl.BlockSpec((bt,), lambda i, j, b: (0,)), full(plan.rows, ap), cache_spec,
-                full(plan.tree, ap), full(plan.mask_rows, plan.tree)]
+    if page:  # [L, 1, n_pages * P, A']: the pages back to back (a free reshape), one operand every request reads
+        cache = cache.reshape(cache.shape[0], 1, -1, ap)
+        cache_spec = pl.BlockSpec((None, None, cache.shape[2], ap), lambda i, j, b: (layer, 0, 0, 0))
+    else:
+        cache = _pad_axis(cache, 2, plan.seq)  # [L, Bt, seq, A']
+        cache_spec = pl.BlockSpec((None, None, plan.seq, ap), lambda i, j, b: (layer, b, 0, 0))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, j, b: (0,) * x.ndim)  # noqa: E731
+    in_specs = [whole(prefix_len), *map(whole, paged), full(plan.rows, ap), cache_spec, full(plan.tree, ap),
+                full(plan.mask_rows, plan.tree)]
     if plan.n_splits == 1:
         out_shape = jax.ShapeDtypeStruct((bt, plan.rows, r_pad), q.dtype)
         out_specs = full(plan.rows, r_pad)
@@ -501,7 +549,7 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     res = pallas_call(kernel, interpret=interpret, num_warps=num_warps or default_warps,
                       num_stages=num_stages or default_stages, grid=(plan.n_q, plan.n_splits, bt), in_specs=in_specs,
                       out_specs=out_specs, out_shape=out_shape,
-                      name="verify_attn")(prefix_len, q2, cache, tree_kv, mask)
+                      name="verify_attn")(prefix_len, *paged, q2, cache, tree_kv, mask)
     if plan.n_splits > 1:  # -> [Bt, rows, r_pad]
         res = _combine(*res, prefix_len, plan).astype(q.dtype)
     return res[:, : n * h, :r].reshape(bt, n, h, r)

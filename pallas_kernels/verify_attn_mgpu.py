@@ -150,7 +150,7 @@ def tree_bits(tree_mask, tiles_per_node: int):
 
 
 def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: SplitPlan | int, layer: int = 0,
-                tree=None, interpret: bool = False):
+                tree=None, page_table=None, interpret: bool = False):
     """q [Bt, rows, A] (rows % 64 == 0), cache [L, Bt, S, A] read at `layer`, prefix_len [Bt] int32 (clipped to S
     here), `plan` (an int: that many splits for every tile) -> (out [programs, 2, 64, R] normalised, as hi and lo
     parts in q's dtype (`join_parts` adds them in fp32); lse [programs, 64] f32 natural-log log-sum-exp of the
@@ -159,14 +159,25 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
 
     tree = (tree_kv [Bt, T, A] with T a multiple of BLOCK_K, `tree_bits` [items, 2 * T / BLOCK_K]): the last split
     of each query tile also attends to the tree's own rows under its mask, as more blocks of the same online
-    softmax, so no tree part is computed or merged outside (a single-split tile's output is then final)."""
+    softmax, so no tree part is computed or merged outside (a single-split tile's output is then final).
+
+    page_table [Bt, W] int32: `cache` is a page pool [L, n_pages, P, A] (P a power of two, 16..128) and prefix row s
+    of request b is cache[layer, page_table[b, s // P], s % P]. A KV block is then fetched by one TMA copy per page
+    it spans (BLOCK_K // P copies below 64-row pages, landing on one barrier), each from its page in place; the table
+    entries a block needs are read as scalars by the memory warpgroup just before it issues the copies."""
     bt, rows, width = q.shape
-    if rows % ROWS or not supports(q.dtype, value_width, width - value_width, cache.shape[2]):
+    page = 0 if page_table is None else cache.shape[2]
+    seq = cache.shape[2] * (1 if page_table is None else page_table.shape[1])  # the prefix rows a request can have
+    if page and not (page >= 16 and page & (page - 1) == 0 and page_table.shape[0] == bt):
+        raise ValueError(f"verify_attn_mgpu: a paged cache {cache.shape} needs a power-of-two page size >= 16 and a "
+                         f"page table [{bt}, W], got {page_table.shape}")
+    if rows % ROWS or not supports(q.dtype, value_width, width - value_width, seq):
         raise ValueError(f"verify_attn_mgpu: q {q.shape} {q.dtype} / cache {cache.shape} with R = {value_width}: "
                          f"needs rows % {ROWS} == 0 and what `supports` lists")
     r, bk, stages, p_stages = value_width, BLOCK_K, STAGES, P_STAGES
     half = r // 2
-    n_tiles, seq = rows // ROWS, cache.shape[2]
+    n_tiles = rows // ROWS
+    chunk = min(bk, page or bk)  # rows of one TMA copy: a block, or a page when pages are smaller than a block
     if isinstance(plan, int):
         plan = SplitPlan(items=bt * n_tiles, splits=plan)
     if plan.items != bt * n_tiles:
@@ -182,7 +193,9 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
                              f"2 * blocks] int32")
     c = scale * LOG2E  # scores in log2 units: exp2 is one instruction
 
-    def body(plen_ref, q_ref, cache_ref, *refs):
+    def body(plen_ref, *refs):
+        page_ref, refs = (refs[0], refs[1:]) if page else (None, refs)
+        q_ref, cache_ref, *refs = refs
         tree_ref, bits_ref, refs = (refs[0], refs[1], refs[2:]) if tree_blocks else (None, None, refs)
         (out_ref, lse_ref, q_smem, kv_smem, p_smem, alpha_smem, q_bar, kv_bar, kv_free, p_ready, p_free,
          l_ready) = refs
@@ -224,18 +237,39 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
             def _(i):
                 plgpu.barrier_wait(bars.at[lax.rem(i, depth)])
 
+        def prefix_rows(row):
+            """Prefix rows [row, row + chunk) of request b in the cache: its own rows, or a slice of one page. A
+            chunk past the prefix (in its last block, when pages are smaller than a block) reads the prefix's last
+            page again instead: the table's entries past it may name any page, and a masked row still meets P · V,
+            where 0 x NaN would be NaN. So, as in a contiguous cache, only the request's own rows must be finite."""
+            if not page:
+                return cache_ref.at[layer, b, pl.ds(pl.multiple_of(row, chunk), chunk)]
+            page_id = page_ref[b, jnp.minimum(lax.div(row, page), lax.div(prefix - 1, page))]
+            return cache_ref.at[layer, page_id, pl.ds(pl.multiple_of(lax.rem(row, page), chunk), chunk)]
+
+        def tree_rows(row):
+            return tree_ref.at[b, pl.ds(pl.multiple_of(row, chunk), chunk)]
+
+        def copy_block(source, row0, slot):
+            """The block of rows [row0, row0 + bk) into `slot` as bk // chunk copies from `source(row)` (the chunk
+            starting at row): every block takes as many, so each completes the slot's barrier (bk // chunk
+            arrivals). A contiguous cache, or pages of >= bk rows, take one copy of the whole slot."""
+            if chunk == bk:
+                plgpu.copy_gmem_to_smem(source(row0), kv_smem.at[slot], kv_bar.at[slot])
+                return
+            for k in range(0, bk, chunk):
+                plgpu.copy_gmem_to_smem(source(row0 + k), kv_smem.at[slot, pl.ds(k, chunk)], kv_bar.at[slot])
+
         def fetch(i, slot):
             """Block i of this program's keys into `slot`: prefix block lo + i, then tree block i - n_prefix."""
             @pl.when(i < n_prefix)
             def _prefix():
-                rows = pl.ds(pl.multiple_of((lo + i) * bk, bk), bk)
-                plgpu.copy_gmem_to_smem(cache_ref.at[layer, b, rows], kv_smem.at[slot], kv_bar.at[slot])
+                copy_block(prefix_rows, (lo + i) * bk, slot)
 
             if tree_blocks:
                 @pl.when(i >= n_prefix)
                 def _tree():
-                    rows = pl.ds(pl.multiple_of((i - n_prefix) * bk, bk), bk)
-                    plgpu.copy_gmem_to_smem(tree_ref.at[b, rows], kv_smem.at[slot], kv_bar.at[slot])
+                    copy_block(tree_rows, (i - n_prefix) * bk, slot)
 
         @pl.when(wg == 2)
         def _memory():
@@ -361,7 +395,7 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
     scratch = (
         *shared_memory(q.dtype, width),
         plgpu.Barrier(num_barriers=1),  # q tile landed
-        plgpu.Barrier(num_barriers=stages),  # KV block landed (TMA)
+        plgpu.Barrier(num_arrivals=bk // chunk, num_barriers=stages),  # KV block landed (its TMA copies)
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # KV slot read by both compute warpgroups
         plgpu.Barrier(num_barriers=p_stages),  # P and alpha written by warpgroup 0
         plgpu.Barrier(num_barriers=p_stages),  # P read by warpgroup 1
@@ -373,4 +407,5 @@ def prefix_attn(q, cache, prefix_len, *, scale: float, value_width: int, plan: S
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
                                             reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return kernel(prefix_len.astype(jnp.int32), q, cache, *(tree if tree_blocks else ()))
+    paged = () if page_table is None else (page_table.astype(jnp.int32),)
+    return kernel(prefix_len.astype(jnp.int32), *paged, q, cache, *(tree if tree_blocks else ()))

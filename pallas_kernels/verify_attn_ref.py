@@ -31,3 +31,19 @@ def verify_attn_ref(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, k
         probs = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
         out[b] = probs @ keys[:, :kv_lora_rank]
     return out
+
+
+def verify_attn_paged_ref(q, pool, prefix_len, tree_kv, tree_mask, page_table, *, scale: float,
+                          kv_lora_rank: int) -> np.ndarray:
+    """`verify_attn_ref` over a paged cache: pool [n_pages, P, A], page_table [Bt, W] int; row s of request b is
+    pool[page_table[b, s // P], s % P]. The rows [0, prefix_len[b]) are gathered into a contiguous cache first, so
+    table entries past a prefix's last page are never looked at."""
+    pool, page_table = np.asarray(pool), np.asarray(page_table)
+    bt, width = page_table.shape
+    _, page, a = pool.shape
+    cache = np.zeros((bt, width * page, a), pool.dtype)
+    for b in range(bt):
+        p = int(prefix_len[b])
+        rows = np.arange(p)
+        cache[b, :p] = pool[page_table[b, rows // page], rows % page]
+    return verify_attn_ref(q, cache, prefix_len, tree_kv, tree_mask, scale=scale, kv_lora_rank=kv_lora_rank)
