@@ -805,7 +805,7 @@ def main(argv=None) -> dict:
     if args.url and args.startup:
         raise SystemExit("--startup measures the in-process engine; it does not apply with --url")
     from kdtree_jax.serving import enable_compilation_cache, enable_loop_graphs
-    from kdtree_jax.serving.slots import CACHE_ENV
+    from kdtree_jax.serving.core import CACHE_ENV
 
     if args.loop_graphs and not args.url:
         enable_loop_graphs()

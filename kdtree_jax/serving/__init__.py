@@ -1,11 +1,13 @@
-"""Serving: a changing set of requests over a fixed table of slots and a fixed set of compiled programs.
+"""Serving: a changing set of requests over a paged latent cache and a fixed set of compiled programs.
 
-    programs.py  the device programs (prefill into a slot, k rounds for every slot, release a slot)
-    slots.py     the host side: queue, slots, budget per step, token deltas and final records
-    frontend.py  the async front: submit, iterate deltas, read the record
+    scheduler.py      host: the queue, chunked prefill, slots, preemption (what runs in each step)
+    cache_manager.py  host: the page pool and each request's pages
+    runner.py         device: the table and its compiled programs (programs.py: what they compute)
+    core.py           the serving engine that joins them: requests in, token deltas and final records out
+    frontend.py       the async front: submit, iterate deltas, read the record
 """
 from kdtree_jax.serving.frontend import AsyncServingEngine, RequestStream
-from kdtree_jax.serving.slots import (
+from kdtree_jax.serving.core import (
     EngineClosedError,
     PromptTooLongError,
     QueueFullError,

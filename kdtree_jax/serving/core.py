@@ -1,22 +1,23 @@
-"""The serving engine's host side: a table of request slots stepped by a fixed set of compiled programs.
+"""The serving engine: requests over a paged latent cache, stepped by a fixed set of compiled programs.
 
-Requests wait in a queue, are prefilled into free slots between steps, and leave when they finish or are
-cancelled. Each `step()` admits what fits, keeps the running requests in the lowest slots, picks the step program
-for the number of active slots (the budget follows the load, `kdtree_jax/budget.py`) and the narrowest compiled
-width that holds them, runs k rounds and hands back token deltas and final records. With `overlap` the step runs
-on a device thread while the host reads the previous step's tokens, so the device waits little for the host.
-Everything a request asks for is runtime data, so after `warm_up()` nothing compiles.
+Three roles, as vLLM v1 and nano-vllm separate them:
+- the scheduler (`scheduler.py`, host) picks what runs in each step: one chunk of prefill, then k rounds for the
+  running requests, preempting the newest request when pages run out;
+- the cache manager (`cache_manager.py`, host) owns the pages and the page tables;
+- the runner (`runner.py`, device) holds the table and runs its compiled programs.
+`ServingEngine` joins them: requests in, token deltas and final records out. Each `step()` prefills one chunk,
+grows every running request's pages (preempting if it must), keeps the running requests in the lowest slots, picks
+the step program for the number of running requests (the budget follows the load, `kdtree_jax/budget.py`) and the
+narrowest compiled width that holds them, and runs k rounds. With `overlap` the step runs on a device thread while
+the host reads the previous step's tokens. Everything a request asks for is runtime data, so after `warm_up()`
+nothing compiles.
 
-The interface follows JetStream's engine API (prefill / insert / generate over slots), with a DDTree round as the
-generate step. `kdtree_jax/serving/frontend.py` puts an async front on it.
+`kdtree_jax/serving/frontend.py` puts an async front on it.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
-import functools
-import itertools
 import logging
 import os
 import time
@@ -30,13 +31,16 @@ from kdtree_jax import budget as budget_mod
 from kdtree_jax import sampling
 from kdtree_jax.engine import ContextTooLongError, Engine
 from kdtree_jax.serving import programs
+from kdtree_jax.serving.cache_manager import CacheManager
 from kdtree_jax.serving.programs import StepKind
+from kdtree_jax.serving.runner import ModelRunner
+from kdtree_jax.serving.scheduler import Chunk, PrefillPlan, Request, Scheduler
 from kdtree_jax.speculative import FINISH_NONFINITE, FINISH_REASONS, MODES, RUNNING, RequestRows, aligned_rows
+from pallas_kernels.verify_attn import PAGE_SIZES
 
 log = logging.getLogger(__name__)
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit: the request key is jax.random.key(seed)
-_TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 CACHE_ENV = "KDTREE_COMPILATION_CACHE"  # directory of JAX's persistent compilation cache; "off" disables it
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
 LOOP_GRAPHS_FLAG = f"{COMMAND_BUFFER_FLAG}=+WHILE,+CONDITIONAL"  # XLA's default command buffer types and these two
@@ -79,21 +83,21 @@ def enable_loop_graphs() -> bool:
 # ---- configuration and requests --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """What the slot table is compiled for; fixed for the life of a serving engine."""
+    """What the serving engine is compiled for; fixed for its life."""
 
-    max_slots: int = 4
+    max_slots: int = 4  # the most requests decoding at once (vLLM's max_num_seqs)
     max_context: int = 1024  # prompt + generated tokens of one request
     mode: str = "ddtree"  # "ar" | "chain" | "ddtree"
     # ddtree: B, "auto" (per step, from the budget profile and the number of active slots), or a table
     # {active slots: B or "ar"} (missing counts take the nearest smaller entry)
     budget: int | str | Mapping[int, int | str] = "auto"
     rounds_per_step: int = 8  # k: rounds per step; tokens come back to the host once per step
-    # requests of one prompt bucket admitted together prefill in one program of up to this many rows (a program per
-    # power of two up to it; no padding): one launch instead of one per request when many join at once
+    # prefill chunks of one bucket run together in one program of up to this many rows (a program per power of two
+    # up to it): one launch instead of one per request when many join at once
     prefill_batch: int = 4
     top_k_cap: int = sampling.TOP_K_CAP  # the largest per-request top_k
     max_stop_ids: int = 8  # stop-id table width per slot (the model's own stop ids included)
-    min_prompt_bucket: int = 16  # prompt lengths pad to powers of two from here (then whole prefill chunks)
+    min_prompt_bucket: int = 16  # prefill chunks pad to powers of two from here
     max_queue: int = 1024  # waiting requests beyond this are refused
     # step programs run over the first w slots, for each w here (None: powers of two, then max_slots); a step
     # takes the narrowest that holds the running requests
@@ -102,12 +106,28 @@ class ServeConfig:
     # admission and dispatch; tokens, finishes and faults reach the host one step later (a finished row rides
     # that step at no cost)
     overlap: bool = True
+    page_size: int = 64  # cache rows per page (vLLM's block size)
+    # pages in the pool; None: from gpu_memory_utilization on a device that reports its memory, else max_slots
+    # requests of max_context (the bytes a slot table would take)
+    num_pages: int | None = None
+    gpu_memory_utilization: float = 0.9  # the share of device memory weights, activations and pages may use
+    # prompt tokens prefilled per step (one chunk program); None: the engine's prefill chunk
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("max_slots", "max_context", "rounds_per_step", "max_stop_ids", "min_prompt_bucket",
-                     "prefill_batch"):
+                     "prefill_batch", "page_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("num_pages", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if self.page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size must be one of {PAGE_SIZES} (what the verify kernels read), "
+                             f"got {self.page_size!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.step_widths is not None:
             w = self.step_widths
             if not w or not all(isinstance(x, int) and 1 <= x <= self.max_slots for x in w) \
@@ -168,9 +188,12 @@ class RequestRecord:
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "cancelled" | "error" | "nonfinite"
     prompt_tokens: int
-    accept_lengths: list[int]  # tokens committed by each round (accepted drafts + 1)
+    # tokens each round emitted (accepted drafts + 1, cut where the request ended: at a stop or max_new_tokens), so
+    # that they add up to the tokens the rounds emitted (all but the first of each prefill)
+    accept_lengths: list[int]
     num_draft_tokens: int  # tokens drafted and verified (B per DDTree round, L - 1 per chain round)
     error: str | None = None
+    num_preemptions: int = 0  # times its pages were taken back and it was recomputed
     submit_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float = 0.0
@@ -190,27 +213,12 @@ class RequestRecord:
 
 
 @dataclasses.dataclass
-class _Request:
-    rid: int
-    prompt: list[int]
-    params: RequestParams
-    stop_ids: tuple[int, ...]
-    seed: int
-    submit_time: float
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    accept_lengths: list[int] = dataclasses.field(default_factory=list)
-    num_draft_tokens: int = 0
-    first_token_time: float | None = None
-    ended: bool = False  # its record was handed out: results of a step still in flight are dropped
-
-
-@dataclasses.dataclass
 class _InFlight:
     """A step whose packed output the host has not read yet: its `future` (the device thread's, or one already
     finished without overlap) until `_settle` takes the table back, then its packed output."""
 
     kind: StepKind
-    owners: list  # the request in each of its rows when it was queued (rows move; requests end meanwhile)
+    owners: list  # (request, epoch) in each of its rows when it was queued (rows move; requests end meanwhile)
     packed: jax.Array | None = None
     future: concurrent.futures.Future | None = None  # -> (table, packed)
 
@@ -222,13 +230,17 @@ class StepReport:
     events: list  # TokenDelta and RequestRecord, in order
     kind: StepKind | None  # the step program this call ran (None: nothing was running)
     active: int  # slots that were running when it started
-    admitted: int  # requests prefilled into slots before it
+    admitted: int  # requests whose prefill finished before it (they joined the running ones)
     width: int = 0  # the rows it ran over
+    prefill_tokens: int = 0  # context tokens the step's chunk prefilled
+    preempted: int = 0  # requests preempted in it
+
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------
 class ServingEngine:
-    """A fixed table of request slots over an `Engine`'s target and drafter; single-threaded (see frontend.py)."""
+    """Requests over a paged latent cache: scheduler + cache manager (host) + runner (device); single-threaded
+    (see frontend.py)."""
 
     def __init__(self, engine: Engine, config: ServeConfig = ServeConfig()):
         self.engine = engine
@@ -252,33 +264,75 @@ class ServingEngine:
         self.specs = {(k, w): self._spec(k, batch=w) for k, w in self.step_keys}
         prefill_spec = self._spec(self._prefill_kind)
         self.draft_k = prefill_spec.top_k
+        self.chunk_tokens = min(config.max_num_batched_tokens or engine.prefill_chunk, config.max_context)
         self.buckets = self._buckets()
         self.prefill_sizes = _powers_of_two(min(config.prefill_batch, config.max_slots))
         self.prefill_specs = {(b, n): dataclasses.replace(self._spec(self._prefill_kind, prompt_len=b), batch=n)
                               for b in self.buckets for n in self.prefill_sizes}
-        slack = max(s.slack for s in [*self.specs.values(), prefill_spec])
-        self.capacity = max(aligned_rows(config.max_context + slack),
-                            *(s.capacity for s in self.prefill_specs.values()))
+        self.row_slack = max(s.slack for s in [*self.specs.values(), prefill_spec])
+        self.capacity = aligned_rows(config.max_context + self.row_slack)
+        self.pages_per_request = programs.pages_per_request(self.capacity, config.page_size)
+        self.depth = max(s.depth for s in [*self.specs.values(), *self.prefill_specs.values()])
         self.stop_ids = tuple(engine.stop_ids)
         if len(self.stop_ids) > config.max_stop_ids:
             raise ValueError(f"max_stop_ids {config.max_stop_ids} is below the model's {len(self.stop_ids)} stop ids")
-        self._programs: dict = {}
-        self._uid = next(_TABLE_IDS)
+        self.num_pages = self._num_pages()
+        self.cache = CacheManager(self.num_pages, config.page_size, self.pages_per_request)
+        self.scheduler = Scheduler(self.cache, max_slots=config.max_slots, chunk_tokens=self.chunk_tokens,
+                                   buckets=self.buckets, prefill_sizes=self.prefill_sizes, row_slack=self.row_slack,
+                                   max_rows=self.capacity)
+        self.runner = ModelRunner(
+            engine, uses_drafter=self.uses_drafter, new_table=self._new_table, prefill_specs=self.prefill_specs,
+            step_specs=self.specs, rounds=config.rounds_per_step, page_table_width=self.pages_per_request,
+            max_slots=config.max_slots, overlap=config.overlap,
+            rows_for=lambda n: _rows([RequestParams()] * n, [self.stop_ids] * n, config.max_stop_ids))
         self._rng = np.random.default_rng()
         self._next_id = 0
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._slots: list[_Request | None] = [None] * config.max_slots
         self._in_flight: _InFlight | None = None
-        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdtree-step") \
-            if config.overlap else None
         self._faults: list[RequestRecord] = []  # records of a fault found outside step(), for its next report
         self.n_moves = 0  # rows moved to keep the running requests in the lowest slots
-        self.prefill_calls: collections.Counter[int] = collections.Counter()  # prefill programs run, by rows
+        self.prefill_calls: dict[int, int] = {}  # prefill programs run, by rows
         self._closed = False
-        self.table = self._new_table()
-        # the weights as one flat list: a plain list of arrays is the cheapest argument to pass on every call
-        self._weight_leaves, self._weight_def = jax.tree.flatten(self._weights())
-        self.warmup_s: dict[str, float] = {}
+
+    # ---- sizes ----------------------------------------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: the target's latent rows and the drafter's context rows, every layer."""
+        t, c = self.engine.target, self.config
+        latent = t.cfg.num_hidden_layers * c.page_size * t.cfg.latent_dim * np.dtype(t.cache_dtype).itemsize
+        if not self.uses_drafter:
+            return latent
+        d = self.engine.drafter
+        k = d.cfg.num_hidden_layers * d.cfg.num_key_value_heads * c.page_size * d.cfg.head_dim
+        return latent + 2 * k * np.dtype(d.compute_dtype).itemsize
+
+    def _num_pages(self) -> int:
+        """The pool: --num-pages, else what `gpu_memory_utilization` of the device leaves after what is in use
+        (weights), else (no memory figures, e.g. a CPU) max_slots requests of max_context. A pool that cannot hold
+        one request of max_context is refused."""
+        c = self.config
+        n = c.num_pages
+        if n is None:
+            stats = _memory_stats()
+            if stats is not None:
+                free = int(stats["bytes_limit"] * c.gpu_memory_utilization) - int(stats["bytes_in_use"])
+                n = max(free, 0) // self.page_bytes
+            else:
+                n = c.max_slots * self.pages_per_request
+        if n < self.pages_per_request:
+            raise ValueError(
+                f"the page pool holds {n} pages of {c.page_size} tokens, fewer than the {self.pages_per_request} one "
+                f"request of max_context {c.max_context} needs (with {self.row_slack} rows of scratch): raise "
+                f"--num-pages or --gpu-memory-utilization, or lower --max-context")
+        return int(n)
+
+    def capacity_summary(self) -> str:
+        """The pool in words, for the start-up log."""
+        c = self.config
+        tokens = self.num_pages * c.page_size
+        return (f"{self.num_pages} pages of {c.page_size} tokens ({tokens} tokens, "
+                f"{self.num_pages * self.page_bytes / 2**30:.2f} GiB); {self.num_pages // self.pages_per_request} "
+                f"requests of max_context {c.max_context} at once (up to {c.max_slots} slots)")
 
     # ---- programs -------------------------------------------------------------------------------------------
     def _budget_plan(self) -> dict[int, StepKind]:
@@ -322,89 +376,41 @@ class ServingEngine:
         return spec
 
     def _buckets(self) -> list[int]:
-        """Padded prompt lengths, one prefill program each: powers of two from min_prompt_bucket, each padded as
-        `Engine.prompt_bucket` pads (whole prefill chunks past the chunk), up to what max_context - 1 tokens need."""
-        longest, n, out = self.config.max_context - 1, self.config.min_prompt_bucket, set()
-        while True:
-            out.add(self.engine.prompt_bucket(min(n, longest))[1])
-            if n >= longest:
-                return sorted(out)
+        """Padded chunk lengths, one prefill program each: powers of two from min_prompt_bucket, then the chunk."""
+        n, out = self.config.min_prompt_bucket, set()
+        while n < self.chunk_tokens:
+            out.add(n)
             n *= 2
+        return sorted(out | {self.chunk_tokens})
 
     def bucket_for(self, prompt_len: int) -> int:
-        return next(b for b in self.buckets if b >= prompt_len)
+        """The bucket of a prompt's first chunk."""
+        return self.scheduler.bucket_for(min(prompt_len, self.chunk_tokens))
 
     def _new_table(self):
         cfg = self.config
-        depth = max(s.depth for s in [*self.specs.values(), *self.prefill_specs.values()])
         return programs.empty_table(self.engine.target, self.engine.drafter if self.uses_drafter else None,
-                                    slots=cfg.max_slots, capacity=self.capacity, n_stop=cfg.max_stop_ids,
-                                    depth=depth, draft_k=self.draft_k, rounds=cfg.rounds_per_step)
+                                    slots=cfg.max_slots, capacity=self.capacity, n_pages=self.num_pages,
+                                    page_size=cfg.page_size, n_stop=cfg.max_stop_ids, depth=self.depth,
+                                    draft_k=self.draft_k, rounds=cfg.rounds_per_step)
 
-    def _weights(self):
-        t, d = self.engine.weights
-        return t, (d if self.uses_drafter else None)
+    def warm_up(self, on_program=None) -> dict[str, float]:
+        """Compile every program: one prefill chunk per (bucket, rows), one step per (budget, width), move and
+        release; `on_program(desc, seconds)` after each. Returns the seconds each took (near zero where JAX's
+        persistent compilation cache had it)."""
+        return self.runner.warm_up(on_program)
 
-    def _program(self, name: str, key):
-        """The compiled program `name` for `key` ((bucket, rows) or (StepKind, width)), compiled on first use."""
-        if (name, key) in self._programs:
-            return self._programs[(name, key)]
-        eng, uses = self.engine, self.uses_drafter
+    @property
+    def warmup_s(self) -> dict[str, float]:
+        return self.runner.warmup_s
 
-        def modules(w):
-            return eng.merged(*jax.tree.unflatten(self._weight_def, w), uses)
-
-        if name == "prefill":
-            spec, (bucket, n) = self.prefill_specs[key], key
-
-            def fn(w, table, prompts, prompt_len, seeds, rows, slots):
-                return programs.prefill_into_slots(spec, *modules(w), table, prompts, prompt_len, seeds, rows, slots)
-
-            rows = _rows([RequestParams()] * n, [self.stop_ids] * n, self.config.max_stop_ids)
-            args = (np.zeros((n, bucket), np.int32), np.ones((n,), np.int32), np.zeros((n,), np.uint32), rows,
-                    np.zeros((n,), np.int32))
-        elif name == "step":
-            spec, rounds = self.specs[key], self.config.rounds_per_step
-
-            def fn(w, table):
-                return programs.step(spec, *modules(w), table, rounds)
-
-            args = ()
-        elif name == "move":
-            def fn(w, table, src, dst):
-                return programs.move(table, src, dst)
-
-            args = (np.int32(0), np.int32(0))
-        else:
-            def fn(w, table, slot):
-                return programs.release(table, slot)
-
-            args = (np.int32(0),)
-        if key is None:
-            desc = name
-        else:
-            desc = f"{name} {key[0].name if name == 'step' else key[0]} x{key[1]}"
-        compiled, seconds = eng.compile(fn, (self._weight_leaves, self.table, *args), ("serve", self._uid, name, key),
-                                        desc=desc, donate=(1,))
-        self.warmup_s[desc] = seconds
-        self._programs[(name, key)] = compiled
-        return compiled
-
-    def warm_up(self) -> dict[str, float]:
-        """Compile every program the table can run: one prefill per (prompt bucket, rows), one step per (budget,
-        width), move and release. Returns the seconds each took (near zero where JAX's persistent compilation cache had
-        it)."""
-        for key in self.prefill_specs:
-            self._program("prefill", key)
-        for key in self.step_keys:
-            self._program("step", key)
-        self._program("move", None)
-        self._program("release", None)
-        return dict(self.warmup_s)
+    @property
+    def _programs(self) -> dict:
+        return self.runner._programs
 
     # ---- requests -------------------------------------------------------------------------------------------
     def check(self, prompt: Sequence[int], params: RequestParams) -> tuple[list[int], tuple[int, ...], int]:
-        """Validate a request without touching the table: (prompt ids, stop ids, seed). Raises RequestError."""
+        """Validate a request without touching the engine: (prompt ids, stop ids, seed). Raises RequestError."""
         cfg, vocab = self.config, self.engine.target.cfg.vocab_size
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
             raise RequestError("prompt", f"must be a list of token ids, got {type(prompt).__name__}")
@@ -448,39 +454,39 @@ class ServingEngine:
         """Queue a request; returns its id. Bad input raises RequestError and changes nothing."""
         if self._closed:
             raise EngineClosedError("the serving engine is shut down; no new requests")
-        if len(self._waiting) >= self.config.max_queue:
-            raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue {self.config.max_queue})")
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
+                                 f"(max_queue {self.config.max_queue})")
         ids, stop, seed = self.check(prompt, params)
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
-        self._waiting.append(_Request(rid, ids, params, stop, seed, time.perf_counter()))
+        self.scheduler.add(Request(rid, ids, params, stop, seed, time.perf_counter()))
         return rid
 
     def cancel(self, request_id: int) -> RequestRecord | None:
-        """Drop a waiting or running request; its slot is free for the next step. Returns its record: "cancelled",
-        or "error" where the step it was in had failed; None if it is not here."""
+        """Drop a waiting, prefilling or running request; its pages and slot are free for the next step. Returns
+        its record: "cancelled", or "error" where the step it was in had failed; None if it is not here."""
         self._faults += self._settle()  # the table is back from the device thread
         for i, rec in enumerate(self._faults):
             if rec.request_id == request_id:
                 return self._faults.pop(i)
-        for r in self._waiting:
-            if r.rid == request_id:
-                self._waiting.remove(r)
-                return self._record(r, "cancelled")
-        for slot, r in enumerate(self._slots):
-            if r is not None and r.rid == request_id:
-                self._free(slot)
-                return self._record(r, "cancelled")
-        return None
+        slots = self.scheduler.slots
+        slot = next((i for i, r in enumerate(slots) if r is not None and r.rid == request_id), None)
+        r = self.scheduler.remove(request_id)
+        if r is None:
+            return None
+        if slot is not None:
+            self.runner.release(slot)
+        return self._record(r, "cancelled")
 
     def shutdown(self) -> list[RequestRecord]:
-        """Refuse new requests and cancel every waiting and running one."""
+        """Refuse new requests and cancel every waiting, prefilling and running one."""
         self._closed = True
-        ids = [r.rid for r in self._waiting] + [r.rid for r in self._slots if r is not None]
+        s = self.scheduler
+        ids = [r.rid for r in s.waiting] + [r.rid for r in s.prefilling] + [r.rid for r in s.running]
         records = [rec for rec in map(self.cancel, ids) if rec is not None]
         self._in_flight = None  # every request it ran has ended
-        if self._device is not None:
-            self._device.shutdown()  # idle: cancel settled its last step
+        self.runner.shutdown()  # idle: cancel settled its last step
         return records
 
     @property
@@ -489,55 +495,71 @@ class ServingEngine:
 
     @property
     def n_running(self) -> int:
-        return sum(r is not None for r in self._slots)
+        """Requests decoding, plus those part-way through their prefill."""
+        return self.scheduler.n_running + len(self.scheduler.prefilling)
 
     @property
     def n_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
+
+    @property
+    def n_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting) or self.n_running > 0 or self._in_flight is not None
+        s = self.scheduler
+        return bool(s.waiting) or bool(s.prefilling) or s.n_running > 0 or self._in_flight is not None
 
     def running_ids(self) -> list[int]:
-        return [r.rid for r in self._slots if r is not None]
+        return [r.rid for r in self.scheduler.prefilling] + [r.rid for r in self.scheduler.running]
 
     def waiting_ids(self) -> list[int]:
-        return [r.rid for r in self._waiting]
+        return [r.rid for r in self.scheduler.waiting]
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> StepReport:
-        """Admit waiting requests into free slots, move the running ones into the lowest slots, run one step (k
-        rounds) over the narrowest width that holds them, and hand back what the host learnt: this step's tokens,
-        or with `overlap` the previous step's, read while this one runs."""
+        """Prefill one chunk, grow the running requests' pages (preempting the newest where the pool is short),
+        move the running ones into the lowest slots, run one step (k rounds) over the narrowest width that holds
+        them, and hand back what the host learnt: this step's tokens, or with `overlap` the previous step's, read
+        while this one runs."""
         events = self._settle()
-        free = [i for i, r in enumerate(self._slots) if r is None]
-        joining = [(self._waiting.popleft(), slot) for slot in free[: len(self._waiting)]]
-        admitted = len(joining)
-        by_bucket: dict[int, list] = {}
-        for r, slot in joining:
-            by_bucket.setdefault(self.bucket_for(len(r.prompt)), []).append((r, slot))
-        for bucket, group in by_bucket.items():
-            while group:
-                n = max(k for k in self.prefill_sizes if k <= len(group))
-                events += self._admit(bucket, group[:n])
-                group = group[n:]
-        self._compact()
-        active = self.n_running
+        s = self.scheduler
+        plan, preempted = s.plan_prefill()
+        self._release(preempted)
+        admitted, prefill_tokens = 0, 0
+        if plan is not None:
+            prefill_events, admitted = self._prefill(plan)
+            events += prefill_events
+            prefill_tokens = sum(c.n_valid for c in plan.chunks)
+        before = list(s.slots)
+        ahead = self.config.rounds_per_step * (self.depth + 1) * (2 if self._in_flight is not None else 1)
+        more = s.reserve(ahead)
+        self._release(more, before)
+        for src, dst in s.moves():
+            self.runner.move(src, dst)
+            self.n_moves += 1
+        active = s.n_running
         kind = self.plan[active] if active else None
         width = self.width_for(active) if active else 0
         done, self._in_flight = self._in_flight, None
         if active:
-            run = functools.partial(self._program("step", (kind, width)), self._weight_leaves, self.table)
-            self.table = None  # donated to the step until _settle takes it back
-            future = self._device.submit(run) if self._device is not None else _run_now(run)
-            self._in_flight = _InFlight(kind, self._slots[:width], future=future)
-            if self._device is None:  # no overlap: this step is the one to read, now
+            future = self.runner.queue_step((kind, width), s.page_table())
+            owners = [(r, r.epoch) for r in s.slots[:width]]
+            self._in_flight = _InFlight(kind, owners, future=future)
+            if not self.runner.overlap:  # this step is the one to read, now
                 events += self._settle()
                 done, self._in_flight = self._in_flight, None  # None where it failed: _settle ended its requests
         if done is not None:
             events += self._read(done)
-        return StepReport(events, kind, active, admitted, width)
+        return StepReport(events, kind, active, admitted, width, prefill_tokens, len(preempted) + len(more))
+
+    def _release(self, preempted: list[Request], slots: list | None = None) -> None:
+        """The device rows of preempted requests that were decoding are finished."""
+        slots = self.scheduler.slots if slots is None else slots
+        for r in preempted:
+            if r in slots:
+                self.runner.release(slots.index(r))
 
     def _settle(self) -> list:
         """Wait for the queued step and take its table back (its tokens are read later); returns the records of a
@@ -546,7 +568,7 @@ class ServingEngine:
         if step is not None and step.future is not None:
             future, step.future = step.future, None
             try:
-                self.table, step.packed = future.result()
+                step.packed = self.runner.settle(future)
             except Exception as e:  # the table was donated to the failed program: every running request fails
                 self._faults += self._fail_all(e)
         events, self._faults = self._faults, []
@@ -562,94 +584,102 @@ class ServingEngine:
         now = time.perf_counter()
         rounds, n_draft = self.config.rounds_per_step, self.specs[(step.kind, len(step.owners))].n_slots - 1
         events = []
-        for row, r in enumerate(step.owners):
-            if r is None or r.ended:
+        for row, owner in enumerate(step.owners):
+            r, epoch = (None, 0) if owner[0] is None else owner
+            if r is None or r.ended or r.epoch != epoch:  # ended, or preempted: its tokens will be recomputed
                 continue
             n_new, finish = int(packed[row, 0]), int(packed[row, 1])
-            acc = [int(a) for a in packed[row, 2 : 2 + rounds] if a > 0]
+            acc = _emitted_lengths([int(a) for a in packed[row, 2: 2 + rounds] if a > 0], n_new)
             r.accept_lengths += acc
             r.num_draft_tokens += n_draft * len(acc)
             if n_new:
-                new = packed[row, 2 + rounds : 2 + rounds + n_new].tolist()
+                new = packed[row, 2 + rounds: 2 + rounds + n_new].tolist()
                 r.tokens += new
                 events.append(TokenDelta(r.rid, new, now))
             if finish != RUNNING:
-                self._slots[self._slots.index(r)] = None  # its row is finished on the device already
+                self.scheduler.finish(self.scheduler.slots.index(r))  # its row is finished on the device already
                 events.append(self._record(r, FINISH_REASONS[finish]))
         return events
 
-    def _compact(self) -> None:
-        """Move the highest running requests into the lowest free slots, so that they fill rows [0, n_running)."""
-        while True:
-            free = [i for i, r in enumerate(self._slots) if r is None]
-            used = [i for i, r in enumerate(self._slots) if r is not None]
-            if not free or not used or free[0] > used[-1]:
-                return
-            src, dst = used[-1], free[0]
-            self.table = self._program("move", None)(self._weight_leaves, self.table, np.int32(src), np.int32(dst))
-            self._slots[dst], self._slots[src] = self._slots[src], None
-            self.n_moves += 1
-
-    def _admit(self, bucket: int, group: list[tuple[_Request, int]]) -> list:
-        """Prefill a group of requests of one bucket into their slots, in one program of len(group) rows."""
-        n = len(group)
-        prompts = np.zeros((n, bucket), np.int32)
-        for i, (r, _) in enumerate(group):
-            prompts[i, : len(r.prompt)] = r.prompt
-        rows = _rows([r.params for r, _ in group], [r.stop_ids for r, _ in group], self.config.max_stop_ids)
-        self.prefill_calls[n] += 1
+    def _prefill(self, plan: PrefillPlan) -> tuple[list, int]:
+        """Run the plan's chunk program; requests whose context it ended start decoding (or end at once)."""
+        chunks, c = plan.chunks, self.config
+        n = len(chunks)
+        reqs = [ch.request for ch in chunks]
+        rows = _rows([r.params for r in reqs], [r.stop_ids for r in reqs], c.max_stop_ids)
+        self.prefill_calls[n] = self.prefill_calls.get(n, 0) + 1
         try:
-            self.table, out = self._program("prefill", (bucket, n))(
-                self._weight_leaves, self.table, prompts, np.array([len(r.prompt) for r, _ in group], np.int32),
-                np.array([r.seed for r, _ in group], np.uint32), rows, np.array([s for _, s in group], np.int32))
-            out = np.asarray(jax.device_get(out))
+            out = self.runner.prefill(
+                plan.bucket, self.cache.page_table([r.rid for r in reqs]),
+                np.stack([ch.tokens(plan.bucket) for ch in chunks]),
+                np.array([c.max_slots if ch.slot is None else ch.slot for ch in chunks], np.int32),
+                np.array([ch.start for ch in chunks], np.int32), np.array([ch.n_valid for ch in chunks], np.int32),
+                np.array([len(r.prompt) for r in reqs], np.int32), np.array([len(r.tokens) for r in reqs], np.int32),
+                np.array([r.seed for r in reqs], np.uint32), rows)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-            return [*self._fail_all(e), *(self._record(r, "error", error=error) for r, _ in group)]
+            failed = [r for r in reqs if r in self.scheduler.prefilling]
+            events = self._fail_all(e)
+            return [*events, *(self._record(r, "error", error=error) for r in failed if not r.ended)], 0
         now = time.perf_counter()
-        events = []
-        for (r, slot), (first, finish) in zip(group, out.tolist()):
-            r.first_token_time = now
+        events, admitted = [], 0
+        for ch, (first, finish) in zip(chunks, out.tolist()):
+            r = ch.request
+            if not ch.last:
+                self.scheduler.prefilled(ch, running=False)
+                continue
+            if r.first_token_time is None:
+                r.first_token_time = now
             if finish != FINISH_NONFINITE:
                 r.tokens.append(first)
                 events.append(TokenDelta(r.rid, [first], now))
+            self.scheduler.prefilled(ch, running=finish == RUNNING)
             if finish == RUNNING:
-                self._slots[slot] = r
+                admitted += 1
             else:
                 events.append(self._record(r, FINISH_REASONS[finish]))
-        return events
-
-    def _free(self, slot: int) -> None:
-        self._slots[slot] = None
-        self.table = self._program("release", None)(self._weight_leaves, self.table, np.int32(slot))
+        return events, admitted
 
     def _fail_all(self, error: Exception) -> list[RequestRecord]:
-        """A program raised: its donated table is gone, and so is any step queued after it. Every running request
-        ends with "error" and the slots start empty again; waiting requests stay queued."""
+        """A program raised: its donated table is gone, and so is any step queued after it. Every prefilling and
+        running request ends with "error" and the table starts empty again; waiting requests stay queued."""
         log.error("serving step failed: %s: %s", type(error).__name__, error)
         records = [self._record(r, "error", error=f"{type(error).__name__}: {error}")
-                   for r in self._slots if r is not None]
-        self._slots = [None] * self.config.max_slots
+                   for r in self.scheduler.clear() if not r.ended]
         self._in_flight = None
-        self.table = self._new_table()
+        self.runner.reset()
         return records
 
-    def _record(self, r: _Request, reason: str, error: str | None = None) -> RequestRecord:
+    def _record(self, r: Request, reason: str, error: str | None = None) -> RequestRecord:
         r.ended = True
         return RequestRecord(request_id=r.rid, token_ids=list(r.tokens), finish_reason=reason,
                              prompt_tokens=len(r.prompt), accept_lengths=list(r.accept_lengths),
-                             num_draft_tokens=r.num_draft_tokens, error=error, submit_time=r.submit_time,
-                             first_token_time=r.first_token_time, finish_time=time.perf_counter())
+                             num_draft_tokens=r.num_draft_tokens, error=error, num_preemptions=r.num_preemptions,
+                             submit_time=r.submit_time, first_token_time=r.first_token_time,
+                             finish_time=time.perf_counter())
 
 
-def _run_now(fn) -> concurrent.futures.Future:
-    """fn() on the calling thread, as a finished future (its result or its exception), like the device thread's."""
-    future = concurrent.futures.Future()
+def _emitted_lengths(accept: list[int], n_new: int) -> list[int]:
+    """Each round's tokens as far as the step emitted them: a request that ended at a stop or at max_new_tokens
+    mid-round committed fewer than its round accepted, and rounds past that emitted none."""
+    out, left = [], n_new
+    for a in accept:
+        if left <= 0:
+            break
+        out.append(min(a, left))
+        left -= out[-1]
+    return out
+
+
+def _memory_stats() -> dict | None:
+    """The first device's memory limit and use, where it reports them (GPUs do; a CPU does not)."""
     try:
-        future.set_result(fn())
-    except Exception as e:  # noqa: BLE001  (handed on: _settle turns it into the requests' error records)
-        future.set_exception(e)
-    return future
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001  (a backend without memory figures)
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats
 
 
 def _powers_of_two(n: int) -> list[int]:

@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from kdtree_jax.serving.slots import (
+from kdtree_jax.serving.core import (
     EngineClosedError,
     QueueFullError,
     RequestParams,

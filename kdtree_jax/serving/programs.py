@@ -1,21 +1,24 @@
-"""The slot table's device programs: prefill requests into slots, run k rounds for the first w slots, move a slot,
-release a slot.
+"""The serving runner's device programs: prefill a chunk of prompts into slots, run k rounds for the first w slots,
+move a slot, release a slot.
 
-The table is one `DecodeState` whose batch rows are request slots, allocated once with a fixed context capacity.
-Every program takes the table and gives it back (donated), so a request joins or leaves between steps by writing
-its own row. Per-request values (prompt length, sampling rule, token limit, stop ids, seed) are rows of the table,
-so no request compiles anything.
+The table is one `DecodeState` whose batch rows are request slots (tokens, lengths, draft lists, rules, keys) over
+one page pool per cache: the target's latent and the drafter's context, both addressed by the same page table
+(`kdtree_jax/paged.py`). The host's cache manager owns the pages, and every program takes its page table as an
+argument, so pages change hands without touching the device's rows. Every program takes the table and gives it
+back (donated), so a request joins or leaves between steps by writing its own row and its own pages. Per-request
+values (prompt length, sampling rule, token limit, stop ids, seed) are rows of the table, so no request compiles
+anything.
 
-Widths. The host keeps the running requests in the lowest rows (`move` fills a hole left by a finished request),
-so a step runs over only the first w rows for the smallest compiled width w that holds them: one request pays for a
-batch of one, not for the whole table.
+Widths. The host keeps the running requests in the lowest rows (`move` fills a hole left by a finished request:
+one row of small state, never the cache), so a step runs over only the first w rows for the smallest compiled width
+w that holds them: one request pays for a batch of one, not for the whole table.
 
 Budgets. A table may be stepped by several programs (plain AR and DDTree at a few budgets) chosen per step. They
 share one state: the drafter's top-K lists keep the largest budget's K (`DecodeSpec.draft_k`; a smaller budget
-reads their sorted prefix) and the caches hold the largest scratch any program writes. An AR step on a table with
-a drafter keeps the drafter's context whole: it collects the target features of the k tokens it commits and ends
-with one drafter pass over them, so the next tree step finds the same drafter state it would have after k rounds
-of its own (docs/DESIGN.md, "Serving").
+reads their sorted prefix) and the host grows each request's pages to the largest scratch any program writes. An
+AR step on a table with a drafter keeps the drafter's context whole: it collects the target features of the k
+tokens it commits and ends with one drafter pass over them, so the next tree step finds the same drafter state it
+would have after k rounds of its own (docs/DESIGN.md, "Serving").
 """
 from __future__ import annotations
 
@@ -25,16 +28,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax import sampling
+from kdtree_jax import cache_update, paged, sampling
 from kdtree_jax.drafter import DrafterCache
-from kdtree_jax.engine import prefill
-from kdtree_jax.model import LatentCache
+from kdtree_jax.model import LatentCache, forward_verify
 from kdtree_jax.speculative import (
     FINISH_LENGTH,
+    FINISH_NONFINITE,
+    FINISH_STOP,
+    RUNNING,
     DecodeSpec,
     DecodeState,
     RequestRows,
     drafter_pass,
+    is_stop_token,
     root_only_tree,
     speculative_round,
     verify_and_commit,
@@ -53,24 +59,26 @@ class StepKind:
         return f"ddtree-{self.budget}" if self.mode == "ddtree" else self.mode
 
 
-def empty_table(target, drafter, *, slots: int, capacity: int, n_stop: int, depth: int, draft_k: int,
-                rounds: int) -> DecodeState:
-    """A table of free slots. A free slot is a finished row: every round carries it unchanged."""
+def empty_table(target, drafter, *, slots: int, capacity: int, n_pages: int, page_size: int, n_stop: int,
+                depth: int, draft_k: int, rounds: int) -> DecodeState:
+    """A table of free slots over an empty page pool. A free slot is a finished row: every round carries it
+    unchanged. The page table in it is a placeholder: every program takes the host's table as an argument."""
     cfg = target.cfg
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
     params = RequestRows(
         sampling=sampling.SamplingRows(temperature=jnp.zeros((slots,), jnp.float32), top_k=zeros((slots,)),
                                        top_p=jnp.ones((slots,), jnp.float32)),
         max_new_tokens=zeros((slots,)), stop_ids=jnp.full((slots, max(n_stop, 1)), -1, jnp.int32))
+    table = jnp.full((slots, pages_per_request(capacity, page_size)), paged.UNOWNED, jnp.int32)
     return DecodeState(
         tokens=zeros((slots, capacity)),
         length=zeros((slots,)),
         prompt_len=zeros((slots,)),
         n_generated=zeros((slots,)),
         finish=jnp.full((slots,), FINISH_LENGTH, jnp.int32),
-        cache=LatentCache.zeros(cfg, slots, capacity, target.cache_dtype),
-        draft_cache=None if drafter is None else DrafterCache.zeros(drafter.cfg, slots, capacity,
-                                                                    drafter.compute_dtype),
+        cache=LatentCache.pool(cfg, n_pages, page_size, table, target.cache_dtype),
+        draft_cache=None if drafter is None else DrafterCache.pool(drafter.cfg, n_pages, page_size, table,
+                                                                   drafter.compute_dtype),
         draft_lp=jnp.zeros((slots, max(depth, 1), draft_k), jnp.float32),
         draft_ids=zeros((slots, max(depth, 1), draft_k)),
         keys=jnp.zeros((slots, 2), jnp.uint32),
@@ -80,35 +88,86 @@ def empty_table(target, drafter, *, slots: int, capacity: int, n_stop: int, dept
     )
 
 
-def prefill_into_slots(spec: DecodeSpec, target, drafter, table: DecodeState, prompts: jax.Array,
-                       prompt_len: jax.Array, seeds: jax.Array, params: RequestRows, slots: jax.Array):
-    """Prefill n requests together (prompts [n, prompt_cap], prompt_len [n], seeds [n] uint32) and write request i
-    into row slots[i].
+def pages_per_request(capacity: int, page_size: int) -> int:
+    """Page-table width: the pages that hold `capacity` rows."""
+    return -(-capacity // page_size)
 
-    Returns (table, [n, 2] int32 of first token and finish): the first tokens come back with the prefill."""
+
+def with_pages(table: DecodeState, page_table: jax.Array) -> DecodeState:
+    """The table addressed by the host's page table [slots, W] (both caches share it)."""
+    dc = table.draft_cache
+    return table.replace(cache=table.cache.replace(page_table=page_table),
+                         draft_cache=None if dc is None else dc.replace(page_table=page_table))
+
+
+def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, page_rows: jax.Array, tokens: jax.Array,
+                  slots: jax.Array, start: jax.Array, n_valid: jax.Array, prompt_len: jax.Array, n_prev: jax.Array,
+                  seeds: jax.Array, params: RequestRows):
+    """One chunk of n requests' contexts: tokens [n, T] at positions start[i] + t, the first n_valid[i] real,
+    written into request i's pages page_rows[i] ([n, W]); the drafter's context takes the chunk's features.
+
+    A request's context is its prompt, or for a request resumed after preemption its prompt and the n_prev tokens
+    it had generated (prompt_len stays its own prompt's length). Where slots[i] is a slot (< the table's rows), this
+    chunk ends the context: the target's next token is drawn with the key of its position (as every later token
+    is), and row slots[i] starts running with it as its bonus. A chunk that does not end its context has no row
+    (slots[i] out of range): its writes to the table's rows are dropped.
+
+    Returns (table, [n, 2] int32 of first token and finish code; meaningful where the context ended)."""
+    n, t = tokens.shape
+    rows = page_rows
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(t)[None, :] < n_valid[:, None]
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (n, t, t))
+    out = forward_verify(target, tokens, positions, start, causal, table.cache.replace(page_table=rows),
+                         taps=spec.taps, use_pallas=spec.use_pallas, valid=valid, attn_backend=spec.attn_backend)
+    last_logits = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     keys = jax.random.key_data(jax.vmap(jax.random.key)(seeds))
-    many = prefill(spec, target, drafter, prompts, prompt_len, keys, params)
-    for i in range(prompts.shape[0]):
-        table = insert(table, slice_rows(many, i, 1), slots[i])
-    return table, jnp.stack([many.bonus, many.finish], axis=1)
+    first_keys = sampling.position_keys(jax.random.wrap_key_data(keys), (start + n_valid - 1)[:, None])
+    first = sampling.choose(last_logits[:, None, :], params.sampling, first_keys, spec.top_k_cap)[:, 0]
+    context = start + n_valid
+    nonfinite = ~jnp.all(jnp.isfinite(last_logits), axis=-1)
+    finish = jnp.where(nonfinite, FINISH_NONFINITE, jnp.where(
+        is_stop_token(first[:, None], params.stop_ids)[:, 0], FINISH_STOP,
+        jnp.where(params.max_new_tokens <= n_prev + 1, FINISH_LENGTH, RUNNING))).astype(jnp.int32)
 
+    def put(field, value):  # row slots[i] of a per-slot field := value[i] where the context ended
+        return field.at[slots].set(value.astype(field.dtype), mode="drop")
 
-def insert(table: DecodeState, one: DecodeState, slot: jax.Array) -> DecodeState:
-    """Row `slot` of the table := the one-request state `one`, whose cache rows may be fewer (a shorter bucket):
-    rows past them keep what an earlier request left, which no round reads (every read stops at `length`). The
-    table keeps its round counter, and the row's acceptance lengths start empty."""
-    one = one.replace(accept_len=jnp.zeros((1, *table.accept_len.shape[1:]), table.accept_len.dtype),
-                      round=table.round)
-    return put_rows(table, one, slot)
+    draft_cache = table.draft_cache
+    lp = jnp.zeros((n, *table.draft_lp.shape[1:]), jnp.float32)
+    ids = jnp.zeros((n, *table.draft_ids.shape[1:]), jnp.int32)
+    if draft_cache is not None:  # the chunk's context rows; where this chunk ends the context, the next block too
+        mine = draft_cache.replace(length=start, page_table=rows)
+        lp, ids, mine = drafter_pass(spec, drafter, target, mine, out.hidden, n_valid, first)
+        draft_cache = draft_cache.replace(k=mine.k, v=mine.v, length=put(draft_cache.length, mine.length))
+
+    token_rows = jnp.concatenate([tokens, jnp.zeros((n, 1), jnp.int32)], axis=1)
+    token_rows = jnp.where(jnp.arange(t + 1)[None, :] == n_valid[:, None], first[:, None], token_rows)
+    context_tokens = cache_update.write_rows(jnp.zeros((n, table.tokens.shape[1]), jnp.int32), token_rows, start)
+    table = table.replace(
+        tokens=put(table.tokens, context_tokens),
+        length=put(table.length, context),
+        prompt_len=put(table.prompt_len, prompt_len),
+        n_generated=put(table.n_generated, jnp.where(nonfinite, n_prev, n_prev + 1)),
+        finish=put(table.finish, finish),
+        cache=out.cache.replace(page_table=table.cache.page_table),
+        draft_cache=None if draft_cache is None else draft_cache.replace(page_table=table.cache.page_table),
+        draft_lp=put(table.draft_lp, lp),
+        draft_ids=put(table.draft_ids, ids),
+        keys=put(table.keys, keys),
+        params=jax.tree.map(put, table.params, params),
+        accept_len=put(table.accept_len, jnp.zeros((n, table.accept_len.shape[1]), jnp.int32)),
+    )
+    return table, jnp.stack([first, finish], axis=1)
 
 
 def _slot_axes(table: DecodeState) -> DecodeState:
-    """The slot (batch) axis of every leaf of the table; -1 for the one leaf without (the round counter)."""
+    """The slot (batch) axis of every leaf of the table; -1 for leaves without (the page pools, the round)."""
     axes = jax.tree.map(lambda _: 0, table)
     dc = axes.draft_cache
     if dc is not None:
-        dc = dc.replace(k=1, v=1)
-    return axes.replace(cache=LatentCache(latent=1), draft_cache=dc, round=-1)
+        dc = dc.replace(k=-1, v=-1)
+    return axes.replace(cache=axes.cache.replace(latent=-1), draft_cache=dc, round=-1)
 
 
 def slice_rows(state: DecodeState, start: int, size: int) -> DecodeState:
@@ -118,8 +177,8 @@ def slice_rows(state: DecodeState, start: int, size: int) -> DecodeState:
 
 
 def put_rows(table: DecodeState, part: DecodeState, start) -> DecodeState:
-    """The table with rows [start, start + n) := `part`, a state of n requests (cast to the table's dtypes; its
-    leaves may be shorter along other axes, e.g. fewer cache rows); the round counter is part's."""
+    """The table with rows [start, start + n) := `part`, a state of n requests; the pools and the round counter
+    are part's."""
 
     def put(axis, big, small):
         return small if axis < 0 else jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), start, axis)
@@ -128,7 +187,8 @@ def put_rows(table: DecodeState, part: DecodeState, start) -> DecodeState:
 
 
 def move(table: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
-    """Row `dst` := row `src` (the whole request: tokens, caches, draft lists, rule, key), then `src` is free."""
+    """Row `dst` := row `src` (the request's tokens, lengths, draft lists, rule, key; its pages stay where they are:
+    the host moves its page-table row), then `src` is free."""
 
     def copy(axis, x):
         if axis < 0:
@@ -139,17 +199,18 @@ def move(table: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
 
 
 def release(table: DecodeState, slot: jax.Array) -> DecodeState:
-    """Mark row `slot` finished, so that rounds carry it unchanged until another request is inserted there."""
+    """Mark row `slot` finished, so that rounds carry it unchanged until another request is prefilled there."""
     return table.replace(finish=table.finish.at[slot].set(FINISH_LENGTH))
 
 
-def step(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):
-    """Up to `rounds` rounds for the first `spec.batch` slots (fewer once all of them are done); the other rows are
-    not touched.
+def step(spec: DecodeSpec, target, drafter, table: DecodeState, page_table: jax.Array, rounds: int):
+    """Up to `rounds` rounds for the first `spec.batch` slots (fewer once all of them are done) over the host's page
+    table [slots, W]; the other rows are not touched.
 
     Returns (table, packed) with packed [spec.batch, 2 + rounds + rounds * L] int32, one transfer for the host: per
     slot the tokens committed this step, its finish code, each round's acceptance length (0: did not run) and the
     tokens themselves (L = the most tokens one round commits)."""
+    table = with_pages(table, page_table)
     part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch), rounds)
     return put_rows(table, part, 0), packed
 

@@ -1,0 +1,152 @@
+"""The serving runner: the device table and the fixed set of compiled programs that change it.
+
+It holds the table (`programs.empty_table`: slot rows over the page pools), compiles each program once per shape
+key (prefill chunks per (bucket, rows), steps per (step kind, width), move, release) and runs them. Every program
+donates the table; a step can run on a one-thread executor while the host reads the previous step's tokens
+(`overlap`), and `settle` takes the table back before anything else touches it. Nothing here decides what runs: the
+scheduler does (`kdtree_jax/serving/scheduler.py`).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+
+import jax
+import numpy as np
+
+from kdtree_jax.serving import programs
+from kdtree_jax.speculative import DecodeSpec, RequestRows
+
+_TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
+
+
+class ModelRunner:
+    """The device half of the serving engine: one table, its programs, and the device thread."""
+
+    def __init__(self, engine, *, uses_drafter: bool, new_table, prefill_specs: dict, step_specs: dict,
+                 rounds: int, page_table_width: int, max_slots: int, rows_for, overlap: bool):
+        self.engine = engine
+        self.uses_drafter = uses_drafter
+        self._new_table = new_table
+        self.prefill_specs: dict[tuple[int, int], DecodeSpec] = prefill_specs  # (bucket, rows) -> spec
+        self.step_specs: dict = step_specs  # (StepKind, width) -> spec
+        self.rounds = rounds
+        self.width_pages = page_table_width
+        self.max_slots = max_slots
+        self._rows_for = rows_for  # n -> RequestRows of n default requests (the compile-time example)
+        self._programs: dict = {}
+        self._uid = next(_TABLE_IDS)
+        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdtree-step") if overlap else None
+        self.table = new_table()
+        # the weights as one flat list: a plain list of arrays is the cheapest argument to pass on every call
+        t, d = engine.weights
+        self._weight_leaves, self._weight_def = jax.tree.flatten((t, d if uses_drafter else None))
+        self.warmup_s: dict[str, float] = {}
+
+    # ---- programs -------------------------------------------------------------------------------------------
+    def _modules(self, w):
+        return self.engine.merged(*jax.tree.unflatten(self._weight_def, w), self.uses_drafter)
+
+    def _program(self, name: str, key):
+        """The compiled program `name` for `key` ((bucket, rows) or (StepKind, width)), compiled on first use."""
+        if (name, key) in self._programs:
+            return self._programs[(name, key)]
+        pages = np.zeros((self.max_slots, self.width_pages), np.int32)
+        if name == "prefill":
+            spec, (bucket, n) = self.prefill_specs[key], key
+
+            def fn(w, table, page_rows, tokens, slots, start, n_valid, prompt_len, n_prev, seeds, rows):
+                return programs.prefill_chunk(spec, *self._modules(w), table, page_rows, tokens, slots, start,
+                                              n_valid, prompt_len, n_prev, seeds, rows)
+
+            ints = np.zeros((n,), np.int32)
+            args = (pages[:n], np.zeros((n, bucket), np.int32), ints, ints, ints + 1, ints, ints,
+                    np.zeros((n,), np.uint32), self._rows_for(n))
+            desc = f"prefill {bucket} x{n}"
+        elif name == "step":
+            spec, rounds = self.step_specs[key], self.rounds
+
+            def fn(w, table, page_table):
+                return programs.step(spec, *self._modules(w), table, page_table, rounds)
+
+            args = (pages,)
+            desc = f"step {key[0].name} x{key[1]}"
+        elif name == "move":
+            def fn(w, table, src, dst):
+                return programs.move(table, src, dst)
+
+            args, desc = (np.int32(0), np.int32(0)), name
+        else:
+            def fn(w, table, slot):
+                return programs.release(table, slot)
+
+            args, desc = (np.int32(0),), name
+        compiled, seconds = self.engine.compile(fn, (self._weight_leaves, self.table, *args),
+                                                ("serve", self._uid, name, key), desc=desc, donate=(1,))
+        self.warmup_s[desc] = seconds
+        self._programs[(name, key)] = compiled
+        return compiled
+
+    def warm_up(self, on_program=None) -> dict[str, float]:
+        """Compile every program: one prefill per (bucket, rows), one step per (kind, width), move and release.
+        `on_program(desc, seconds)` is called after each. Returns the seconds each took (near zero where JAX's
+        persistent compilation cache had it)."""
+        keys = [("prefill", k) for k in self.prefill_specs] + [("step", k) for k in self.step_specs]
+        for name, key in [*keys, ("move", None), ("release", None)]:
+            before = set(self.warmup_s)
+            self._program(name, key)
+            if on_program is not None:
+                for desc in set(self.warmup_s) - before:
+                    on_program(desc, self.warmup_s[desc])
+        return dict(self.warmup_s)
+
+    # ---- running --------------------------------------------------------------------------------------------
+    def prefill(self, bucket: int, page_rows: np.ndarray, tokens: np.ndarray, slots: np.ndarray, start: np.ndarray,
+                n_valid: np.ndarray, prompt_len: np.ndarray, n_prev: np.ndarray, seeds: np.ndarray,
+                rows: RequestRows) -> np.ndarray:
+        """One chunk program over len(slots) requests; returns [n, 2] (first token, finish) from the device."""
+        program = self._program("prefill", (bucket, len(slots)))
+        self.table, out = program(self._weight_leaves, self.table, page_rows, tokens, slots, start, n_valid,
+                                  prompt_len, n_prev, seeds, rows)
+        return np.asarray(jax.device_get(out))
+
+    def queue_step(self, key, page_table: np.ndarray) -> concurrent.futures.Future:
+        """Start a step (k rounds over the first width slots); the table is the step's until `settle`."""
+        run = functools.partial(self._program("step", key), self._weight_leaves, self.table, page_table)
+        self.table = None
+        return self._device.submit(run) if self._device is not None else _run_now(run)
+
+    def settle(self, future: concurrent.futures.Future):
+        """Wait for a queued step and take the table back; returns its packed output (a device array). Raises what
+        the step raised (the table is then lost: `reset`)."""
+        self.table, packed = future.result()
+        return packed
+
+    def move(self, src: int, dst: int) -> None:
+        self.table = self._program("move", None)(self._weight_leaves, self.table, np.int32(src), np.int32(dst))
+
+    def release(self, slot: int) -> None:
+        self.table = self._program("release", None)(self._weight_leaves, self.table, np.int32(slot))
+
+    def reset(self) -> None:
+        """A fresh table, after a program that raised took the donated one with it."""
+        self.table = self._new_table()
+
+    def shutdown(self) -> None:
+        if self._device is not None:
+            self._device.shutdown()
+
+    @property
+    def overlap(self) -> bool:
+        return self._device is not None
+
+
+def _run_now(fn) -> concurrent.futures.Future:
+    """fn() on the calling thread, as a finished future (its result or its exception), like the device thread's."""
+    future = concurrent.futures.Future()
+    try:
+        future.set_result(fn())
+    except Exception as e:  # noqa: BLE001  (handed on: the engine turns it into the requests' error records)
+        future.set_exception(e)
+    return future
