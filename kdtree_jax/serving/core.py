@@ -525,7 +525,8 @@ class ServingEngine:
         while this one runs."""
         events = self._settle()
         s = self.scheduler
-        plan, preempted = s.plan_prefill()
+        ahead = self.config.rounds_per_step * (self.depth + 1) * (2 if self._in_flight is not None else 1)
+        plan, preempted = s.plan_prefill(ahead)
         self._release(preempted)
         admitted, prefill_tokens = 0, 0
         if plan is not None:
@@ -533,7 +534,6 @@ class ServingEngine:
             events += prefill_events
             prefill_tokens = sum(c.n_valid for c in plan.chunks)
         before = list(s.slots)
-        ahead = self.config.rounds_per_step * (self.depth + 1) * (2 if self._in_flight is not None else 1)
         more = s.reserve(ahead)
         self._release(more, before)
         for src, dst in s.moves():

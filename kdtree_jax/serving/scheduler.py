@@ -147,11 +147,13 @@ class Scheduler:
         return self.cache.page_table([None if r is None else r.rid for r in self.slots])
 
     # ---- prefill ----------------------------------------------------------------------------------------------
-    def plan_prefill(self) -> tuple[PrefillPlan | None, list[Request]]:
+    def plan_prefill(self, tokens_ahead: int) -> tuple[PrefillPlan | None, list[Request]]:
         """This step's prefill chunk: requests part-way through their context first, then the queue in order,
-        each taking the pages of its chunk. At most `chunk_tokens` tokens (one bucket), one program. The oldest
-        request part-way through preempts newer ones when its next chunk lacks pages (else prefills could hold the
-        whole pool between them and none finish). Returns the plan and the requests preempted for it."""
+        each taking the pages of its chunk. At most `chunk_tokens` tokens (one bucket), one program. A request from
+        the queue starts only where the pages its chunk takes leave what the running requests need for their next
+        `tokens_ahead` tokens (else it would be preempted again at once). The oldest request part-way through
+        preempts newer ones when its next chunk lacks pages (else prefills could hold the whole pool between them
+        and none finish). Returns the plan and the requests preempted for it."""
         preempted = []
         if self.prefilling:
             oldest = self.prefilling[0]
@@ -167,6 +169,7 @@ class Scheduler:
         first = candidates[0]
         bucket = self.bucket_for(min(len(first.context) - first.prefilled, self.chunk_tokens))
         free_slots = [i for i, r in enumerate(self.slots) if r is None]
+        headroom = sum(self.cache.pages_needed(r.rid, self._decode_rows(r, tokens_ahead)) for r in self.running)
         chunks: list[Chunk] = []
         for r in candidates:
             if len(chunks) == self.prefill_sizes[-1] or (len(chunks) + 1) * bucket > max(self.chunk_tokens, bucket):
@@ -175,12 +178,14 @@ class Scheduler:
             last = r.prefilled + n == len(r.context)
             if last and not free_slots:
                 continue
-            if not self.cache.can_grow(r.rid, r.prefilled + n):
-                if r is first and r in self.prefilling:
+            fresh = r in self.waiting
+            if not self.cache.can_grow(r.rid, r.prefilled + n) or (
+                    fresh and self.cache.pages_needed(r.rid, r.prefilled + n) + headroom > self.cache.free_pages):
+                if r is first and not fresh:
                     break  # the oldest chunk waits for pages rather than be overtaken forever
                 continue
             self.cache.grow(r.rid, r.prefilled + n)
-            if r in self.waiting:
+            if fresh:
                 self.waiting.remove(r)
                 self.prefilling.append(r)
             chunks.append(Chunk(r, r.prefilled, n, free_slots.pop(0) if last else None))
@@ -214,7 +219,7 @@ class Scheduler:
         for r in sorted(self.running, key=self._age):
             if r not in self.slots:
                 continue  # preempted for an older one meanwhile
-            need = min(r.known_len + tokens_ahead + self.row_slack, self.max_rows)
+            need = self._decode_rows(r, tokens_ahead)
             while not self.cache.can_grow(r.rid, need):
                 victim = self._newest()
                 preempted.append(victim)
@@ -224,6 +229,11 @@ class Scheduler:
             if r in self.slots:
                 self.cache.grow(r.rid, need)
         return preempted
+
+    def _decode_rows(self, r: Request, tokens_ahead: int) -> int:
+        """Rows a running request may write in its next `tokens_ahead` committed tokens, one round's scratch past
+        them included."""
+        return min(r.known_len + tokens_ahead + self.row_slack, self.max_rows)
 
     def _age(self, r: Request) -> int:
         order = list(self.cache.owners())
