@@ -555,7 +555,7 @@ def test_move_copies_a_whole_row_and_put_rows_writes_back_only_its_rows(pair, rn
     leaves, tree = jax.tree.flatten(empty)
     table = jax.tree.unflatten(tree, [np.asarray(rng.integers(1, 1000, size=x.shape)).astype(x.dtype)
                                       for x in leaves])
-    axes = jax.tree.leaves(programs._slot_axes(table))
+    axes = jax.tree.leaves(programs.slot_axes(table))
     moved = programs.move(table, np.int32(3), np.int32(1))
     for axis, before, after, name in zip(axes, jax.tree.leaves(table), jax.tree.leaves(moved),
                                          [jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(table)]):

@@ -251,6 +251,10 @@ class ServingEngine:
         if config.max_context > cfg.max_position_embeddings:
             raise ValueError(f"max_context {config.max_context} exceeds the model's context of "
                              f"{cfg.max_position_embeddings} tokens")
+        mesh = engine.mesh
+        if mesh is not None and mesh.shape.get("data", 1) > 1:
+            raise ValueError(f"serving on a mesh splits no data axis yet (each data group would own its pages and "
+                             f"requests): got --mesh with data {mesh.shape['data']}; use data 1, e.g. --mesh 1x2x4")
         self.plan = self._budget_plan()
         self.kinds = sorted(set(self.plan.values()))
         self.widths = sorted(set(config.step_widths or _powers_of_two(config.max_slots)))

@@ -161,7 +161,7 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, page_ro
     return table, jnp.stack([first, finish], axis=1)
 
 
-def _slot_axes(table: DecodeState) -> DecodeState:
+def slot_axes(table: DecodeState) -> DecodeState:
     """The slot (batch) axis of every leaf of the table; -1 for leaves without (the page pools, the round)."""
     axes = jax.tree.map(lambda _: 0, table)
     dc = axes.draft_cache
@@ -173,7 +173,7 @@ def _slot_axes(table: DecodeState) -> DecodeState:
 def slice_rows(state: DecodeState, start: int, size: int) -> DecodeState:
     """Rows [start, start + size) of a state (static bounds), as a state of `size` requests."""
     return jax.tree.map(lambda axis, x: x if axis < 0 else jax.lax.slice_in_dim(x, start, start + size, axis=axis),
-                        _slot_axes(state), state)
+                        slot_axes(state), state)
 
 
 def put_rows(table: DecodeState, part: DecodeState, start) -> DecodeState:
@@ -183,7 +183,7 @@ def put_rows(table: DecodeState, part: DecodeState, start) -> DecodeState:
     def put(axis, big, small):
         return small if axis < 0 else jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), start, axis)
 
-    return jax.tree.map(put, _slot_axes(table), table, part)
+    return jax.tree.map(put, slot_axes(table), table, part)
 
 
 def move(table: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
@@ -195,7 +195,7 @@ def move(table: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
             return x
         return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, axis), dst, axis)
 
-    return release(jax.tree.map(copy, _slot_axes(table), table), src)
+    return release(jax.tree.map(copy, slot_axes(table), table), src)
 
 
 def release(table: DecodeState, slot: jax.Array) -> DecodeState:

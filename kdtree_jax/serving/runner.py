@@ -14,7 +14,9 @@ import itertools
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
+from kdtree_jax import sharding
 from kdtree_jax.serving import programs
 from kdtree_jax.speculative import DecodeSpec, RequestRows
 
@@ -38,11 +40,30 @@ class ModelRunner:
         self._programs: dict = {}
         self._uid = next(_TABLE_IDS)
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdtree-step") if overlap else None
-        self.table = new_table()
+        self.mesh = engine.mesh
+        self.shardings = None
+        self.table = self._placed(new_table())
         # the weights as one flat list: a plain list of arrays is the cheapest argument to pass on every call
         t, d = engine.weights
         self._weight_leaves, self._weight_def = jax.tree.flatten((t, d if uses_drafter else None))
         self.warmup_s: dict[str, float] = {}
+
+    # ---- placement ------------------------------------------------------------------------------------------
+    def _placed(self, table):
+        """The table in its layout on the engine's mesh (`table_shardings`); as it is without one."""
+        if self.mesh is None:
+            return table
+        if self.shardings is None:
+            self.shardings = table_shardings(table, self.mesh)
+        return jax.device_put(table, self.shardings)
+
+    def _pinned(self, out):
+        """A program's (table, ...) result with the table held to its layout, so no program leaves it replicated."""
+        if self.shardings is None:
+            return out
+        if isinstance(out, tuple):
+            return (jax.lax.with_sharding_constraint(out[0], self.shardings), *out[1:])
+        return jax.lax.with_sharding_constraint(out, self.shardings)
 
     # ---- programs -------------------------------------------------------------------------------------------
     def _modules(self, w):
@@ -57,8 +78,8 @@ class ModelRunner:
             spec, (bucket, n) = self.prefill_specs[key], key
 
             def fn(w, table, page_rows, tokens, slots, start, n_valid, prompt_len, n_prev, seeds, rows):
-                return programs.prefill_chunk(spec, *self._modules(w), table, page_rows, tokens, slots, start,
-                                              n_valid, prompt_len, n_prev, seeds, rows)
+                return self._pinned(programs.prefill_chunk(spec, *self._modules(w), table, page_rows, tokens, slots,
+                                                           start, n_valid, prompt_len, n_prev, seeds, rows))
 
             ints = np.zeros((n,), np.int32)
             args = (pages[:n], np.zeros((n, bucket), np.int32), ints, ints, ints + 1, ints, ints,
@@ -68,18 +89,18 @@ class ModelRunner:
             spec, rounds = self.step_specs[key], self.rounds
 
             def fn(w, table, page_table):
-                return programs.step(spec, *self._modules(w), table, page_table, rounds)
+                return self._pinned(programs.step(spec, *self._modules(w), table, page_table, rounds))
 
             args = (pages,)
             desc = f"step {key[0].name} x{key[1]}"
         elif name == "move":
             def fn(w, table, src, dst):
-                return programs.move(table, src, dst)
+                return self._pinned(programs.move(table, src, dst))
 
             args, desc = (np.int32(0), np.int32(0)), name
         else:
             def fn(w, table, slot):
-                return programs.release(table, slot)
+                return self._pinned(programs.release(table, slot))
 
             args, desc = (np.int32(0),), name
         compiled, seconds = self.engine.compile(fn, (self._weight_leaves, self.table, *args),
@@ -131,7 +152,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         """A fresh table, after a program that raised took the donated one with it."""
-        self.table = self._new_table()
+        self.table = self._placed(self._new_table())
 
     def shutdown(self) -> None:
         if self._device is not None:
@@ -140,6 +161,20 @@ class ModelRunner:
     @property
     def overlap(self) -> bool:
         return self._device is not None
+
+
+def table_shardings(table, mesh):
+    """The table's layout on a mesh: slot rows split over the data axis, and each page pool split by its pages the
+    same way (a data group's requests own its pages); replicated over tensor and expert, since every head reads
+    the whole latent (docs/sharding.md)."""
+    axes = programs.slot_axes(table)
+
+    def one(axis, x):
+        dim = axis if axis >= 0 else (1 if x.ndim >= 4 else None)  # the pools' page axis: [L, n_pages, ...]
+        logical = tuple("batch" if d == dim else None for d in range(x.ndim))
+        return NamedSharding(mesh, sharding.logical_spec(logical, x.shape, mesh, name="serving table"))
+
+    return jax.tree.map(one, axes, table)
 
 
 def _run_now(fn) -> concurrent.futures.Future:
