@@ -8,6 +8,20 @@ the workload of scripts/bench_engine.py, each also timed through `Engine.generat
 
     python scripts/bench_serving.py --concurrency 1,4,8,16 --configs ar,ddtree,auto --out bench_serving.json
     python scripts/bench_serving.py --url http://127.0.0.1:8000 --concurrency 1,4,8,16,32 --label ddtree
+    python scripts/bench_serving.py --trace mixed,long-join --out cpu_paged_traces.json
+
+Traces (--trace; in-process, stepping `ServingEngine` directly; ar steps unless --trace-mode ddtree, since ar's one
+token a round keeps per-token ITL free of acceptance noise, and ddtree's reserve of rounds x (depth + 1) rows ahead
+of each request would dominate a 1024-token context):
+    mixed      --mixed-requests requests at once, prompt and output lengths log-uniform (numpy default_rng(--seed))
+               over the issue's 64..4096 and 16..512 tokens times max_context / 4608, the page likewise (the shipped
+               pair's 1024: prompts 14..910, outputs 4..114, pages of 16 for 64), on one pool of --pool-slots x
+               max_context tokens; paged (--paged-slots slots) against a slot table at the same bytes (pool tokens //
+               max_context slots, each request able to hold max_context rows). Largest and mean StepReport.active,
+               tokens/s and preemptions of each, and paged / slot table.
+    long-join  --streams short-prompt, long-output requests decode; then a --long-prompt-tokens prompt joins. The
+               streams' ITL over the steps its prefill takes in --chunk-tokens chunks (+ 1), prefilled in those
+               chunks and as one chunk of the whole prompt.
 
 Metrics (vLLM's serving benchmark defines them the same way, except ITL, see below). Times are taken where the
 tokens arrive: in-process the host time of each token delta, over HTTP the client's receive time of each chunk.
@@ -605,6 +619,304 @@ def measure_startup(args) -> list[dict]:
     return rows
 
 
+# ---- traces: mixed lengths at a fixed cache size, a long prompt joining running streams ------------------------
+# The issue's traces are sized for a long-context model: prompts 64..4096 tokens, outputs 16..512, so a slot table
+# reserves 4096 + 512 rows a request. The shipped pair's context is 1024 tokens: the mixed trace scales every length
+# (prompts, outputs, the page) by max_context / REAL_CONTEXT, so a request's share of max_context stays as it was.
+REAL_CONTEXT = 4096 + 512
+REAL_PROMPTS, REAL_OUTPUTS, REAL_PAGE = (64, 4096), (16, 512), 64
+MIXED_GOAL = 4.0  # paged: >= this x the slot table's largest concurrency at the same bytes
+LONG_JOIN_GOAL = 2.0  # with chunked prefill: the streams' ITL p99 <= this x their p50 while the long prompt prefills
+LONG_JOIN_PAGE = 64  # the product's page (ServeConfig.page_size): the long-join trace is about time, not bytes
+
+
+@dataclasses.dataclass
+class TraceStep:
+    """One `ServingEngine.step()` as the trace saw it (times are perf_counter seconds)."""
+
+    t0: float
+    t1: float
+    active: int  # StepReport.active: requests decoding in this step
+    width: int
+    kind: str | None
+    prefill_tokens: int
+    preempted: int
+    usage: float  # the pool's used share after the step
+    deltas: list[tuple[int, int, float]]  # (request id, tokens, arrival time) of the step's TokenDeltas
+    finished: list[tuple[int, str]]  # (request id, finish reason) of the step's records
+
+
+def run_steps(core, on_step=None, max_steps: int = 1_000_000) -> list[TraceStep]:
+    """Step the engine while it has work; `on_step(steps so far)` runs before each step (it may submit)."""
+    from kdtree_jax.serving import RequestRecord, TokenDelta
+
+    steps: list[TraceStep] = []
+    while len(steps) < max_steps:
+        if on_step is not None:
+            on_step(steps)
+        if not core.has_work:
+            break
+        t0 = time.perf_counter()
+        rep = core.step()
+        t1 = time.perf_counter()
+        steps.append(TraceStep(
+            t0, t1, rep.active, rep.width, rep.kind.name if rep.kind else None, rep.prefill_tokens, rep.preempted,
+            core.cache.usage,
+            [(e.request_id, len(e.token_ids), e.time) for e in rep.events if isinstance(e, TokenDelta)],
+            [(e.request_id, e.finish_reason) for e in rep.events if isinstance(e, RequestRecord)]))
+    return steps
+
+
+def deltas_by_request(steps: list[TraceStep]) -> dict[int, list[tuple[float, int]]]:
+    out = collections.defaultdict(list)
+    for s in steps:
+        for rid, n, t in s.deltas:
+            out[rid].append((t, n))
+    return dict(out)
+
+
+def concurrency(steps: list[TraceStep]) -> dict:
+    """Largest and mean StepReport.active over the steps that ran a decode step."""
+    act = [s.active for s in steps if s.active]
+    return {"max_active": max(act, default=0), "mean_active": float(np.mean(act)) if act else 0.0,
+            "decode_steps": len(act)}
+
+
+def window_itl(deltas: dict[int, list[tuple[float, int]]], streams, t_from: float, t_to: float = math.inf,
+               max_gaps: int | None = None) -> dict:
+    """Inter-token latency of `streams` over a window: per stream, the gaps between consecutive deltas that end
+    after t_from and before t_to, at most `max_gaps` of them (the first ones). Per token: gap / the delta's tokens,
+    once per token; per delta: the gap itself. Seconds."""
+    itl, gaps = [], []
+    for rid in streams:
+        d = deltas.get(rid, [])
+        mine = [(t - t_prev, n) for (t_prev, _), (t, n) in zip(d, d[1:]) if t_from < t < t_to][:max_gaps]
+        itl += [g / n for g, n in mine for _ in range(n)]
+        gaps += [g for g, _ in mine]
+    return {"itl": itl, "gaps": gaps}
+
+
+def itl_stats(itl_s: list[float]) -> dict | None:
+    """percentiles() plus p99 / p50 and the sample count."""
+    p = percentiles(itl_s)
+    return None if p is None else dict(p, p99_over_p50=p["p99"] / p["p50"], samples=len(itl_s))
+
+
+def log_uniform(rng: np.random.Generator, lo: int, hi: int, n: int) -> list[int]:
+    """n integers log-uniform over [lo, hi]."""
+    return [int(x) for x in np.clip(np.round(np.exp(rng.uniform(math.log(lo), math.log(hi), n))), lo, hi)]
+
+
+def token_stream(args, tokenizer) -> list[int]:
+    """Every held-out prompt's tokens, end to end: prompts of any length are windows of it."""
+    with open(args.prompts, encoding="utf-8") as f:
+        ids = [t for line in f if line.strip() for t in tokenizer.encode(json.loads(line)["text"])]
+    return ids
+
+
+def window_prompt(stream: list[int], n: int, rng: np.random.Generator) -> list[int]:
+    reps = -(-n // len(stream)) + 1
+    start = int(rng.integers(len(stream)))
+    return (stream * reps)[start: start + n]
+
+
+def scaled_range(pair: tuple[int, int], scale: float, floor: int = 1) -> tuple[int, int]:
+    return max(floor, round(pair[0] * scale)), max(floor, round(pair[1] * scale))
+
+
+def trace_page_size(args) -> int:
+    """--trace-page-size, else the real page scaled like the lengths, rounded up to a page size the kernels take."""
+    from pallas_kernels.verify_attn import PAGE_SIZES
+
+    if args.trace_page_size:
+        return args.trace_page_size
+    want = REAL_PAGE * args.trace_context / REAL_CONTEXT
+    return next((p for p in sorted(PAGE_SIZES) if p >= want), max(PAGE_SIZES))
+
+
+def trace_config(args, **kw):
+    from kdtree_jax.serving import ServeConfig
+
+    extra = {"budget": args.budget} if args.trace_mode == "ddtree" else {}
+    return ServeConfig(max_context=args.trace_context, mode=args.trace_mode, rounds_per_step=args.rounds_per_step,
+                       min_prompt_bucket=args.min_prompt_bucket, prefill_batch=args.prefill_batch, **extra, **kw)
+
+
+def build_core(engine, cfg, label: str):
+    from kdtree_jax.serving import RequestParams, ServingEngine
+
+    t0 = time.perf_counter()
+    core = ServingEngine(engine, cfg)
+    programs = core.warm_up()
+    core.submit([1] * 8, RequestParams(max_new_tokens=2, ignore_eos=True))  # a first step outside the timing
+    run_steps(core)
+    print(f"{label}: {core.capacity_summary()}; warm-up {time.perf_counter() - t0:.1f} s ({len(programs)} programs)",
+          flush=True)
+    return core
+
+
+def mixed_trace(args, tokenizer) -> tuple[list[list[int]], list[int], dict]:
+    """The mixed trace's requests: (prompts, max_new_tokens, its description)."""
+    rng = np.random.default_rng(args.seed)
+    scale = args.trace_context / REAL_CONTEXT
+    p_lo, p_hi = args.mixed_prompt_tokens or scaled_range(REAL_PROMPTS, scale)
+    o_lo, o_hi = args.mixed_new_tokens or scaled_range(REAL_OUTPUTS, scale, floor=2)
+    if p_hi + o_hi > args.trace_context:
+        raise SystemExit(f"mixed trace: prompts up to {p_hi} + outputs up to {o_hi} exceed --trace-context "
+                         f"{args.trace_context}")
+    n = args.mixed_requests
+    plen, olen = log_uniform(rng, p_lo, p_hi, n), log_uniform(rng, o_lo, o_hi, n)
+    stream = token_stream(args, tokenizer)
+    prompts = [window_prompt(stream, k, rng) for k in plen]
+    desc = {"requests": n, "arrivals": "all at t = 0", "prompt_tokens": [p_lo, p_hi], "new_tokens": [o_lo, o_hi],
+            "distribution": f"prompt and output lengths log-uniform, numpy default_rng({args.seed})",
+            "scale": scale, "scaled_from": {"prompt_tokens": list(REAL_PROMPTS), "new_tokens": list(REAL_OUTPUTS),
+                                            "max_context": REAL_CONTEXT, "page_size": REAL_PAGE},
+            "mean_prompt_tokens": float(np.mean(plen)), "mean_new_tokens": float(np.mean(olen)),
+            "prompt_tokens_total": int(sum(plen)), "new_tokens_total": int(sum(olen))}
+    return prompts, olen, desc
+
+
+def run_mixed(engine, args) -> dict:
+    """The mixed trace at one pool of pages, paged (many slots) and as a slot table (pool tokens // max_context
+    slots, each request able to hold max_context rows): concurrency, tokens/s and preemptions of each."""
+    from kdtree_jax.serving import RequestParams
+
+    prompts, olen, desc = mixed_trace(args, engine.tokenizer)
+    page = trace_page_size(args)
+    pool = args.pool_slots * args.trace_context // page
+    table_slots = pool * page // args.trace_context
+    runs = {}
+    for name, slots in (("paged", args.paged_slots), ("slot_table", table_slots)):
+        cfg = trace_config(args, max_slots=slots, page_size=page, num_pages=pool,
+                           max_num_batched_tokens=args.mixed_batched_tokens or args.trace_context)
+        core = build_core(engine, cfg, f"mixed {name}")
+        ids = {}
+        t0 = time.perf_counter()
+        for i, (p, o) in enumerate(zip(prompts, olen)):
+            ids[core.submit(p, RequestParams(max_new_tokens=o, ignore_eos=True, seed=args.seed + i))] = i
+        steps = run_steps(core)
+        wall = time.perf_counter() - t0
+        records = {rid: reason for s in steps for rid, reason in s.finished}
+        tokens = sum(n for s in steps for rid, n, _ in s.deltas if rid in ids)
+        runs[name] = {
+            "max_slots": slots, "num_pages": core.num_pages, "page_size": page, "page_bytes": core.page_bytes,
+            "pool_bytes": core.num_pages * core.page_bytes, "pool_tokens": core.num_pages * page,
+            "pages_per_request": core.pages_per_request, "max_num_batched_tokens": core.chunk_tokens,
+            **concurrency(steps), "steps": len(steps), "wall_s": wall, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / wall, "preemptions": core.n_preemptions,
+            "preempted_in_reports": sum(s.preempted for s in steps),
+            "completed": sum(r in FINISHED_OK for r in records.values()), "requests": len(ids),
+            "max_pool_usage": max(s.usage for s in steps), "mean_pool_usage": float(np.mean([s.usage for s in steps])),
+            "prefill_tokens": sum(s.prefill_tokens for s in steps),
+            "active_per_step": [s.active for s in steps]}
+        r = runs[name]
+        print(f"mixed {name}: {slots} slots, {pool} pages x {page}: max active {r['max_active']}, mean "
+              f"{r['mean_active']:.2f}, {r['output_tokens_per_s']:.1f} tok/s, {r['preemptions']} preemptions, "
+              f"{r['completed']}/{len(ids)} done in {wall:.1f} s", flush=True)
+        core.shutdown()
+    p, s = runs["paged"], runs["slot_table"]
+    ratios = {"max_active": p["max_active"] / s["max_active"], "mean_active": p["mean_active"] / s["mean_active"],
+              "output_tokens_per_s": p["output_tokens_per_s"] / s["output_tokens_per_s"]}
+    return {"trace": desc, "runs": runs, "ratios": ratios,
+            "goal": _target("mixed: paged / slot table, largest concurrency at the same bytes", ratios["max_active"],
+                            MIXED_GOAL)}
+
+
+def run_long_join(engine, args) -> dict:
+    """`--streams` short-prompt, long-output requests decode; then a long prompt joins. The streams' inter-token
+    latency while it prefills, with chunked prefill (--chunk-tokens a step) and with the whole prompt in one chunk."""
+    from kdtree_jax.serving import RequestParams
+
+    rng = np.random.default_rng(args.seed)
+    stream = token_stream(args, engine.tokenizer)
+    n, long_len = args.streams, args.long_prompt_tokens
+    short = [window_prompt(stream, args.stream_prompt_tokens, rng) for _ in range(n)]
+    long_prompt = window_prompt(stream, long_len, rng)
+    desc = {"streams": n, "stream_prompt_tokens": args.stream_prompt_tokens,
+            "stream_new_tokens": args.stream_new_tokens,
+            "long_prompt_tokens": long_len, "long_new_tokens": args.long_new_tokens,
+            "join": f"after every stream has decoded {args.join_after_steps} steps together"}
+    window = -(-long_len // args.chunk_tokens) + 1  # the chunked prefill's steps, and the step that reads the last
+    desc["window"] = (f"each stream's first {window} gaps between deltas after the long prompt's submit, in both "
+                      f"runs: the chunked prefill's {window - 1} steps, and the next (tokens are read a step late)")
+    runs = {}
+    for name, chunk in (("chunked", args.chunk_tokens), ("one_chunk", long_len)):
+        cfg = trace_config(args, max_slots=n + 1, page_size=args.trace_page_size or LONG_JOIN_PAGE,
+                           max_num_batched_tokens=chunk)
+        core = build_core(engine, cfg, f"long-join {name}")
+        streams = [core.submit(p, RequestParams(max_new_tokens=args.stream_new_tokens, ignore_eos=True,
+                                                seed=args.seed + i)) for i, p in enumerate(short)]
+        joined = {}
+
+        def on_step(steps, core=core, streams=streams, joined=joined):
+            if "t" in joined:
+                return
+            together = [s for s in steps if s.active == n]
+            if together and "together" not in joined:
+                joined["together"] = together[0].t1  # the first step all streams decoded in
+            counts = collections.Counter(rid for s in together for rid, _, _ in s.deltas)
+            if together and all(counts[r] >= args.join_after_steps for r in streams):
+                joined["t"] = time.perf_counter()
+                joined["step"] = len(steps)
+                joined["rid"] = core.submit(long_prompt, RequestParams(max_new_tokens=args.long_new_tokens,
+                                                                       ignore_eos=True, seed=args.seed + n))
+
+        steps = run_steps(core, on_step)
+        deltas = deltas_by_request(steps)
+        if "rid" not in joined or joined["rid"] not in deltas:
+            raise SystemExit(f"long-join {name}: the long prompt never joined or never produced a token; raise "
+                             f"--stream-new-tokens")
+        t_first = deltas[joined["rid"]][0][0]
+        win = window_itl(deltas, streams, joined["t"], max_gaps=window)
+        before = window_itl(deltas, streams, joined["together"], joined["t"])
+        short_windows = sum(len([t for t, _ in deltas[r] if t > joined["t"]]) < window for r in streams)
+        prefill_steps = [s for s in steps[joined["step"]:] if s.prefill_tokens]
+        runs[name] = {
+            "max_num_batched_tokens": core.chunk_tokens, "max_slots": n + 1, "page_size": core.config.page_size,
+            "join_step": joined["step"], "itl_ms": itl_stats(win["itl"]), "delta_gap_ms": itl_stats(win["gaps"]),
+            "itl_before_join_ms": itl_stats(before["itl"]), "window_gaps_per_stream": window,
+            "streams_short_of_the_window": short_windows, "long_prefill_steps": len(prefill_steps),
+            "long_prefill_chunk_tokens": [s.prefill_tokens for s in prefill_steps],
+            "long_ttft_s": t_first - joined["t"], "preemptions": core.n_preemptions,
+            "window_steps": [{"ms": (s.t1 - s.t0) * MS, "active": s.active, "prefill_tokens": s.prefill_tokens}
+                             for s in steps[joined["step"]: joined["step"] + window]]}
+        r = runs[name]
+        print(f"long-join {name} ({core.chunk_tokens} tokens a step): ITL p50 {r['itl_ms']['p50']:.2f} ms, p99 "
+              f"{r['itl_ms']['p99']:.2f} ms (x{r['itl_ms']['p99_over_p50']:.2f}); before the join p50 "
+              f"{r['itl_before_join_ms']['p50']:.2f} ms; long prompt's first token after {r['long_ttft_s']:.2f} s",
+              flush=True)
+        core.shutdown()
+    c = runs["chunked"]["itl_ms"]
+    return {"trace": desc, "runs": runs,
+            "ratios": {"one_chunk_over_chunked_p99": runs["one_chunk"]["itl_ms"]["p99"] / c["p99"],
+                       "one_chunk_p99_over_p50": runs["one_chunk"]["itl_ms"]["p99_over_p50"]},
+            "goal": {"target": "long-join, chunked: streams' ITL p99 / p50 while the long prompt prefills",
+                     "value": c["p99_over_p50"], "max": LONG_JOIN_GOAL, "met": c["p99_over_p50"] <= LONG_JOIN_GOAL}}
+
+
+def run_traces(args) -> dict:
+    import jax
+
+    from kdtree_jax.engine import Engine
+
+    engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
+    if args.trace_context > engine.target.cfg.max_position_embeddings:
+        raise SystemExit(f"--trace-context {args.trace_context} exceeds the model's "
+                         f"{engine.target.cfg.max_position_embeddings}")
+    step = args.trace_mode + (f"-{args.budget}" if args.trace_mode == "ddtree" else "")
+    out = {"mode": "traces", "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+           "cpu_count": os.cpu_count(), "step_mode": step, "rounds_per_step": args.rounds_per_step,
+           "max_context": args.trace_context, "traces": {}}
+    run = {"mixed": run_mixed, "long-join": run_long_join}
+    for name in args.trace:
+        t0 = time.perf_counter()
+        out["traces"][name] = run[name](engine, args)
+        out["traces"][name]["trace_s"] = time.perf_counter() - t0
+    out["targets"] = [t["goal"] for t in out["traces"].values()]
+    return out
+
+
 # ---- report -----------------------------------------------------------------------------------------------------
 def point_fields(point: LoadPoint) -> dict:
     return {"load": point.name, "concurrency": point.concurrency,
@@ -677,12 +989,52 @@ def markdown(result: dict) -> str:
     return "\n".join(lines).lstrip("\n")
 
 
+def trace_markdown(result: dict) -> str:
+    """The traces' tables: the mixed trace's two runs and their ratio, the long-join's two prefills, the goals."""
+    lines, tr = [], result["traces"]
+    if "mixed" in tr:
+        m, d = tr["mixed"], tr["mixed"]["trace"]
+        lines += [f"mixed: {d['requests']} requests at once, prompts {d['prompt_tokens'][0]}..{d['prompt_tokens'][1]} "
+                  f"and outputs {d['new_tokens'][0]}..{d['new_tokens'][1]} tokens ({d['distribution']}; mean "
+                  f"{d['mean_prompt_tokens']:.0f} + {d['mean_new_tokens']:.0f}), every length x {d['scale']:.3f} "
+                  f"of prompts {REAL_PROMPTS[0]}..{REAL_PROMPTS[1]}, outputs {REAL_OUTPUTS[0]}..{REAL_OUTPUTS[1]}",
+                  "", "| run | slots | pool: pages x rows (MiB) | max active | mean active | output tok/s | "
+                      "preemptions | done |", "|---|---|---|---|---|---|---|---|"]
+        for name, r in m["runs"].items():
+            lines.append(f"| {name} | {r['max_slots']} | {r['num_pages']} x {r['page_size']} "
+                         f"({r['pool_bytes'] / 2**20:.1f}) | {r['max_active']} | {r['mean_active']:.2f} | "
+                         f"{r['output_tokens_per_s']:.1f} | {r['preemptions']} | {r['completed']}/{r['requests']} |")
+        q = m["ratios"]
+        lines += [f"| paged / slot table | | same bytes | **{q['max_active']:.2f}** | {q['mean_active']:.2f} | "
+                  f"{q['output_tokens_per_s']:.2f} | | |", ""]
+    if "long-join" in tr:
+        lj, d = tr["long-join"], tr["long-join"]["trace"]
+        lines += [f"long-join: {d['streams']} streams of {d['stream_prompt_tokens']} + {d['stream_new_tokens']} "
+                  f"tokens, then a {d['long_prompt_tokens']}-token prompt joins; the streams' ITL over {d['window']}",
+                  "", "| prefill | tokens a step | ITL p50 ms | ITL p99 ms | p99 / p50 | delta gap p50 / p99 ms | "
+                      "ITL p50 before the join ms | long prompt's TTFT s |", "|---|---|---|---|---|---|---|---|"]
+        for name, r in lj["runs"].items():
+            i, g = r["itl_ms"], r["delta_gap_ms"]
+            lines.append(f"| {name} | {r['max_num_batched_tokens']} | {i['p50']:.2f} | {i['p99']:.2f} | "
+                         f"**{i['p99_over_p50']:.2f}** | {g['p50']:.1f} / {g['p99']:.1f} | "
+                         f"{r['itl_before_join_ms']['p50']:.2f} | {r['long_ttft_s']:.2f} |")
+        lines.append("")
+    lines += ["| goal | value | bound | met |", "|---|---|---|---|"]
+    lines += [f"| {t['target']} | {t['value']:.2f} | {'>= ' + str(t['min']) if 'min' in t else '<= ' + str(t['max'])} "
+              f"| {'yes' if t['met'] else 'NO'} |" for t in result["targets"]]
+    return "\n".join(lines)
+
+
 def header(result: dict, args) -> str:
     decoding = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     workload = f"{args.num_prompts} prompts x {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, {decoding}"
     if result["mode"] == "startup":
         return (f"### {result['device']}, {args.dtype}: serving engine start-up (load + warm-up), one fresh process "
                 f"per row\n")
+    if result["mode"] == "traces":
+        return (f"### {result['device']} ({result['backend']}, {result['cpu_count']} cores), {args.dtype}: traces, "
+                f"in-process, {result['step_mode']} steps of {result['rounds_per_step']} rounds, max_context "
+                f"{result['max_context']}\n")
     if result["mode"] == "in-process":
         where = f"{result['device']}, {args.dtype}, in-process, {args.rounds_per_step} rounds per step"
         baseline = "serving / Engine.generate tokens/s at concurrency 1"
@@ -729,6 +1081,27 @@ class _progress:
 
 
 # ---- command line -----------------------------------------------------------------------------------------------
+TRACES = ("mixed", "long-join")
+
+
+def _trace_names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in TRACES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown trace {bad}; choose from {TRACES}")
+    return names
+
+
+def _int_pair(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want LO,HI, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"want 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from kdtree_jax.serving import ServeConfig
 
@@ -775,6 +1148,35 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="instead of the load points: time start-up (load + warm-up) per config in fresh "
                           "processes, with an empty compilation cache (cold), then the same cache (warm)")
     eng.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
+    tr = p.add_argument_group("traces (instead of the load points; both with --trace mixed,long-join)")
+    tr.add_argument("--trace", type=_trace_names, default=None,
+                    help="mixed: log-uniform lengths at a fixed cache size, paged against a slot table of the same "
+                         "bytes; long-join: running streams' inter-token latency while a long prompt prefills, "
+                         "chunked and in one chunk")
+    tr.add_argument("--trace-mode", default="ar", choices=("ar", "ddtree"),
+                    help="the traces' step program (ddtree: fixed --budget)")
+    tr.add_argument("--trace-context", type=int, default=1024, help="max_context of the traces' engines")
+    tr.add_argument("--trace-page-size", type=int, default=None,
+                    help=f"default: mixed, {REAL_PAGE} scaled like its lengths; long-join {LONG_JOIN_PAGE}")
+    tr.add_argument("--mixed-requests", type=int, default=256)
+    tr.add_argument("--mixed-prompt-tokens", type=_int_pair, default=None,
+                    help=f"LO,HI (default {REAL_PROMPTS} x trace-context / {REAL_CONTEXT})")
+    tr.add_argument("--mixed-new-tokens", type=_int_pair, default=None,
+                    help=f"LO,HI (default {REAL_OUTPUTS} x trace-context / {REAL_CONTEXT})")
+    tr.add_argument("--pool-slots", type=int, default=4,
+                    help="the pool holds this many max_context requests' tokens: the slot table's slots")
+    tr.add_argument("--paged-slots", type=int, default=64, help="the paged run's max_slots")
+    tr.add_argument("--mixed-batched-tokens", type=int, default=None,
+                    help="the mixed runs' max_num_batched_tokens, prompt tokens a step (default: --trace-context, "
+                         "one longest prompt a step, so admission keeps up with the pool)")
+    tr.add_argument("--streams", type=int, default=8)
+    tr.add_argument("--stream-prompt-tokens", type=int, default=32)
+    tr.add_argument("--stream-new-tokens", type=int, default=256)
+    tr.add_argument("--long-prompt-tokens", type=int, default=896)
+    tr.add_argument("--long-new-tokens", type=int, default=64)
+    tr.add_argument("--chunk-tokens", type=int, default=64, help="the chunked run's max_num_batched_tokens")
+    tr.add_argument("--join-after-steps", type=int, default=4,
+                    help="the long prompt joins once every stream has decoded this many steps together")
     http = p.add_argument_group("HTTP server (OpenAI-compatible /v1/completions)")
     http.add_argument("--url", default=None, help="e.g. http://127.0.0.1:8000; --configs does not apply")
     http.add_argument("--model", default=None, help="default: the server's first model")
@@ -810,6 +1212,17 @@ def main(argv=None) -> dict:
     if args.loop_graphs and not args.url:
         enable_loop_graphs()
     cache = enable_compilation_cache() if os.environ.get(CACHE_ENV) else None  # default: warm-up compiles, cold
+    if args.trace:
+        enable_compilation_cache()  # the traces build several engines: their programs come from the cache
+        result = run_traces(args)
+        result.update(args=vars(args), **provenance())
+        status = subprocess.run(["git", "-C", REPO, "status", "--porcelain"], capture_output=True, text=True)
+        result["git_dirty_files"] = status.stdout.splitlines() if status.returncode == 0 else None
+        print("\n" + header(result, args) + "\n" + trace_markdown(result), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+        return result
     if args.startup:
         startup = measure_startup(args)
         result = {"mode": "startup", "device": startup[0]["device"], "configs": [], "rows": [], "targets": [],

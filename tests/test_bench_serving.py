@@ -165,3 +165,122 @@ def test_tiny_inprocess_run_on_the_shipped_pair(tmp_path):
     assert all(r["vs_baseline"] > 0 for r in rows if r["concurrency"] == 1)
     assert {c["config"]: c["generate"]["kind"] for c in result["configs"]} == {"ar": "ar", "ddtree": "ddtree-16"}
     assert result["git_commit"] and result["jax_version"] and result["command"]
+
+
+# ---- traces: mixed lengths at fixed bytes, a long prompt joining ------------------------------------------------
+def _step(mod, active, deltas=(), finished=(), t=0.0):
+    return mod.TraceStep(t, t + 0.1, active, active, "ar" if active else None, 0, 0, 0.0, list(deltas),
+                         list(finished))
+
+
+def test_trace_concurrency_and_window_itl_on_hand_made_steps():
+    mod = _module()
+    steps = [_step(mod, 0), _step(mod, 2), _step(mod, 5), _step(mod, 3), _step(mod, 0)]
+    assert mod.concurrency(steps) == {"max_active": 5, "mean_active": 10 / 3, "decode_steps": 3}
+
+    # stream 1: deltas at 1.0 (1 token), 1.1 (4), 1.3 (2), 2.3 (4), 2.4 (1); stream 2: 1.0, 1.2 (2), 1.4 (2)
+    deltas = {1: [(1.0, 1), (1.1, 4), (1.3, 2), (2.3, 4), (2.4, 1)], 2: [(1.0, 1), (1.2, 2), (1.4, 2)]}
+    w = mod.window_itl(deltas, [1, 2], t_from=1.15)  # gaps ending after 1.15 s
+    assert w["gaps"] == pytest.approx([0.2, 1.0, 0.1, 0.2, 0.2])
+    assert w["itl"] == pytest.approx([0.1] * 2 + [0.25] * 4 + [0.1] + [0.1] * 2 + [0.1] * 2)
+    first = mod.window_itl(deltas, [1, 2], t_from=1.15, max_gaps=1)  # each stream's first gap only
+    assert first["gaps"] == pytest.approx([0.2, 0.2])
+    before = mod.window_itl(deltas, [1, 2], t_from=-math.inf, t_to=1.15)
+    assert before["gaps"] == pytest.approx([0.1]) and before["itl"] == pytest.approx([0.025] * 4)
+
+    s = mod.itl_stats(w["itl"])  # 11 samples: 7 of 100 ms, 4 of 250 ms
+    v = np.array(sorted(w["itl"])) * 1e3
+    assert s["samples"] == 11 and s["p50"] == pytest.approx(100.0) and s["mean"] == pytest.approx(v.mean())
+    assert s["p99"] == pytest.approx(250.0) and s["p99_over_p50"] == pytest.approx(2.5)
+    assert mod.itl_stats([]) is None
+
+
+def test_trace_lengths_scale_with_the_context():
+    mod = _module()
+    args = mod.parse_args(["--trace", "mixed,long-join"])
+    assert args.trace == ["mixed", "long-join"] and args.trace_context == 1024
+    assert mod.scaled_range(mod.REAL_PROMPTS, 1024 / 4608) == (14, 910)
+    assert mod.scaled_range(mod.REAL_OUTPUTS, 1024 / 4608, floor=2) == (4, 114)
+    assert mod.trace_page_size(args) == 16  # 64 x 1024 / 4608 = 14.2, rounded up to a page the kernels take
+    x = mod.log_uniform(np.random.default_rng(0), 14, 910, 4000)
+    assert min(x) >= 14 and max(x) <= 910
+    assert np.median(x) == pytest.approx(math.sqrt(14 * 910), rel=0.1)  # log-uniform: the geometric mean
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--trace", "mixed,bogus"])
+
+
+def _active_from_events(steps) -> list[int]:
+    """Requests decoding in each step, from the events alone: a request decodes from the step of its first delta
+    (unless that step also carries its record and it had no other delta: it ended at its prefill) until the step
+    after the one that carries its record (its last step's tokens arrive with it, or a step later with overlap).
+    Valid without preemptions."""
+    first, record, count = {}, {}, {}
+    for t, s in enumerate(steps):
+        for rid, _, _ in s.deltas:
+            first.setdefault(rid, t)
+            count[rid] = count.get(rid, 0) + 1
+        for rid, _ in s.finished:
+            record[rid] = t
+    decoders = {r: t for r, t in first.items() if not (record.get(r) == t and count[r] == 1)}
+    return [sum(f <= t and record.get(r, len(steps)) >= t for r, f in decoders.items()) for t in range(len(steps))]
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_tiny_traces_on_the_shipped_pair_report_what_their_steps_did(tmp_path):
+    mod = _module()
+    captured = []
+    run_steps = mod.run_steps
+
+    def capture(*a, **kw):
+        captured.append(run_steps(*a, **kw))
+        return captured[-1]
+
+    mod.run_steps = capture  # every run's steps, for the independent counts below
+    out = tmp_path / "traces.json"
+    result = mod.main(["--trace", "mixed,long-join", "--trace-context", "256", "--mixed-requests", "10",
+                       "--pool-slots", "2", "--paged-slots", "8", "--mixed-batched-tokens", "64",
+                       "--streams", "2", "--stream-prompt-tokens", "16", "--stream-new-tokens", "64",
+                       "--long-prompt-tokens", "96", "--long-new-tokens", "8", "--chunk-tokens", "32",
+                       "--join-after-steps", "2", "--rounds-per-step", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["traces"].keys() == {"mixed", "long-join"}
+    # each engine: its warm-up pass, then the trace
+    (_, paged), (_, table), (_, chunked), (_, one_chunk) = zip(captured[0::2], captured[1::2])
+
+    mixed = result["traces"]["mixed"]
+    d = mixed["trace"]
+    assert d["prompt_tokens"] == [4, 228] and d["new_tokens"] == [2, 28]  # x 256 / 4608
+    for name, steps in (("paged", paged), ("slot_table", table)):
+        r = mixed["runs"][name]
+        assert r["preemptions"] == 0 and r["completed"] == r["requests"] == 10, r
+        active = [s.active for s in steps]
+        assert r["active_per_step"] == active and _active_from_events(steps) == active
+        assert r["max_active"] == max(active) and r["mean_active"] == pytest.approx(np.mean([a for a in active if a]))
+        assert r["output_tokens"] == d["new_tokens_total"]  # ignore_eos: every request its max_new_tokens
+        assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["num_pages"] == 2 * 256 // 16 and r["pool_bytes"] == r["num_pages"] * r["page_bytes"]
+    assert mixed["runs"]["slot_table"]["max_slots"] == 2 and mixed["runs"]["slot_table"]["max_active"] <= 2
+    assert mixed["ratios"]["max_active"] == mixed["runs"]["paged"]["max_active"] / mixed["runs"]["slot_table"][
+        "max_active"]
+    assert mixed["goal"]["value"] == mixed["ratios"]["max_active"]
+
+    lj = result["traces"]["long-join"]
+    window = -(-96 // 32) + 1
+    for name, steps, chunk in (("chunked", chunked, 32), ("one_chunk", one_chunk, 96)):
+        r = lj["runs"][name]
+        assert r["max_num_batched_tokens"] == chunk and r["window_gaps_per_stream"] == window
+        assert r["long_prefill_chunk_tokens"] == [chunk] * (96 // chunk) and r["streams_short_of_the_window"] == 0
+        j = r["join_step"]  # the long prompt was submitted between steps j - 1 and j
+        streams = sorted({rid for s in steps[:j] for rid, _, _ in s.deltas})
+        assert len(streams) == 2
+        itl = []
+        for rid in streams:
+            d = [(t, n) for s in steps for q, n, t in s.deltas if q == rid]
+            k = next(i for i, (t, _) in enumerate(d) if t >= steps[j].t0)
+            itl += [(d[i][0] - d[i - 1][0]) / d[i][1] for i in range(k, k + window) for _ in range(d[i][1])]
+        v = np.asarray(itl) * 1e3
+        assert r["itl_ms"]["samples"] == len(itl) == 2 * window * 2  # 2 streams, 2 tokens a delta (ar, 2 rounds)
+        assert r["itl_ms"]["p50"] == pytest.approx(np.percentile(v, 50))
+        assert r["itl_ms"]["p99"] == pytest.approx(np.percentile(v, 99))
+    assert lj["goal"]["value"] == lj["runs"]["chunked"]["itl_ms"]["p99_over_p50"]
+    assert result["git_commit"] and result["command"] and result["date"]

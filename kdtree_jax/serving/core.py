@@ -549,7 +549,7 @@ class ServingEngine:
         done, self._in_flight = self._in_flight, None
         if active:
             future = self.runner.queue_step((kind, width), s.page_table())
-            owners = [(r, r.epoch) for r in s.slots[:width]]
+            owners = [(r, 0 if r is None else r.epoch) for r in s.slots[:width]]  # a width may pass the running
             self._in_flight = _InFlight(kind, owners, future=future)
             if not self.runner.overlap:  # this step is the one to read, now
                 events += self._settle()
