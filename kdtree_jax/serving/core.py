@@ -334,9 +334,11 @@ class ServingEngine:
         """The pool in words, for the start-up log."""
         c = self.config
         tokens = self.num_pages * c.page_size
-        return (f"{self.num_pages} pages of {c.page_size} tokens ({tokens} tokens, "
-                f"{self.num_pages * self.page_bytes / 2**30:.2f} GiB); {self.num_pages // self.pages_per_request} "
-                f"requests of max_context {c.max_context} at once (up to {c.max_slots} slots)")
+        size = self.num_pages * self.page_bytes
+        size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+        return (f"{self.num_pages} pages of {c.page_size} tokens ({tokens} tokens, {size_text}); "
+                f"{self.num_pages // self.pages_per_request} requests of max_context {c.max_context} at once "
+                f"(up to {c.max_slots} slots)")
 
     # ---- programs -------------------------------------------------------------------------------------------
     def _budget_plan(self) -> dict[int, StepKind]:
