@@ -1,8 +1,10 @@
 """What the command-line programs (`kdtree_jax.generate`, `kdtree_jax.serve`) share: the shipped pair's paths,
-one-line usage errors, help that states each default once, the --budget syntax and the default budget."""
+one-line usage errors, help that states each default once, the --budget syntax, the default budget and how log
+records read."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -15,6 +17,9 @@ ATTENTION_BACKENDS = ("auto", *BACKENDS)
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
 DEFAULT_TARGET = os.path.join(DEFAULT_DIR, "target")
 DEFAULT_DRAFTER = os.path.join(DEFAULT_DIR, "drafter")
+CACHE_HELP = ("compiled programs are kept in JAX's persistent compilation cache: $KDTREE_COMPILATION_CACHE, else "
+              "~/.cache/kdtree-jax/xla; KDTREE_COMPILATION_CACHE=off disables it")
+SERVER_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # a long-running server: when, and from where
 
 
 class UsageError(Exception):
@@ -85,6 +90,29 @@ def default_budget(engine, mode: str) -> int | str:
     except budget_mod.ProfileError:  # only an explicit --budget auto makes an unreadable profile an error
         return budget_mod.DEFAULT_BUDGET
     return budget_mod.DEFAULT_BUDGET if profile is None else "auto"
+
+
+class TerminalFormatter(logging.Formatter):
+    """Log records for a person at a terminal: progress as its bare text, a warning as 'warning: text', the way the
+    one-line errors read ('error: text')."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
+
+
+def configure_logging(level: str = "info", *, server: bool = False) -> None:
+    """How the programs' log records read, set once at startup. Importing orbax (through absl) has already installed
+    logging's bare handler, which prints 'WARNING:kdtree_jax.budget:...'; this replaces it. `server`: every logger at
+    `level`, each record with its time, level and logger; else kdtree_jax's records at `level` in
+    `TerminalFormatter`'s form, and other libraries' from warning up only. JAX stays at warning and above either way:
+    it probes for backends at info."""
+    numeric = logging.getLevelName(level.upper())
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(SERVER_LOG_FORMAT) if server else TerminalFormatter())
+    logging.basicConfig(level=numeric if server else max(numeric, logging.WARNING), handlers=[handler], force=True)
+    logging.getLogger("kdtree_jax").setLevel(numeric)
+    logging.getLogger("jax").setLevel(max(logging.WARNING, numeric))
 
 
 def close_progress_bars() -> None:

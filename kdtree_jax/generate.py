@@ -1,28 +1,35 @@
 """`python -m kdtree_jax.generate`: run the engine on prompts and stream text to the terminal.
 
 With no arguments it runs on the shipped default pair in `checkpoints/kdtree-mini/`. Flags follow the
-vLLM / SGLang conventions where they have one (`--model`, `--speculative-model`, ...).
+vLLM / SGLang conventions where they have one (`--model`, `--speculative-model`, ...). Compiled programs are kept in
+JAX's persistent compilation cache, as the server keeps them ($KDTREE_COMPILATION_CACHE), so a second run loads them.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
 from kdtree_jax.cli import (  # noqa: F401 (UsageError, ATTENTION_BACKENDS: part of this module's interface)
     ATTENTION_BACKENDS,
+    CACHE_HELP,
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     HelpFormatter,
     Parser,
     UsageError,
+    configure_logging,
     default_budget,
     parse_budget,
     run_main,
 )
 from kdtree_jax.engine import Engine
+from kdtree_jax.serving import enable_compilation_cache
 from kdtree_jax.sharding import parse_mesh
+
+log = logging.getLogger("kdtree_jax.generate")
 
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
@@ -32,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kdtree_jax.generate",
         description="Generate with DDTree speculative decoding (or the chain / autoregressive baselines).",
         formatter_class=HelpFormatter,
+        epilog=CACHE_HELP,
     )
     io = p.add_argument_group("model")
     io.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
@@ -72,11 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="one JSON object per prompt per line, in prompt order")
     out.add_argument("--stream-every", type=int, default=1, help="rounds between streamed updates")
-    out.add_argument("--no-pallas", action="store_true", help="jnp attention instead of the verify_attn kernel")
-    out.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                     help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16 cache, "
-                          "query rows padded to 64-row tiles) or auto = mosaic on an H100/H200 where the tokens x "
-                          "heads of a request fill whole tiles (e.g. 64 heads)")
+    kn = p.add_argument_group("kernels")
+    kn.add_argument("--no-pallas", action="store_true", help="jnp attention instead of the verify_attn kernel")
+    kn.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                    help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16 cache, "
+                         "query rows padded to 64-row tiles) or auto = mosaic on an H100/H200 where the tokens x "
+                         "heads of a request fill whole tiles (e.g. 64 heads)")
     return p
 
 
@@ -130,11 +139,14 @@ def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_args(args)
     prompts = _prompts(args)
+    configure_logging()
+    enable_compilation_cache()
 
     mesh = parse_mesh(args.mesh) if args.mesh else None
     engine = Engine.load(args.checkpoint, args.drafter if args.mode != "ar" else None, mesh=mesh, dtype=args.dtype,
                          use_pallas=not args.no_pallas, progress=True, budget_profile=args.budget_profile,
                          attn_backend=None if args.attention_backend == "auto" else args.attention_backend)
+    _report_compiles(engine)
     if any(isinstance(p, str) for p in prompts) and engine.tokenizer is None:
         raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; pass --prompt-ids instead")
     budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
@@ -169,6 +181,30 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _report_compiles(engine: Engine) -> None:
+    """Report each program the engine compiles as a line on stderr before it starts ("compiling prefill (ddtree,
+    batch 1) ...") and a line with its seconds once done: a cold compile takes seconds (about 10 s for the shipped
+    pair on a 2-core CPU), too long to pass in silence, and the engine's own progress bars erase themselves. The
+    engine calls its `compile` for every program, compiled already or not; only the first call of a key compiles,
+    so only that one is reported. An engine set up by an earlier run keeps the reporter it has."""
+    if getattr(engine.compile, "reports_compiles", False):
+        return
+    compiled = set()
+
+    def compile(fn, args, key, *, desc, **kw):
+        if key in compiled:
+            return type(engine).compile(engine, fn, args, key, desc=desc, **kw)
+        log.info("compiling %s ...", desc)
+        program, seconds = type(engine).compile(engine, fn, args, key, desc=desc, **kw)
+        compiled.add(key)
+        log.info("compiled %s in %.1f s", desc, seconds)
+        return program, seconds
+
+    compile.reports_compiles = True
+    engine.progress = False  # these lines instead of the bars
+    engine.compile = compile
+
+
 def _budget_note(totals) -> str:
     """' budget=16 (auto)' for ddtree: the B each batch ran with (batches of different sizes may differ); ' budget=ar
     (auto-ar)' where the budget profile measured AR faster than any tree for that batch size."""
@@ -189,9 +225,11 @@ def _run_batch(engine, batch, seeds, args, kw):
         return result
     stream = engine.generate_stream(batch, seed=seeds, stream_every=args.stream_every, **kw)
     decoder = engine.tokenizer.stream_decoder() if engine.tokenizer is not None else None
-    if decoder is not None and isinstance(batch[0], str) and not args.chat:
-        print(batch[0], end="", flush=True)
+    echo = batch[0] if decoder is not None and isinstance(batch[0], str) and not args.chat else ""
     for new in stream:
+        if echo:  # the prompt, with the first tokens: after the compiles' lines, which would split the text
+            print(echo, end="", flush=True)
+            echo = ""
         if decoder is None:
             if new[0]:
                 print(" ".join(map(str, new[0])), end=" ", flush=True)

@@ -83,33 +83,55 @@ def filtered_logits(logits: jax.Array, rows: SamplingRows, top_k_cap: int) -> ja
     """Temperature, then top-k, then top-p (nucleus) filtering, per row; removed entries become -inf.
 
     logits [Bt, ..., V]. Greedy rows are scaled by 1 (their draw is replaced by the argmax). Top-k keeps every entry
-    tied with the k-th value. The full-vocabulary sort of top-p runs only when some row asks for it."""
+    tied with the k-th value. Each filter runs only when some row asks for it: top-p sorts the whole vocabulary at
+    every tree slot, which on a CPU costs more than the round's forward passes, and top-k takes the top `top_k_cap`
+    at every slot. One `lax.switch` on the rows picks the filters (runtime data, so nothing recompiles): one branch
+    point rather than one per filter, since on a GPU XLA copies each branch index to the host and waits for it."""
     temp = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
     x = logits.astype(jnp.float32) / _per_row(temp, logits)
     vocab = x.shape[-1]
     cap = min(top_k_cap, vocab)
-    if cap > 0:
+    top_k_on = (rows.top_k > 0) & (rows.top_k < vocab)
+
+    def top_k(x):
         top = jax.lax.top_k(x, cap)[0]  # [Bt, ..., cap] descending
         k = _per_row(jnp.clip(rows.top_k, 1, cap) - 1, logits)
         kth = jnp.take_along_axis(top, jnp.broadcast_to(k, top.shape[:-1] + (1,)), axis=-1)
-        on = _per_row((rows.top_k > 0) & (rows.top_k < vocab), logits)
-        x = jnp.where(on & (x < kth), -jnp.inf, x)
+        return jnp.where(_per_row(top_k_on, logits) & (x < kth), -jnp.inf, x)
 
     def nucleus(x):
-        order = jnp.argsort(-x, axis=-1)
-        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        order, sorted_x = _sort_descending(x)
         probs = jax.nn.softmax(sorted_x, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         top_p = _per_row(rows.top_p, logits)
         keep_sorted = (mass_before < top_p) | (top_p >= 1.0)  # the top token is always kept
         return jnp.where(_unsort(keep_sorted, order), x, -jnp.inf)
 
-    return jax.lax.cond(jnp.any(rows.top_p < 1.0), nucleus, lambda x: x, x)
+    def filters(with_top_k: bool, with_top_p: bool):
+        def apply(x):
+            x = top_k(x) if with_top_k and cap > 0 else x
+            return nucleus(x) if with_top_p else x
+        return apply
+
+    branch = jnp.any(top_k_on).astype(jnp.int32) + 2 * jnp.any(rows.top_p < 1.0).astype(jnp.int32)
+    return jax.lax.switch(branch, [filters(k, p) for p in (False, True) for k in (False, True)], x)
+
+
+def _sort_descending(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(order, x[order]) along the last axis, largest first and ties in index order: `jnp.argsort(-x)` and the
+    gather by it, from the one sort that argsort runs (negation is exact, so -(-x) is x bit for bit)."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    negated, order = jax.lax.sort((-x, iota), dimension=x.ndim - 1, num_keys=1, is_stable=True)
+    return order, -negated
 
 
 def _unsort(values: jax.Array, order: jax.Array) -> jax.Array:
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(values, inverse, axis=-1)
+    """values[inverse of order] along the last axis: a scatter through `order`, where inverting the permutation by
+    argsort would take a second full-vocabulary sort."""
+    flat_values, flat_order = values.reshape(-1, values.shape[-1]), order.reshape(-1, order.shape[-1])
+    rows = jnp.arange(flat_values.shape[0])[:, None]
+    out = jnp.zeros_like(flat_values).at[rows, flat_order].set(flat_values, unique_indices=True)
+    return out.reshape(values.shape)
 
 
 def position_keys(request_keys: jax.Array, positions: jax.Array) -> jax.Array:

@@ -1,12 +1,14 @@
-"""`python -m kdtree_jax.generate`: JSON output, streaming, `--help`, the default run, and one-line errors with exit
-code 2. In-process through `main(argv)`, sharing loaded engines (and so their compiled programs) between tests; one
-smoke test runs the real command with no arguments in a subprocess."""
+"""`python -m kdtree_jax.generate`: JSON output, streaming, `--help`, the default run, compile progress, log lines
+and one-line errors with exit code 2. In-process through `main(argv)`, sharing loaded engines (and so their compiled
+programs) between tests; one smoke test runs the real command with no arguments in a subprocess. Last, the test
+suite's own timeout."""
 from __future__ import annotations
 
 import dataclasses
 import glob
 import io
 import json
+import logging
 import os
 import pathlib
 import re
@@ -28,6 +30,8 @@ DEFAULT_TARGET = os.path.join(REPO, "checkpoints", "kdtree-mini", "target")
 TIMEOUT = 300
 STATS = re.compile(r"^\[(ddtree|chain|ar)\] tokens=\d+ rounds=\d+ mean_acceptance_length=[\d.]+ tokens/s=[\d.]+ "
                    r"run_s=[\d.]+ compile_s=[\d.]+")
+COMPILING = re.compile(r"^compiling (.+) \.\.\.$")  # a program's compile starts; then its seconds:
+COMPILED = re.compile(r"^compiled (.+) in \d+\.\d s$")
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +77,20 @@ def share_engines(monkeypatch, loaded_engines):
 
     monkeypatch.setattr(Engine, "load", staticmethod(load))
     monkeypatch.setenv("COLUMNS", "80")  # argparse wraps --help at the terminal width
+    # this process keeps conftest's compilation cache settings (the subprocess test runs the CLI's own)
+    monkeypatch.setattr(generate, "enable_compilation_cache", lambda: None)
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """A run configures the process's logging (the root logger's handler and levels); later tests get pytest's
+    setup back."""
+    root = logging.getLogger()
+    handlers, levels = root.handlers[:], {name: logging.getLogger(name).level for name in ("", "kdtree_jax", "jax")}
+    yield
+    root.handlers[:] = handlers
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @dataclasses.dataclass
@@ -103,10 +121,10 @@ def cli_env() -> dict:
     return env
 
 
-def run_cli_process(*args) -> Cli:
-    """The real command in a subprocess, as a user runs it."""
+def run_cli_process(*args, env: dict | None = None) -> Cli:
+    """The real command in a subprocess, as a user runs it (with `env` added to the environment)."""
     proc = subprocess.run([sys.executable, "-m", "kdtree_jax.generate", *args], capture_output=True,
-                          check=False, timeout=TIMEOUT, cwd=REPO, env=cli_env())
+                          check=False, timeout=TIMEOUT, cwd=REPO, env={**cli_env(), **(env or {})})
     cli = Cli(proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace"))
     assert cli.returncode == 0, cli.stderr[-3000:]
     return cli
@@ -216,7 +234,7 @@ def test_text_streams_before_exit(synthetic_pair, monkeypatch):
     assert STATS.match(screen_lines(err)[-1]), err[-2000:]
     stats_at = next(i for i, (kind, text) in enumerate(log) if kind == "err" and "tokens/s=" in text)
     out = [(i, text) for i, (kind, text) in enumerate(log) if kind == "out"]
-    assert out[0][1] == "x"  # the prompt echo, before any update
+    assert out[0][1] == "x"  # the prompt echo, with the first update (after the compiles' lines)
     updates = [i for i, (kind, _) in enumerate(log) if kind == "update"]
     # for each piece of generated text, the update it followed
     after = {max((u for u in updates if u < i), default=-1) for i, text in out[1:] if text.strip()}
@@ -280,6 +298,39 @@ def test_error_erases_a_progress_bar_left_open(monkeypatch, capfd):
     assert screen_lines(err) == ["error: INT4 scale shape (2, 3) does not match packed shape (4, 4)"]
 
 
+def assert_compile_lines(lines: list[str]) -> None:
+    """Each compile as a pair of lines: "compiling <what> ..." before it, "compiled <what> in <s> s" after."""
+    assert lines and len(lines) % 2 == 0, lines
+    for start, end in zip(lines[::2], lines[1::2]):
+        what = COMPILING.match(start)
+        assert what and COMPILED.match(end) and COMPILED.match(end).group(1) == what.group(1), (start, end)
+
+
+def test_progress_and_warnings_read_as_plain_lines(synthetic_pair, capfd):
+    """What the CLI logs on stderr: a warning as 'warning: ...' (not logging's bare 'WARNING:kdtree_jax.budget:'
+    that an import installs), and each compile it waits for as a line before and a line with its seconds after."""
+    target, drafter, *_ = synthetic_pair  # no budget profile beside it: --budget auto warns and runs B = 32
+    proc = run_cli(capfd, "--checkpoint", target, "--drafter", drafter, "--budget", "auto", "--json",
+                   "--prompt-ids", "5,6,7", "--max-new-tokens", "4")
+    lines = screen_lines(proc.stderr)
+    assert lines[0].startswith("warning: budget='auto': no budget profile at "), lines
+    assert_compile_lines(lines[1:-1])
+    assert STATS.match(lines[-1]), lines
+    assert "WARNING" not in proc.stderr and "kdtree_jax.budget" not in proc.stderr
+
+
+def help_sections(text: str) -> dict[str, str]:
+    """argparse's help by group title ("options", "model", ...): each group's text."""
+    parts = re.split(r"^(\w[\w ]*):$", text, flags=re.MULTILINE)
+    return {title: body for title, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_help_groups_the_kernel_flags(capfd):
+    sections = help_sections(run_cli(capfd, "--help").stdout)
+    assert "--no-pallas" in sections["kernels"] and "--attention-backend" in sections["kernels"], sections.keys()
+    assert "--no-pallas" not in sections["output"] and "--attention-backend" not in sections["output"]
+
+
 def test_help_lists_every_flag_with_its_default(capfd):
     proc = run_cli(capfd, "--help")
     entries = {}  # flag -> its help text, whitespace collapsed (argparse wraps at the terminal width)
@@ -318,14 +369,19 @@ def test_default_budget_runs_the_profiles_choice(synthetic_pair, tmp_path, capfd
 
 
 @pytest.mark.skipif(not os.path.isdir(DEFAULT_TARGET), reason="no shipped default checkpoint")
-def test_no_arguments_runs_the_default_checkpoint():
+def test_no_arguments_runs_the_default_checkpoint(tmp_path):
     """`python -m kdtree_jax.generate` and nothing else: the shipped pair, the default prompt, 128 new tokens. On
-    this CPU no budget profile applies, so the default budget is the fixed 32, and that is no warning."""
-    proc = run_cli_process()
+    this CPU no budget profile applies, so the default budget is the fixed 32, and that is no warning. Besides the
+    stats, stderr shows each compile, and the compiled programs land in the persistent compilation cache (here the
+    one $KDTREE_COMPILATION_CACHE names)."""
+    cache = tmp_path / "xla"
+    proc = run_cli_process(env={"KDTREE_COMPILATION_CACHE": str(cache)})
     assert proc.stdout.startswith("def fibonacci(n):\n") and proc.stdout[len("def fibonacci(n):\n"):].strip()
     lines = screen_lines(proc.stderr)
-    assert len(lines) == 1 and STATS.match(lines[0]) and lines[0].startswith("[ddtree]"), lines
-    assert "budget=32 (fixed)" in lines[0]
+    assert_compile_lines(lines[:-1])
+    assert STATS.match(lines[-1]) and lines[-1].startswith("[ddtree]"), lines
+    assert "budget=32 (fixed)" in lines[-1]
+    assert cache.is_dir() and any(cache.iterdir()), "no program reached the compilation cache"
 
 
 @pytest.mark.heavy
@@ -336,3 +392,25 @@ def test_default_checkpoint_ddtree_equals_ar(capfd):
     ar = parse_json_lines(run_cli(capfd, "--max-new-tokens", "16", "--json", "--mode", "ar").stdout)
     assert len(out) == 1 and out[0]["token_ids"] == ar[0]["token_ids"]
     assert out[0]["stats"]["mean_acceptance_length"] > 1.5  # the shipped drafter is trained
+
+
+# ---- the test suite ----------------------------------------------------------------------------------------------
+HANGING_TEST = """
+import time
+
+
+def test_hangs():
+    time.sleep(600)
+"""
+
+
+def test_a_hanging_test_fails_at_the_suite_timeout(pytestconfig, tmp_path):
+    """pyproject.toml gives every test a timeout (pytest-timeout), so a hang fails the run instead of stalling it.
+    The hang here runs under this suite's settings with the time cut to 2 s."""
+    assert pytestconfig.pluginmanager.hasplugin("timeout")
+    assert float(pytestconfig.getini("timeout") or 0) >= 600  # a cold compile of the heavy tests' programs fits
+    (tmp_path / "test_hang.py").write_text(HANGING_TEST)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-c", os.path.join(REPO, "pyproject.toml"), "--rootdir",
+                           str(tmp_path), "-p", "no:cacheprovider", "-o", "timeout=2", str(tmp_path / "test_hang.py")],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and "Timeout" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
