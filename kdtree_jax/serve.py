@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import importlib.metadata
+import inspect
 import logging
 import os
+import pkgutil
 import signal
 import time
 
@@ -22,12 +26,14 @@ import uvicorn
 
 from kdtree_jax.cli import (
     ATTENTION_BACKENDS,
+    CACHE_HELP,
     DEFAULT_DIR,
     DEFAULT_DRAFTER,
     DEFAULT_TARGET,
     HelpFormatter,
     Parser,
     UsageError,
+    configure_logging,
     default_budget,
     parse_budget,
     parse_budget_table,
@@ -47,14 +53,16 @@ from kdtree_jax.sharding import parse_mesh
 
 log = logging.getLogger("kdtree_jax.serve")
 
+# the slot table's defaults, as --help states them: ServeConfig's own, which it applies to every flag left unset
+SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+ENGINE_PREFILL_CHUNK = inspect.signature(Engine).parameters["prefill_chunk"].default
+API_KEY_ENV = "KDTREE_API_KEY"
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 SHUTDOWN_MARGIN_S = 5.0  # after the engine cancelled what was left: time for those responses to end, then uvicorn
 # cancels their handlers
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-CACHE_HELP = ("compiled programs are kept in JAX's persistent compilation cache: $KDTREE_COMPILATION_CACHE, else "
-              "~/.cache/kdtree-jax/xla; KDTREE_COMPILATION_CACHE=off disables it")
 
 
 def _serve_budget(text: str):
@@ -64,7 +72,7 @@ def _serve_budget(text: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m kdtree_jax.serve", description="Serve the OpenAI API (completions, chat) with DDTree "
-                "speculative decoding over a table of request slots.", formatter_class=HelpFormatter,
+                "speculative decoding over a paged latent cache.", formatter_class=HelpFormatter,
                 epilog=CACHE_HELP)
     m = p.add_argument_group("model")
     m.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
@@ -94,39 +102,86 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget-profile", default=None, help="budget profile JSON for --budget auto; default: "
                    "budget_profile.<device kind>.json beside the checkpoint")
     d.add_argument("--rounds-per-step", type=int, default=None,
-                   help="rounds per step: tokens reach the host (and clients) once per step; default: ServeConfig's")
+                   help="rounds per step: tokens reach the host (and clients) once per step; default: "
+                        f"{SERVE_DEFAULTS['rounds_per_step']}")
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-slots", "--max-num-seqs", "--max-running-requests", dest="max_slots", type=int,
-                   default=None, help="requests decoded together (slots in the table); default: ServeConfig's")
+                   default=None,
+                   help=f"requests decoded together (slots in the table); default: {SERVE_DEFAULTS['max_slots']}")
     s.add_argument("--max-context", "--max-model-len", "--context-length", dest="max_context", type=int,
-                   default=None, help="prompt + completion tokens of one request; default: ServeConfig's")
+                   default=None,
+                   help=f"prompt + completion tokens of one request; default: {SERVE_DEFAULTS['max_context']}")
     s.add_argument("--max-queue", "--max-queued-requests", dest="max_queue", type=int, default=None,
-                   help="waiting requests beyond this are refused with 503; default: ServeConfig's")
+                   help=f"waiting requests beyond this are refused with 503; default: {SERVE_DEFAULTS['max_queue']}")
     s.add_argument("--step-widths", "--cuda-graph-sizes", dest="step_widths", type=parse_sizes, default=None,
                    help="slot counts a step program is compiled for, e.g. 1,4,16 (must include --max-slots); a "
                         "step runs over the narrowest that holds the running requests; default: powers of two")
     s.add_argument("--prefill-batch", type=int, default=None,
                    help="requests of one prompt bucket that join together prefill in one program of this many rows; "
-                        "default: ServeConfig's")
+                        f"default: {SERVE_DEFAULTS['prefill_batch']}")
     s.add_argument("--min-prompt-bucket", type=int, default=None,
-                   help="shortest padded prompt length: one prefill program per power of two from here up to "
-                        "--max-context; default: ServeConfig's")
+                   help="shortest padded prefill chunk: one prefill program per power of two from here up to "
+                        f"--max-num-batched-tokens; default: {SERVE_DEFAULTS['min_prompt_bucket']}")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens prefilled per step: a longer prompt joins in chunks of this many, between "
+                        f"decode steps; default: the engine's prefill chunk ({ENGINE_PREFILL_CHUNK})")
+    c = p.add_argument_group("cache")
+    c.add_argument("--page-size", "--block-size", dest="page_size", type=int, choices=(16, 32, 64, 128),
+                   default=None, help=f"tokens per page of the latent cache; default: {SERVE_DEFAULTS['page_size']}")
+    c.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=int, default=None,
+                   help="pages in the pool; default: what --gpu-memory-utilization of the device leaves after the "
+                        "weights, or on a CPU --max-slots requests of --max-context")
+    c.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of device memory weights, activations and pages may use; default: "
+                        f"{SERVE_DEFAULTS['gpu_memory_utilization']}")
     h = p.add_argument_group("server")
     h.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     h.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    h.add_argument("--api-key", default=None,
+                   help="every /v1/* request must carry 'Authorization: Bearer <key>' (401 otherwise; /health and "
+                        f"/metrics stay open); default: ${API_KEY_ENV}, else none required")
     h.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled")
     h.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level")
     return p
 
 
+def jax_plugin_names() -> set[str]:
+    """The PJRT plugins installed, found where JAX looks for them when it starts its backends (modules of the
+    `jax_plugins` namespace package, entry points of that group), without starting any."""
+    names = {entry.value for entry in importlib.metadata.entry_points(group="jax_plugins")}
+    try:
+        import jax_plugins
+    except ImportError:  # no plugin installed as a module of the namespace
+        return names
+    return names | {module.name for module in pkgutil.iter_modules(jax_plugins.__path__)}
+
+
+def gpu_plugin_installed() -> bool:
+    """Whether JAX can start a GPU backend, known without starting a backend: a CUDA or ROCm plugin is installed and
+    $JAX_PLATFORMS, where set, names a GPU platform."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(name in platforms for name in ("cuda", "gpu", "rocm")):
+        return False
+    return any("cuda" in name or "rocm" in name for name in jax_plugin_names())
+
+
+def loop_graphs(wanted: bool) -> bool:
+    """--loop-graphs: XLA's flag that keeps a step's round loop inside its CUDA graphs, set only where a GPU backend
+    can start. It is a GPU-only flag, so on a CPU it would only show up in the XLA_FLAGS logged. Call before JAX
+    starts a backend (the flag is read then). Returns whether it was set."""
+    return wanted and gpu_plugin_installed() and enable_loop_graphs()
+
+
 def _check_args(args) -> None:
-    for name in ("rounds_per_step", "max_slots", "max_context"):
+    for name in ("rounds_per_step", "max_slots", "max_context", "max_num_batched_tokens", "num_pages"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.max_queue is not None and args.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if not 0 <= args.port < 1 << 16:
@@ -143,10 +198,12 @@ def _check_args(args) -> None:
             raise UsageError(f"--drafter {args.drafter}: no such directory")
     if args.served_model_name is None:
         args.served_model_name = [os.path.basename(DEFAULT_DIR) if shipped else args.checkpoint]
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
 
 
 def load(args):
-    """Load the engine, compile every program of the slot table; returns (front, tokenizer, settings)."""
+    """Load the engine, compile every program of the serving engine; returns (front, tokenizer, settings)."""
     t0 = time.perf_counter()
     drafter = args.drafter if args.mode != "ar" else None
     log.info("loading target %s%s (%s) on %s", args.checkpoint, f" and drafter {drafter}" if drafter else "",
@@ -159,20 +216,27 @@ def load(args):
     n_params = sum(x.size for x in jax.tree.leaves(engine.weights))
     log.info("loaded %.1fM parameters in %.1f s", n_params / 1e6, time.perf_counter() - t0)
     given = {k: getattr(args, k) for k in ("max_slots", "max_context", "rounds_per_step", "max_queue", "step_widths",
-                                           "min_prompt_bucket", "prefill_batch") if getattr(args, k) is not None}
+                                           "min_prompt_bucket", "prefill_batch", "page_size", "num_pages",
+                                           "gpu_memory_utilization", "max_num_batched_tokens")
+             if getattr(args, k) is not None}
     budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
-    core = ServingEngine(engine, ServeConfig(mode=args.mode, budget=budget, **given))
+    try:
+        core = ServingEngine(engine, ServeConfig(mode=args.mode, budget=budget, **given))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     cfg = core.config
-    log.info("slot table: %d slots x %d tokens, %d rounds per step; step per active slots: %s", cfg.max_slots,
-             cfg.max_context, cfg.rounds_per_step, ", ".join(f"{a}: {k.name}" for a, k in sorted(core.plan.items())))
-    log.info("compiling %d prefill programs (prompt buckets %s, %s requests at once) and %d step programs "
+    log.info("page pool: %s", core.capacity_summary())
+    log.info("%d slots, max context %d tokens, %d prompt tokens prefilled per step, %d rounds per step; step per "
+             "active slots: %s", cfg.max_slots, cfg.max_context, core.chunk_tokens, cfg.rounds_per_step,
+             ", ".join(f"{a}: {k.name}" for a, k in sorted(core.plan.items())))
+    log.info("compiling %d prefill programs (chunk buckets %s, %s requests at once) and %d step programs "
              "(widths %s)", len(core.prefill_specs), core.buckets, core.prefill_sizes, len(core.step_keys), core.widths)
     t0 = time.perf_counter()
     seconds = core.warm_up()
     log.info("compiled in %.1f s: %s", time.perf_counter() - t0, ", ".join(f"{k} {v:.1f}s" for k, v in
                                                                          seconds.items()))
     settings = ServerSettings(model_names=tuple(args.served_model_name), shutdown_timeout=args.shutdown_timeout,
-                              root=os.path.abspath(args.checkpoint))
+                              root=os.path.abspath(args.checkpoint), api_key=args.api_key)
     return AsyncServingEngine(core), engine.tokenizer, settings
 
 
@@ -201,18 +265,17 @@ def make_server(app, *, host: str, port: int, shutdown_timeout: float, log_level
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_args(args)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, force=True)  # an import may have set one
-    logging.getLogger("jax").setLevel(max(logging.WARNING, logging.getLogger().level))  # its backend probing
+    configure_logging(args.log_level, server=True)
     cache = enable_compilation_cache()
     log.info("compilation cache: %s", cache or "off")
-    if args.loop_graphs:
-        enable_loop_graphs()
+    loop_graphs(args.loop_graphs)
     log.info("XLA_FLAGS: %s", os.environ.get("XLA_FLAGS", "") or "(none)")
     front, tokenizer, settings = load(args)
     app = build_app(front, tokenizer, settings)
     server = make_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                          log_level=args.log_level)
-    log.info("serving %s at http://%s:%d/v1", " / ".join(settings.model_names), args.host, args.port)
+    log.info("serving %s at http://%s:%d/v1%s", " / ".join(settings.model_names), args.host, args.port,
+             " (API key required)" if settings.api_key else "")
     # uvicorn handles SIGTERM / SIGINT while it runs, then re-raises the signal once it has shut down; ignoring them
     # from here on lets that graceful shutdown end the process with exit code 0 instead of the signal's default
     for sig in (signal.SIGTERM, signal.SIGINT):

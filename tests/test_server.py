@@ -2,13 +2,16 @@
 
 One server (uvicorn in a thread, on a free port of 127.0.0.1) serves every test but the SIGTERM one, which starts
 `python -m kdtree_jax.serve` as a subprocess. Greedy references come from `Engine.generate` on the same engine,
-computed before the server starts.
+computed before the server starts. What no request reaches (the API key check, /metrics' form) is tested in-process
+on an app around a serving engine that compiles nothing.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,8 +23,10 @@ import httpx
 import jax
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from kdtree_jax import serve
 from kdtree_jax.budget import DEFAULT_BUDGET
 from kdtree_jax.cli import UsageError
 from kdtree_jax.engine import Engine
@@ -369,11 +374,14 @@ def test_models_lists_the_served_name(client):
 
 
 @pytest.mark.heavy
-def test_health_reports_running_waiting_and_free_slots(base_url):
+def test_health_reports_running_waiting_free_slots_and_free_pages(base_url):
     r = httpx.get(base_url + "/health")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "running": 0, "waiting": 0, "free_slots": SERVE["max_slots"],
-                        "max_slots": SERVE["max_slots"]}
+    body = r.json()
+    assert body["num_pages"] > 0 and body["page_size"] == ServeConfig.page_size
+    assert body == {"status": "ok", "running": 0, "waiting": 0, "free_slots": SERVE["max_slots"],
+                    "max_slots": SERVE["max_slots"], "free_pages": body["num_pages"], "num_pages": body["num_pages"],
+                    "page_size": ServeConfig.page_size}
 
 
 @pytest.mark.heavy
@@ -395,9 +403,20 @@ def test_metrics_count_tokens_speculation_and_latency(client, base_url):
     for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert grew(f"kdtree:{hist}_count") == 1 and grew(f"kdtree:{hist}_sum") > 0
     assert after[("kdtree:num_requests_running", ())] == 0 and after[("kdtree:num_requests_waiting", ())] == 0
+    # idle: every page back in the pool, none preempted at this load
+    assert after[("kdtree:kv_cache_usage_perc", ())] == 0 and after[("kdtree:num_free_pages", ())] > 0
+    assert after[("kdtree:num_preemptions_total", ())] == 0
 
 
 # ---- the command line --------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_pool_too_small_for_one_request_stops_the_server_naming_the_flags():
+    args = build_parser().parse_args(["--num-pages", "2", "--page-size", "16", "--max-context", "512"])
+    _check_args(args)
+    with pytest.raises(serve.UsageError, match="--num-pages or --gpu-memory-utilization.*--max-context"):
+        serve.load(args)
+
+
 def test_cli_defaults_serve_the_shipped_pair_on_localhost_8000():
     args = build_parser().parse_args([])
     _check_args(args)
@@ -409,6 +428,102 @@ def test_cli_defaults_serve_the_shipped_pair_on_localhost_8000():
     for bad in ("1:64,4", "1:x", "one:8"):  # a pair without ':', a budget or a slot count that is no integer
         with pytest.raises(UsageError, match="slots:budget|integer or 'auto'"):
             build_parser().parse_args(["--budget", bad])
+
+
+def test_help_states_the_slot_tables_defaults():
+    """The scheduling flags left unset take ServeConfig's values, and --help says which."""
+    entries = {}  # flag -> its help text, whitespace collapsed
+    for block in re.split(r"\n(?=  -)", build_parser().format_help()):
+        head = re.split(r"\s{2,}", block.strip())[0]
+        for flag in re.findall(r"(?:^|, )(--[a-z-]+)", head):
+            entries[flag] = " ".join(block.split())
+    defaults = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
+    for name in ("max_slots", "max_context", "max_queue", "rounds_per_step", "prefill_batch", "min_prompt_bucket"):
+        flag = "--" + name.replace("_", "-")
+        assert re.search(rf"default: {defaults[name]}(?![\d.])", entries[flag]), entries[flag]
+    assert "ServeConfig" not in build_parser().format_help()
+
+
+def test_api_key_from_the_flag_else_the_environment(monkeypatch):
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    for argv, want in (([], None), (["--api-key", "sk-flag"], "sk-flag")):
+        args = build_parser().parse_args(argv)
+        _check_args(args)
+        assert args.api_key == want
+    monkeypatch.setenv(serve.API_KEY_ENV, "sk-env")
+    for argv, want in (([], "sk-env"), (["--api-key", "sk-flag"], "sk-flag")):
+        args = build_parser().parse_args(argv)
+        _check_args(args)
+        assert args.api_key == want
+    assert "sk-env" not in build_parser().format_help()  # --help names the variable, never its value
+
+
+def test_loop_graphs_flag_only_where_a_gpu_backend_can_start(monkeypatch):
+    """--loop-graphs sets XLA's GPU-only flag where a CUDA or ROCm plugin is installed and JAX_PLATFORMS allows a GPU;
+    on a CPU-only install it sets nothing (so nothing GPU-only shows up in the XLA_FLAGS the server logs)."""
+    calls = []
+    monkeypatch.setattr(serve, "enable_loop_graphs", lambda: calls.append("set") or True)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(serve, "jax_plugin_names", lambda: {"jax_plugins.xla_cuda13"})
+    assert serve.loop_graphs(True) and calls == ["set"]
+    assert not serve.loop_graphs(False) and calls == ["set"]
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not serve.loop_graphs(True) and calls == ["set"]
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(serve, "jax_plugin_names", lambda: set())  # a CPU-only install
+    assert not serve.loop_graphs(True) and calls == ["set"]
+
+
+# ---- what no request reaches: an app around a serving engine left cold ------------------------------------------
+API_KEY = "sk-kdtree-test"
+
+
+@pytest.fixture
+def idle_app(engine):
+    """A TestClient for the app, API_KEY required, around a serving engine that no request reaches: nothing compiles
+    (Engine.load is what it costs)."""
+    core = ServingEngine(engine, ServeConfig(mode=MODE, budget=DEFAULT_BUDGET, **SERVE))
+    app = build_app(AsyncServingEngine(core), engine.tokenizer, ServerSettings(model_names=(MODEL,), api_key=API_KEY))
+    with TestClient(app) as http:
+        yield http
+
+
+@pytest.mark.timeout(120)
+def test_api_key_guards_every_v1_route(idle_app):
+    """Without `Authorization: Bearer <key>` a /v1 route answers 401 in OpenAI's error shape (the key missing or
+    wrong); with it the request reaches its endpoint. /health and /metrics stay open."""
+    body = {"model": "other-model", "prompt": "x", "max_tokens": 1}
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                         ("GET", "/v1/nothing-here")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            r = idle_app.request(method, path, json=body if method == "POST" else None, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+            assert error["code"] == (None if not headers else "invalid_api_key")
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    assert idle_app.get("/v1/models", headers=keyed).json()["data"][0]["id"] == MODEL
+    r = idle_app.post(COMPLETIONS, json=body, headers=keyed)  # past the key: the endpoint's own 404
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert idle_app.get("/health").status_code == 200 and idle_app.get("/metrics").status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_openai_client_with_the_api_key(idle_app):
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=str(idle_app.base_url) + "/v1", api_key=key, http_client=idle_app,
+                             max_retries=0)
+
+    assert [m.id for m in client(API_KEY).models.list()] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        client("sk-wrong").models.list()
+
+
+@pytest.mark.timeout(120)
+def test_metrics_have_no_created_series(idle_app):
+    text = idle_app.get("/metrics").text
+    assert "kdtree:prompt_tokens_total" in text and "kdtree:e2e_request_latency_seconds_count" in text
+    assert "_created" not in text
 
 
 @pytest.mark.heavy

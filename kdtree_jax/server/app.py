@@ -2,8 +2,9 @@
 
 POST /v1/completions and /v1/chat/completions (stream false or true: SSE chunks as OpenAI sends them, ending with
 `data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus text). Every error is OpenAI's error JSON with
-the status it calls for: 400 naming the field, 404 for an unknown model or path, 503 while the queue is full or the
-server is shutting down. A request whose client goes away is cancelled at once, which frees its slot.
+the status it calls for: 400 naming the field, 401 without the API key (where one is set: /v1/* only), 404 for an
+unknown model or path, 503 while the queue is full or the server is shutting down. A request whose client goes away
+is cancelled at once, which frees its slot.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -72,6 +74,7 @@ class ServerSettings:
     model_names: tuple[str, ...]  # names a request's "model" may give; responses name the first
     shutdown_timeout: float = 10.0  # seconds running requests get to finish at shutdown before they are cancelled
     root: str | None = None  # the checkpoint served, as /v1/models shows it
+    api_key: str | None = None  # set: every /v1/* request must carry `Authorization: Bearer <api_key>`
 
     @property
     def model_name(self) -> str:
@@ -318,14 +321,43 @@ class OpenAIServer:
     def health(self) -> dict:
         slots = self.front.core.config.max_slots
         running = self.front.n_running
+        cache = self.front.core.cache
         return {"status": "shutting_down" if self.closing else "ok", "running": running,
-                "waiting": self.front.n_waiting, "free_slots": slots - running, "max_slots": slots}
+                "waiting": self.front.n_waiting, "free_slots": slots - running, "max_slots": slots,
+                "free_pages": cache.free_pages, "num_pages": cache.num_pages, "page_size": cache.page_size}
 
     def models(self) -> dict:
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "kdtree-jax", "root": self.settings.root,
              "max_model_len": self.max_context} for name in self.settings.model_names]}
+
+
+class ApiKeyMiddleware:
+    """Refuses a /v1/* request without `Authorization: Bearer <key>` with 401 in OpenAI's error shape, as vLLM's
+    --api-key does; /health and /metrics stay open for probes and scrapers. Plain ASGI: a request it passes reaches
+    the app untouched (its streamed response, its client's disconnect)."""
+
+    def __init__(self, app, key: str):
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not secrets.compare_digest(given, self._expected):
+                await _unauthorized(given is None)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _unauthorized(missing: bool) -> JSONResponse:
+    """OpenAI's answers: a missing key, or an incorrect one (code invalid_api_key)."""
+    if missing:
+        body = error_body("You didn't provide an API key. You need to provide your API key in an Authorization "
+                          "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).", "invalid_request_error")
+    else:
+        body = error_body("Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 class JobEventStream(EventSourceResponse):
@@ -358,6 +390,8 @@ def build_app(front: AsyncServingEngine, tokenizer, settings: ServerSettings) ->
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key)
 
     async def respond(job: Job, body, request: Request, events, complete):
         """SSE chunks as the job runs, or one JSON body once it has ended."""

@@ -1,11 +1,22 @@
 """Prometheus metrics of the server, named as vLLM names them (its "vllm:" prefix is "kdtree:" here).
 
 Gauges read the serving engine when scraped; counters and histograms are fed by the request handlers: tokens as
-they arrive, the rest once a request's final record is in.
+they arrive, the rest once a request's final record is in. No `_created` series: prometheus_client would add one per
+counter and histogram (the time it was created, an OpenMetrics notion), a second series per counter that no query
+of these metrics uses.
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
 
 PREFIX = "kdtree:"
 # vLLM's buckets (seconds)
@@ -22,6 +33,7 @@ class ServerMetrics:
     """One registry per server (not the process-wide default), so several servers can live in one process."""
 
     def __init__(self, front, model_name: str):
+        disable_created_metrics()  # prometheus_client's switch is process-wide: it reads it at every scrape
         self.registry = CollectorRegistry()
         reg, labels = self.registry, {"model_name": model_name}
 
@@ -35,10 +47,16 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, labelnames=tuple(labels), buckets=buckets,
                              registry=reg).labels(**labels)
 
-        slots = front.core.config.max_slots
-        gauge("num_requests_running", "Requests in a slot, decoding.", lambda: front.n_running)
-        gauge("num_requests_waiting", "Requests waiting for a slot.", lambda: front.n_waiting)
+        core = front.core
+        slots = core.config.max_slots
+        gauge("num_requests_running", "Requests prefilling or decoding.", lambda: front.n_running)
+        gauge("num_requests_waiting", "Requests waiting for pages or a slot (preempted ones included).",
+              lambda: front.n_waiting)
         gauge("num_slots_free", "Slots free for a waiting request.", lambda: slots - front.n_running)
+        gauge("kv_cache_usage_perc", "Share of the page pool held by requests (1 = full).", lambda: core.cache.usage)
+        gauge("num_free_pages", "Pages of the pool no request holds.", lambda: core.cache.free_pages)
+        reg.register(_EngineCounter(PREFIX + "num_preemptions", "Requests preempted: pages given back, recomputed.",
+                                    lambda: core.n_preemptions, labels))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests submitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_drafts = counter("spec_decode_num_drafts", "Speculative rounds (one draft verified each).")
@@ -68,3 +86,15 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCounter:
+    """A counter the serving engine keeps itself (its worker thread counts; a scrape reads it)."""
+
+    def __init__(self, name: str, doc: str, read, labels: dict):
+        self._name, self._doc, self._read, self._labels = name, doc, read, labels
+
+    def collect(self):
+        family = CounterMetricFamily(self._name, self._doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), self._read())
+        yield family
