@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import importlib.metadata
+import importlib.util
 import inspect
 import logging
 import os
@@ -150,11 +151,10 @@ def jax_plugin_names() -> set[str]:
     """The PJRT plugins installed, found where JAX looks for them when it starts its backends (modules of the
     `jax_plugins` namespace package, entry points of that group), without starting any."""
     names = {entry.value for entry in importlib.metadata.entry_points(group="jax_plugins")}
-    try:
-        import jax_plugins
-    except ImportError:  # no plugin installed as a module of the namespace
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is None or spec.submodule_search_locations is None:  # no plugin installed as a module of the namespace
         return names
-    return names | {module.name for module in pkgutil.iter_modules(jax_plugins.__path__)}
+    return names | {module.name for module in pkgutil.iter_modules(spec.submodule_search_locations)}
 
 
 def gpu_plugin_installed() -> bool:
