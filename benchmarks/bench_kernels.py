@@ -2,6 +2,7 @@
 tree kernels (`benchmarks/bench_tree_kernels.py`, when present).
 
     python benchmarks/bench_kernels.py [--quick] [--out results.json] [--heads 64 8] [--tune] [--backends ...] [--trace]
+        [--paged [P]]
 
 verify_attn: bf16, H heads, A = 512 + 64, N = 1 (AR) and 1 + B tree slots, batch 1/8/64, prefix 1k..32k; the
 cache capacity is fixed per (batch, N) and the prefix length is a runtime value, as in the engine, so one compile
@@ -16,6 +17,10 @@ read time / kernel time: where a call reads only a few MB, a read alone stays fa
 each `--heads` value, the kernel's defaults and its split rule's predecessor (CDIV_RULE) among them.
 Timing: `bench_util.per_call_s` (calls back to back inside one jit, host dispatch amortised) over enough
 distinct caches that one rotation reads >= 256 MB, so no call is served from the previous call's L2.
+`--paged P` (P = 64 when omitted) also times each call over a paged cache, as the serving engine lays it out: the same
+rows in a pool [Bt * W, P, A] whose pages are shuffled (`page_pool`), read through a page table [Bt, W]; both layouts
+then have W * P cache rows, and each (shape, backend, prefix) times contiguous, paged, contiguous, paged on the same
+q / tree / mask (the row keeps the faster of a layout's two); `paged_table` prints paged / contiguous per row.
 On a CPU backend it runs a tiny smoke sweep in the Pallas interpreter (numbers meaningless; checks the script).
 """
 from __future__ import annotations
@@ -174,6 +179,36 @@ def timed_sets(q, caches, prefix: int, tree_kv, mask):
     return [(q, c, jnp.full((bt,), prefix - i, jnp.int32), tree_kv, mask) for i, c in enumerate(caches)]
 
 
+def paged_capacity(capacity: int, page: int) -> int:
+    """Cache rows per request when the cache is paged: `capacity` rounded up to whole pages (the table's W * P)."""
+    return -(-capacity // page) * page
+
+
+def page_pool(cache, page: int, key):
+    """The rows of `cache` [Bt, S, A] (S a multiple of page) as a shuffled page pool: -> (pool [Bt * W, P, A],
+    page_table [Bt, W] int32) with pool[page_table[b, s // P], s % P] == cache[b, s] and every pool page used once,
+    in a random order (so neighbouring pages of a request are not neighbours in the pool)."""
+    bt, s, a = cache.shape
+    if s % page:
+        raise ValueError(f"page_pool: {s} cache rows are not whole pages of {page}")
+    pages = cache.reshape(bt * (s // page), page, a)  # flat page f = b * W + w
+    perm = jax.random.permutation(key, pages.shape[0]).astype(jnp.int32)  # flat page f goes to pool page perm[f]
+    return pages[jnp.argsort(perm)], perm.reshape(bt, s // page)
+
+
+def paged_sets(q, pools, prefix: int, tree_kv, mask):
+    """`timed_sets` over (pool, page table) pairs: arguments of verify_attn's paged call, the table last."""
+    bt = q.shape[0]
+    return [(q, pool, jnp.full((bt,), prefix - i, jnp.int32), tree_kv, mask, table)
+            for i, (pool, table) in enumerate(pools)]
+
+
+def output_diff(a, b) -> float:
+    """max |a - b| / max |b| over two outputs of one call (0.0: bit-equal)."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+
+
 def read_same_bytes(caches, prefix: int, trace: bool) -> tuple[float, float]:
     """(wall, GPU kernel) seconds per call of an XLA sum over the cache rows a verify call reads, in the same
     back-to-back harness: the time a call that only reads those bytes takes at this size, launch and tail
@@ -186,12 +221,15 @@ def read_same_bytes(caches, prefix: int, trace: bool) -> tuple[float, float]:
 
 
 def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, deadline: float,
-                      backends: tuple[str, ...] = ("triton",), trace: bool = False) -> list[dict]:
+                      backends: tuple[str, ...] = ("triton",), trace: bool = False, page: int = 0) -> list[dict]:
     """Every shape with each backend that applies to it, on the same inputs, one after the other; with `trace`,
-    also the GPU kernel time per call (kernel_per_call_s), and that of an XLA read of the same cache bytes."""
+    also the GPU kernel time per call (kernel_per_call_s), and that of an XLA read of the same cache bytes. With
+    `page`, each prefix is also timed over a shuffled page pool of the same rows (rows with layout "paged<P>"),
+    the two layouts interleaved twice (each row keeps its faster run); layout "contiguous" otherwise."""
     rows = []
     a, r = sweep.r + sweep.dr, sweep.r
     itemsize = jnp.dtype(sweep.dtype).itemsize
+    layouts = ("contiguous",) + ((f"paged{page}",) if page else ())
     for h in heads:
         for n in sweep.nodes:
             for bt in sweep.batches:
@@ -199,8 +237,12 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                     print(f"time budget spent: skipping H={h} N={n} batch={bt}", flush=True)
                     continue
                 capacity = aligned_rows(max(sweep.prefixes) + n)  # as the engine allocates it
+                if page:  # both layouts get the table's rows, so only the addressing differs
+                    capacity = paged_capacity(capacity, page)
                 sets = n_sets(bt, min(sweep.prefixes), capacity, a, itemsize)
                 q, caches, tree_kv, mask = make_inputs(sweep, bt, n, h, capacity, seed=bt * 1000 + n, caches=sets)
+                pools = ([page_pool(c, page, jax.random.key(bt * 1000 + n + 7919 * i)) for i, c in enumerate(caches)]
+                         if page else [])
                 reads = {}  # prefix -> read_same_bytes, measured once for both backends
                 for backend in backends:
                     kernel_backend, tree_kw = BENCH_BACKENDS[backend]
@@ -212,30 +254,88 @@ def bench_verify_attn(sweep: Sweep, heads: tuple[int, ...], interpret: bool, dea
                         return verify_attn(q, c, p, t, m, scale=SCALE, kv_lora_rank=r, interpret=interpret,
                                            backend=backend, **kw)
 
+                    def call_paged(q, pool, p, t, m, table, backend=kernel_backend, kw=tree_kw):
+                        return verify_attn(q, pool, p, t, m, page_table=table, scale=SCALE, kv_lora_rank=r,
+                                           interpret=interpret, backend=backend, **kw)
+
                     t0 = time.perf_counter()
                     jax.block_until_ready(call(*timed_sets(q, caches, sweep.prefixes[0], tree_kv, mask)[0]))
-                    compile_s = time.perf_counter() - t0
+                    compile_s = {"contiguous": time.perf_counter() - t0}
                     err = max(rel_err_row0(call, q, caches[0], p, tree_kv, mask, r)
                               for p in (min(sweep.prefixes), max(sweep.prefixes)))
+                    diff = {"contiguous": 0.0}
+                    if page:
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(call_paged(*paged_sets(q, pools, sweep.prefixes[0], tree_kv, mask)[0]))
+                        compile_s[layouts[1]] = time.perf_counter() - t0
+                        diff[layouts[1]] = max(output_diff(call_paged(*paged_sets(q, pools, p, tree_kv, mask)[0]),
+                                                           call(*timed_sets(q, caches, p, tree_kv, mask)[0]))
+                                               for p in (min(sweep.prefixes), max(sweep.prefixes)))
                     for prefix in sweep.prefixes:
                         k = n_sets(bt, prefix, capacity, a, itemsize)
-                        sets_k = timed_sets(q, caches[:k], prefix, tree_kv, mask)
-                        sec = median_per_call_s(call, sets_k)
-                        kernel_s, span_s = kernel_per_call_s(call, sets_k) if trace else (float("nan"),) * 2
+                        timed = {"contiguous": (call, timed_sets(q, caches[:k], prefix, tree_kv, mask))}
+                        if page:
+                            timed[layouts[1]] = (call_paged, paged_sets(q, pools[:k], prefix, tree_kv, mask))
+                        runs = {x: [] for x in layouts}
+                        for _ in range(2 if page else 1):  # interleaved: drift hits both layouts alike
+                            for layout, (fn, args) in timed.items():
+                                runs[layout].append(median_per_call_s(fn, args))
                         if prefix not in reads:
                             reads[prefix] = read_same_bytes(caches[:k], prefix, trace)
                         nbytes = (bt * prefix * a * itemsize + q.nbytes + q.nbytes * r // a + tree_kv.nbytes
                                   + mask.nbytes)
                         flops = 2 * bt * n * h * (prefix + n) * (a + r)
-                        rows.append(dict(kernel="verify_attn", backend=backend, batch=bt, nodes=n, heads=h,
-                                         prefix=prefix, ms=sec * 1e3, bytes=nbytes, flops=flops,
-                                         gbps=nbytes / sec / 1e9, tflops=flops / sec / 1e12, rel_err_row0=err,
-                                         first_call_s=compile_s, sets=k, kernel_ms=kernel_s * 1e3,
-                                         span_ms=span_s * 1e3, kernel_gbps=nbytes / kernel_s / 1e9,
-                                         read_ms=reads[prefix][0] * 1e3, read_kernel_ms=reads[prefix][1] * 1e3))
-                        print(json.dumps(rows[-1]), flush=True)
-                del q, caches, tree_kv, mask
+                        for layout, (fn, args) in timed.items():
+                            sec = min(runs[layout])
+                            kernel_s, span_s = kernel_per_call_s(fn, args) if trace else (float("nan"),) * 2
+                            rows.append(dict(kernel="verify_attn", backend=backend, layout=layout, batch=bt,
+                                             nodes=n, heads=h, prefix=prefix, capacity=capacity, ms=sec * 1e3,
+                                             ms_runs=[x * 1e3 for x in runs[layout]], bytes=nbytes, flops=flops,
+                                             gbps=nbytes / sec / 1e9, tflops=flops / sec / 1e12, rel_err_row0=err,
+                                             diff_vs_contiguous=diff[layout], first_call_s=compile_s[layout],
+                                             sets=k, kernel_ms=kernel_s * 1e3, span_ms=span_s * 1e3,
+                                             kernel_gbps=nbytes / kernel_s / 1e9, read_ms=reads[prefix][0] * 1e3,
+                                             read_kernel_ms=reads[prefix][1] * 1e3))
+                            print(json.dumps(rows[-1]), flush=True)
+                del q, caches, tree_kv, mask, pools
     return rows
+
+
+def paged_table(rows: list[dict]) -> str:
+    """Paged against contiguous, one line per (backend, batch, N, H, prefix) that has both: wall ms per call and,
+    where traced, GPU kernel ms per call, each with paged / contiguous; "diff" = max |paged - contiguous| / max
+    |contiguous| of the outputs (0: bit-equal)."""
+    key = lambda x: (x.get("backend", "triton"), x["batch"], x["nodes"], x["heads"], x["prefix"])  # noqa: E731
+    contiguous = {key(x): x for x in rows if x.get("layout", "contiguous") == "contiguous"}
+    lines = ["| backend | batch | N | H | prefix | layout | contiguous ms | paged ms | paged / contiguous | "
+             "contiguous kernel ms | paged kernel ms | paged / contiguous (kernels) | diff |", "|---" * 13 + "|"]
+    for x in rows:
+        c = contiguous.get(key(x))
+        if x.get("layout", "contiguous") == "contiguous" or c is None:
+            continue
+        kc, kp = c.get("kernel_ms", float("nan")), x.get("kernel_ms", float("nan"))
+        lines.append(f"| {key(x)[0]} | {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | {x['layout']} | "
+                     f"{c['ms']:.3f} | {x['ms']:.3f} | {x['ms'] / c['ms']:.3f} | {kc:.3f} | {kp:.3f} | "
+                     f"{kp / kc:.3f} | {x.get('diff_vs_contiguous', float('nan')):.1e} |")
+    return "\n".join(lines)
+
+
+def paged_summary(rows: list[dict], tolerance: float = 0.05) -> str:
+    """The worst paged / contiguous ratio per backend, wall and kernel time, against 1 + tolerance."""
+    key = lambda x: (x.get("backend", "triton"), x["batch"], x["nodes"], x["heads"], x["prefix"])  # noqa: E731
+    contiguous = {key(x): x for x in rows if x.get("layout", "contiguous") == "contiguous"}
+    paged = [(x, contiguous[key(x)]) for x in rows
+             if x.get("layout", "contiguous") != "contiguous" and key(x) in contiguous]
+    lines = []
+    for backend in sorted({key(x)[0] for x, _ in paged}):
+        for label, field in (("wall", "ms"), ("kernels", "kernel_ms")):
+            ratios = [x[field] / c[field] for x, c in paged if key(x)[0] == backend and c.get(field, 0) > 0
+                      and x.get(field) == x.get(field)]  # NaN (untraced) left out
+            if ratios:
+                worst, verdict = max(ratios), "met" if max(ratios) <= 1 + tolerance else "not met"
+                lines.append(f"{backend}, {label}: paged / contiguous {min(ratios):.3f}-{worst:.3f} over "
+                             f"{len(ratios)} rows (goal <= {1 + tolerance:.2f}: {verdict})")
+    return "\n".join(lines)
 
 
 def tune(sweep: Sweep, heads: int, interpret: bool, deadline: float) -> list[dict]:
@@ -285,13 +385,15 @@ def tune_table(rows: list[dict]) -> str:
 
 
 def verify_table(rows: list[dict], copy_bw: float, peak: float) -> str:
-    lines = ["| backend | batch | N | H | prefix | ms | GB/s | % copy | kernel ms | span ms | % copy (kernels) | "
-             "read ms (kernels) | % read (kernels) | TFLOP/s | % roofline | bound | rel err |", "|---" * 17 + "|"]
+    lines = ["| backend | layout | batch | N | H | prefix | ms | GB/s | % copy | kernel ms | span ms | "
+             "% copy (kernels) | read ms (kernels) | % read (kernels) | TFLOP/s | % roofline | bound | rel err |",
+             "|---" * 18 + "|"]
     for x in rows:
         t_mem, t_mma = x["bytes"] / copy_bw, x["flops"] / peak
         roof = max(t_mem, t_mma) / (x["ms"] / 1e3)
         kern = x.get("kernel_ms", float("nan"))
-        lines.append(f"| {x.get('backend', 'triton')} | {x['batch']} | {x['nodes']} | {x['heads']} | {x['prefix']} | "
+        lines.append(f"| {x.get('backend', 'triton')} | {x.get('layout', 'contiguous')} | {x['batch']} | "
+                     f"{x['nodes']} | {x['heads']} | {x['prefix']} | "
                      f"{x['ms']:.3f} | {x['gbps']:.1f} | {100 * x['gbps'] * 1e9 / copy_bw:.0f}% | {kern:.3f} | "
                      f"{x.get('span_ms', float('nan')):.3f} | {100 * x['bytes'] / (kern / 1e3) / copy_bw:.0f}% | "
                      f"{x.get('read_kernel_ms', float('nan')):.3f} | "
@@ -346,6 +448,9 @@ def main(argv=None):
     parser.add_argument("--prefixes", type=int, nargs="+", help="override the sweep's prefix lengths")
     parser.add_argument("--trace", action="store_true",
                         help="also the GPU kernel time per call, from a jax.profiler trace of each timed jit")
+    parser.add_argument("--paged", type=int, nargs="?", const=64, default=0, metavar="P",
+                        help="also time each call over a shuffled pool of P-row pages (default P: 64), interleaved "
+                             "with the contiguous cache, and print paged / contiguous")
     parser.add_argument("--backends", nargs="+", choices=tuple(BENCH_BACKENDS), default=None,
                         help="verify_attn backends to time side by side (default: triton and mosaic on a GPU, "
                              "triton on CPU; mosaic-xla-tree: mosaic with the tree block in XLA)")
@@ -373,12 +478,19 @@ def main(argv=None):
         result["tune"] = [row for h in heads for row in tune(sweep, h, interpret, deadline)]
         print(f"## verify_attn tuning\n{tune_table(result['tune'])}\n", flush=True)
     backends = tuple(args.backends or (BACKENDS if on_gpu else ("triton",)))
-    rows = bench_verify_attn(sweep, heads, interpret, deadline, backends, trace=args.trace and on_gpu)
+    if args.paged and (args.paged < 16 or args.paged & (args.paged - 1)):
+        parser.error(f"--paged {args.paged}: the page size must be a power of two >= 16")
+    rows = bench_verify_attn(sweep, heads, interpret, deadline, backends, trace=args.trace and on_gpu,
+                             page=args.paged)
     result["verify_attn"] = rows
-    summary = bandwidth_summary(rows, copy_bw, peak)
+    summary = bandwidth_summary([x for x in rows if x.get("layout", "contiguous") == "contiguous"], copy_bw, peak)
     result["verify_attn_summary"] = summary
     print(f"## verify_attn ({sweep.dtype}, A = {sweep.r} + {sweep.dr})\n{verify_table(rows, copy_bw, peak)}\n\n"
           f"{summary}\n", flush=True)
+    if args.paged:
+        result["paged_summary"] = paged_summary(rows)
+        print(f"## verify_attn over {args.paged}-row pages against the contiguous cache\n{paged_table(rows)}\n\n"
+              f"{result['paged_summary']}\n", flush=True)
     if not args.skip_tree:
         tree_rows = []
         print(f"## tree kernels\n{run_tree_bench(tree_rows, args.quick)}\n", flush=True)

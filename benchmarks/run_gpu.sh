@@ -7,6 +7,8 @@
 #   eval-pair       the shipped pair: held-out loss, drafter acceptance, engine table into a model-card copy
 #   budget-profile  tau(B) and round cost per batch size, the profile budget="auto" reads (scripts/profile_budget.py)
 #   kernels         verify_attn against the copy / matmul ceilings, then the tree kernels (benchmarks/bench_kernels.py)
+#   kernels-paged   verify_attn at batch 8, B = 16, 4k and 32k over a shuffled pool of 64-row pages against the
+#                   contiguous cache, both backends, interleaved in one run (bench_kernels.py --paged)
 #   tree-kernels    tree_build / tree_accept against the host heap and walk (benchmarks/bench_tree_kernels.py)
 #   topk            per-depth top-K draft log-probs, kernel vs XLA variants (benchmarks/bench_topk.py)
 #   int4-moe        the INT4 grouped expert FFN vs dequantize-then-matmul vs bf16 experts (benchmarks/bench_int4_moe.py)
@@ -37,6 +39,12 @@
 #                   batch-8 B = 16 verify: ncu's warp-state samples by opcode and reason (benchmarks/ncu_sass.py)
 #   kernel-tests    the kernel, lowering and engine-equality tests, compiled on the GPU
 #   serving         the serving engine in-process: ar / ddtree-16 / auto at concurrency 1-16 (scripts/bench_serving.py)
+#   serving-vs-base  the serving target's ar and ddtree-16 rows (concurrency 1-16) for the tree in $BASE and for
+#                   this one, alternating, in one call: each tree's programs are compiled first, all four configs at
+#                   once, into its own compilation cache (XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 in every run, so the
+#                   paged pool has the same shape when timed). BASE holds the other commit's code, e.g. `git archive C
+#                   kdtree_jax pallas_kernels scripts | tar -x -C .diag/base`; both use this tree's checkpoints.
+#                   AFTER (default: this tree) the other side's code. Both configs: about 7 minutes on one H200
 #   serving-http    the OpenAI server, one per config (ar, ddtree-16, auto), at concurrency 1-32; against $SERVING_JSON
 #                   (default $OUT/serving.json, the serving target's) for the HTTP layer's cost; the two targets
 #                   together take about 10 minutes on one H200 from a cold compilation cache
@@ -96,6 +104,35 @@ k26_before_after() {
     return $rc
 }
 
+serving_vs_base() {
+    [ -d "${BASE:-}" ] || { echo "serving-vs-base: BASE must name the other commit's tree" >&2; return 2; }
+    local base after out cfg side dir rc=0 pids=() ck=$PWD/checkpoints/kdtree-mini
+    base=$(cd "$BASE" && pwd)
+    after=$(cd "${AFTER:-.}" && pwd)
+    out=$(cd "$OUT" && pwd)
+    local args="$SERVING_TABLE --checkpoint $ck/target --drafter $ck/drafter --prompts $ck/heldout_prompts.jsonl"
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2  # four processes share the GPU while compiling
+    for cfg in ${SERVING_CONFIGS:-ar ddtree}; do  # compile (warm-up, one request, Engine.generate once) into the cache
+        for side in before after; do
+            [ "$side" = before ] && dir=$base || dir=$after
+            (cd "$dir" && PYTHONPATH=$dir KDTREE_COMPILATION_CACHE=/tmp/xla-cache-$side timeout 300 "$PY" \
+                scripts/bench_serving.py --configs $cfg --concurrency 1 --num-requests 1 --repeats 1 $args \
+                >"$out/serving_compile_${cfg}_$side.log" 2>&1) &
+            pids+=($!)
+        done
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    for cfg in ${SERVING_CONFIGS:-ar ddtree}; do
+        for side in before after; do
+            [ "$side" = before ] && dir=$base || dir=$after
+            (cd "$dir" && PYTHONPATH=$dir KDTREE_COMPILATION_CACHE=/tmp/xla-cache-$side timeout 65 "$PY" \
+                scripts/bench_serving.py --configs $cfg --concurrency 1,4,8,16 $args \
+                --out "$out/serving_${cfg}_$side.json") || rc=1
+        done
+    done
+    return $rc
+}
+
 target() {
     case "$1" in
     engine) "$PY" scripts/bench_engine.py --batches 1,8 --repeats 3 --out "$OUT/engine.json" --plot "$OUT/engine.png" ;;
@@ -103,6 +140,8 @@ target() {
         --out-dir "$OUT/eval_pair" --model-card "$OUT/MODEL_CARD.md" ;;
     budget-profile) "$PY" scripts/profile_budget.py --out "$OUT/budget_profile.nvidia-h200.json" ;;
     kernels) "$PY" benchmarks/bench_kernels.py --trace --budget-s 280 --out "$OUT/kernels.json" ;;
+    kernels-paged) "$PY" benchmarks/bench_kernels.py --skip-tree --trace --paged 64 --batches 8 --nodes 17 \
+        --prefixes 4096 32768 --budget-s 300 --out "$OUT/kernels_paged.json" ;;
     tree-kernels) "$PY" benchmarks/bench_tree_kernels.py --out "$OUT/tree_kernels.json" ;;
     topk) "$PY" benchmarks/bench_topk.py --out "$OUT/topk.json" ;;
     int4-moe) "$PY" benchmarks/bench_int4_moe.py --out "$OUT/int4_moe.json" ;;
@@ -142,6 +181,7 @@ target() {
         tests/test_int4_moe.py tests/test_dot_acc.py tests/test_moe_kernel.py tests/test_engine_lowering.py ;;
     serving) "$PY" scripts/bench_serving.py --concurrency 1,4,8,16 --configs ar,ddtree,auto $SERVING_TABLE \
         --out "$OUT/serving.json" ;;
+    serving-vs-base) serving_vs_base ;;
     serving-http) serving_http ;;
     *) echo "unknown target: $1 (see the list at the top of $0)" >&2; return 2 ;;
     esac

@@ -223,10 +223,21 @@ def test_stop_string_spanning_tokens_is_found(engine):
 
 
 # ---- concurrency, queue, disconnect ------------------------------------------------------------------------------
+async def _peak_running(base_url: str, stop: asyncio.Event) -> int:
+    """The most requests /health reported running, polled until `stop`."""
+    peak = 0
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as hc:
+        while not stop.is_set():
+            peak = max(peak, (await hc.get("/health")).json()["running"])
+            await asyncio.sleep(0.01)
+    return peak
+
+
 @pytest.mark.heavy
 def test_sixteen_concurrent_mixed_requests_over_four_slots_all_correct(base_url, reference):
     """Greedy requests (completion / chat, streamed or not, various lengths) equal Engine.generate; seeded sampled
-    requests equal the same request sent alone."""
+    requests equal the same request sent alone; and they ran together (the server's /health saw several running at
+    once: a server that ran them one at a time would pass the rest)."""
     sampled = {"temperature": 0.8, "top_p": 0.9, "extra_body": {"top_k": 20, "return_token_ids": True}}
 
     async def completion(ac, prompt, n, stream, **kw):
@@ -252,11 +263,15 @@ def test_sixteen_concurrent_mixed_requests_over_four_slots_all_correct(base_url,
         seeds = [(PROMPTS[i % len(PROMPTS)], 100 + i, i % 2 == 0) for i in range(6)]
         jobs += [completion(ac, p, REF_TOKENS, s, seed=seed, **sampled) for p, seed, s in seeds]
         assert len(jobs) >= 16
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_peak_running(base_url, stop))
         together = await asyncio.gather(*jobs)
+        stop.set()
         alone = [await completion(ac, p, REF_TOKENS, False, seed=seed, **sampled) for p, seed, _ in seeds]
-        return greedy, together, alone
+        return greedy, together, alone, await watcher
 
-    greedy, together, alone = asyncio.run(main())
+    greedy, together, alone, peak = asyncio.run(main())
+    assert peak > 1, f"the server never ran two requests at once (peak {peak})"
     for (prompt, n, _), (text, ids) in zip(greedy, together):
         reference.check(prompt, ids, text, n)
     for (text, ids), n in zip(together[len(greedy) : len(greedy) + 2], (REF_TOKENS, REF_TOKENS // 3)):
@@ -287,22 +302,51 @@ def test_full_queue_answers_503_and_the_rest_complete(base_url, reference):
 
 @pytest.mark.heavy
 def test_disconnect_mid_stream_frees_the_slot(client, base_url):
-    aborted = _metrics(base_url).get(("kdtree:request_success_total", (("finished_reason", "abort"),)), 0)
+    aborted = _aborted(base_url)
     assert _health(base_url)["running"] == 0
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **LONG_REQUEST)
     for _, chunk in zip(range(2), stream):
         assert chunk.choices[0].finish_reason is None
     assert _health(base_url)["running"] == 1
     stream.close()
+    _freed_and_aborted(base_url, aborted)
+
+
+def _aborted(base_url) -> float:
+    return _metrics(base_url).get(("kdtree:request_success_total", (("finished_reason", "abort"),)), 0)
+
+
+def _freed_and_aborted(base_url, aborted_before: float) -> None:
+    """After a client went away: its slot and pages come back, and it is counted as aborted, within the deadline."""
     deadline = time.monotonic() + DISCONNECT_DEADLINE_S
     while _health(base_url)["running"] and time.monotonic() < deadline:
         time.sleep(0.02)
     health = _health(base_url)
     assert health["running"] == 0 and health["free_slots"] == SERVE["max_slots"]
+    assert health["free_pages"] == health["num_pages"]
     deadline = time.monotonic() + DISCONNECT_DEADLINE_S
-    while _metrics(base_url).get(("kdtree:request_success_total", (("finished_reason", "abort"),)), 0) == aborted:
+    while _aborted(base_url) == aborted_before:
         assert time.monotonic() < deadline, "the dropped request was never counted as aborted"
         time.sleep(0.02)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(300)
+def test_disconnect_while_waiting_for_a_whole_response_frees_the_slot_and_pages(base_url):
+    """A non-streaming request whose client hangs up before the answer: the server cancels it at once."""
+    aborted = _aborted(base_url)
+    assert _health(base_url)["running"] == 0
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": LONG_REQUEST["max_tokens"],
+                       "ignore_eos": True}).encode()
+    url = httpx.URL(base_url)
+    with socket.create_connection((url.host, url.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + DISCONNECT_DEADLINE_S
+        while _health(base_url)["running"] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    _freed_and_aborted(base_url, aborted)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
