@@ -349,7 +349,7 @@ class Engine:
 
     def compile(self, fn: Callable, args: tuple, key, *, desc: str, donate: tuple[int, ...] = ()) -> tuple[Callable, float]:
         """AOT-compile `fn(*args)` once per `key` under the engine's matmul precision and mesh; returns it and the
-        seconds it took (0 when cached). The one place every program of the engine and the slot table compiles."""
+        seconds it took (0 when cached). The one place every program of the engine and the serving engine compiles."""
         if key in self._compiled:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()

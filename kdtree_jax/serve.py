@@ -1,7 +1,7 @@
 """`python -m kdtree_jax.serve` (or `kdtree-serve`): an OpenAI-compatible HTTP server over the serving engine.
 
 With no arguments it serves the shipped pair in `checkpoints/kdtree-mini/` at http://127.0.0.1:8000/v1. Flags follow
-vLLM / SGLang names where they have one. Startup loads the checkpoints, compiles every program the slot table can
+vLLM / SGLang names where they have one. Startup loads the checkpoints, compiles every program the serving engine can
 run (progress bars while compiling; JAX's persistent compilation cache makes a restart load them instead, see
 $KDTREE_COMPILATION_CACHE) and only then opens the port, so no request waits on a compile.
 
@@ -54,7 +54,7 @@ from kdtree_jax.sharding import parse_mesh
 
 log = logging.getLogger("kdtree_jax.serve")
 
-# the slot table's defaults, as --help states them: ServeConfig's own, which it applies to every flag left unset
+# the serving engine's defaults, as --help states them: ServeConfig's own, which it applies to every flag left unset
 SERVE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeConfig)}
 ENGINE_PREFILL_CHUNK = inspect.signature(Engine).parameters["prefill_chunk"].default
 API_KEY_ENV = "KDTREE_API_KEY"

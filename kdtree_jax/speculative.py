@@ -50,7 +50,7 @@ class DecodeSpec:
     attn_backend: str | None = None  # verify_attn backend: None = by device and shape, "triton" or "mosaic"
     taps: tuple[int, ...] = ()  # target layers whose outputs feed the drafter
     mask_token_id: int = 0
-    draft_k: int = 0  # top-K kept per drafted depth; 0: what this mode needs (`top_k`). A slot table that switches
+    draft_k: int = 0  # top-K kept per drafted depth; 0: what this mode needs (`top_k`). A serving table that switches
     # budgets keeps its largest budget's K, so every budget's tree is built from the same state
 
     def __post_init__(self):

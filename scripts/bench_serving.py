@@ -14,7 +14,7 @@ Traces (--trace; in-process, stepping `ServingEngine` directly; ar steps unless 
 token a round keeps per-token ITL free of acceptance noise, and ddtree's reserve of rounds x (depth + 1) rows ahead
 of each request would dominate a 1024-token context):
     mixed      --mixed-requests requests at once, prompt and output lengths log-uniform (numpy default_rng(--seed))
-               over the issue's 64..4096 and 16..512 tokens times max_context / 4608, the page likewise (the shipped
+               over 64..4096 and 16..512 tokens times max_context / 4608, the page likewise (the shipped
                pair's 1024: prompts 14..910, outputs 4..114, pages of 16 for 64), on one pool of --pool-slots x
                max_context tokens; paged (--paged-slots slots) against a slot table at the same bytes (pool tokens //
                max_context slots, each request able to hold max_context rows). Largest and mean StepReport.active,
@@ -620,7 +620,7 @@ def measure_startup(args) -> list[dict]:
 
 
 # ---- traces: mixed lengths at a fixed cache size, a long prompt joining running streams ------------------------
-# The traces are sized for a long-context model: prompts 64..4096 tokens, outputs 16..512, so a slot table
+# The traces are sized for a long-context model: prompts 64..4096 tokens, outputs 16..512, so a slot table
 # reserves 4096 + 512 rows a request. The shipped pair's context is 1024 tokens: the mixed trace scales every length
 # (prompts, outputs, the page) by max_context / REAL_CONTEXT, so a request's share of max_context stays as it was.
 REAL_CONTEXT = 4096 + 512
