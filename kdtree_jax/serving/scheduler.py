@@ -216,7 +216,8 @@ class Scheduler:
         round's scratch past them) may write; preempt the newest requests while the pool is short. Returns the
         preempted ones, already back at the head of the queue."""
         preempted = []
-        for r in sorted(self.running, key=self._age):
+        age = self._ages()
+        for r in sorted(self.running, key=lambda r: age[r.rid]):
             if r not in self.slots:
                 continue  # preempted for an older one meanwhile
             need = self._decode_rows(r, tokens_ahead)
@@ -235,13 +236,14 @@ class Scheduler:
         them included."""
         return min(r.known_len + tokens_ahead + self.row_slack, self.max_rows)
 
-    def _age(self, r: Request) -> int:
-        order = list(self.cache.owners())
-        return order.index(r.rid) if r.rid in order else len(order)
+    def _ages(self) -> dict:
+        """rid -> its place in the order requests took their first page (every admitted request holds pages)."""
+        return {rid: i for i, rid in enumerate(self.cache.owners())}
 
     def _newest(self) -> Request:
         """The request that took its first page last, decoding or prefilling."""
-        return max(self.prefilling + self.running, key=self._age)
+        age = self._ages()
+        return max(self.prefilling + self.running, key=lambda r: age[r.rid])
 
     def _preempt(self, r: Request) -> None:
         if r in self.prefilling:
