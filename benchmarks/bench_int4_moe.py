@@ -45,7 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import copy_ceiling, finish_on_sigterm, per_call_s  # noqa: E402
+from bench_util import copy_ceiling, finish_on_sigterm, per_call_s, write_results  # noqa: E402
 from pallas_kernels import int4_moe  # noqa: E402
 from pallas_kernels.int4_moe import (DOWN_LAUNCH, GATE_UP_LAUNCH, UNPACK_BF16X2, UNPACK_F32,  # noqa: E402
                                      UNPACK_MODES, Launch, bf16_gather_ffn, bf16_ragged_dot_ffn,
@@ -736,8 +736,7 @@ def main(argv=None):
         print("\n\n".join([markdown(rows, copy_bw), unpack_markdown(rows, copy_bw, unpacks), *extra])
               + f"\n\ntotal {result['total_s']:.0f} s", flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+            write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -40,7 +39,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from bench_int4_moe import random_int4  # noqa: E402
-from bench_util import copy_ceiling, median_s  # noqa: E402
+from bench_util import copy_ceiling, median_s, write_results  # noqa: E402
 from kdtree_jax.config import kimi_k2_6  # noqa: E402
 from pallas_kernels.verify_attn import SM_COUNT  # noqa: E402
 from pallas_kernels.verify_attn_mgpu import COMPUTE_REGS, MEMORY_REGS, ROWS, SWIZZLE, TILE_ROWS  # noqa: E402
@@ -281,8 +280,7 @@ def main(argv=None):
         res = r["error"] if "error" in r else f"{r['us']:.1f} | {r['copy_frac']:.0%}"
         print(f"| {r['kernel']} | {r['n']} x {r['k']} | {cfg_s} | {r.get('mode', '-')} | {res} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, copy_gbps=copy_bw / 1e9, rows=rows), f, indent=1)
+        write_results(args.out, dict(device=jax.devices()[0].device_kind, copy_gbps=copy_bw / 1e9, rows=rows))
 
 
 if __name__ == "__main__":

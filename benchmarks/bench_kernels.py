@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import _back_to_back, copy_ceiling, matmul_peak, per_call_s  # noqa: E402
+from bench_util import _back_to_back, copy_ceiling, matmul_peak, per_call_s, write_results  # noqa: E402
 from kdtree_jax.speculative import aligned_rows  # noqa: E402
 from pallas_kernels import verify_attn_mgpu  # noqa: E402
 from pallas_kernels.verify_attn import (BACKENDS, MIN_SPLIT_ROWS, SM_COUNT, _default_splits,  # noqa: E402
@@ -498,8 +498,7 @@ def main(argv=None):
     result["total_s"] = time.perf_counter() - t_start
     print(f"total {result['total_s']:.0f} s")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.out, result)
 
 
 if __name__ == "__main__":

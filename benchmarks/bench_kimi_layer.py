@@ -65,7 +65,7 @@ from flax import nnx  # noqa: E402
 
 import kdtree_jax.moe as moe_mod  # noqa: E402
 from bench_int4_moe import cycling, is_oom, short_error  # noqa: E402
-from bench_util import copy_ceiling, finish_on_sigterm, matmul_peak, median_s  # noqa: E402
+from bench_util import copy_ceiling, finish_on_sigterm, matmul_peak, median_s, write_results  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.layers import rms_norm  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
@@ -717,8 +717,7 @@ def refit(paths: list[str], out: str | None) -> dict:
     print(markdown(result["rows"], result["copy_gbps"] * 1e9, result["matmul_tflops"] * 1e12))
     print(f"\ncost model (kernel-MoE verify points): {json.dumps(result['fit'])}")
     if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(out, result)
     return result
 
 
@@ -809,8 +808,7 @@ def main(argv=None):
         print(f"\ncost model (kernel-MoE verify points): {json.dumps(result['fit'])}")
         print(f"total {result['total_s']:.0f} s")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+            write_results(args.out, result)
 
 
 if __name__ == "__main__":

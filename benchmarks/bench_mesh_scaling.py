@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_kimi_layer import build_model, random_module  # noqa: E402
+from bench_util import write_results  # noqa: E402
 from kdtree_jax import sharding as sh  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.drafter import DFlashDrafter  # noqa: E402
@@ -141,8 +142,7 @@ def main(argv=None):
                      f"{'-' if r['same_as_ar'] is None else r['same_as_ar']} |")
     print("\n".join(lines))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_results(args.out, rows)
     return rows
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import sys
 import time
@@ -57,7 +56,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_engine import load_prompts  # noqa: E402
-from bench_util import median_s  # noqa: E402
+from bench_util import median_s, write_results  # noqa: E402
 from kdtree_jax import cache_update, sampling  # noqa: E402
 from kdtree_jax.drafter import DrafterCache, draft  # noqa: E402
 from kdtree_jax.engine import Engine, prefill  # noqa: E402
@@ -588,8 +587,7 @@ def main(argv=None) -> dict:
 
 def _write(path, result) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        write_results(path, result)
 
 
 if __name__ == "__main__":

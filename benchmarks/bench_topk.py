@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from bench_util import per_call_s  # noqa: E402
+from bench_util import per_call_s, write_results  # noqa: E402
 from pallas_kernels.topk import topk_logprobs_pallas  # noqa: E402
 from pallas_kernels.tree_build import topk_logprobs, topk_logprobs_xla  # noqa: E402
 
@@ -103,8 +103,7 @@ def main(argv=None):
                      f"{r.get('ids_equal', '-')} | {r.get('lp_max_diff', '-')} |")
     print("\n".join(lines))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+        write_results(args.out, dict(device=jax.devices()[0].device_kind, rows=rows))
 
 
 if __name__ == "__main__":

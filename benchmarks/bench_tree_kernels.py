@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import per_call_s  # noqa: E402
+from bench_util import per_call_s, write_results  # noqa: E402
 
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402
 from pallas_kernels.tree_accept_ref import tree_accept_ref  # noqa: E402
@@ -125,8 +125,7 @@ def main(argv=None):
                host_reps=args.host_reps)
     print(markdown(rows))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_results(args.out, rows)
 
 
 if __name__ == "__main__":

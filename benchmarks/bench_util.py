@@ -1,15 +1,24 @@
-"""Timing helpers shared by the benchmark scripts: synchronised medians, per-call device time with the host's
-dispatch cost amortised, and the two measured ceilings."""
+"""Helpers shared by the benchmark scripts: synchronised medians, per-call device time with the host's dispatch
+cost amortised, the two measured ceilings, and the provenance every results file records (`write_results`)."""
 from __future__ import annotations
 
+import datetime
 import functools
+import hashlib
+import json
+import os
+import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIFF_HASH_CHARS = 12  # hex digits of the working tree's difference from HEAD kept in a results file
 
 
 def finish_on_sigterm() -> None:
@@ -94,3 +103,57 @@ def matmul_peak(n: int) -> float:
     a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     f = jax.jit(lambda a: a @ a)
     return 2 * n**3 / median_s(lambda: f(a))
+
+
+def _git(repo: str, *args: str) -> bytes | None:
+    try:
+        return subprocess.run(["git", "-C", repo, *args], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def git_state(repo: str | None = None) -> dict:
+    """The code that ran: HEAD, whether the working tree differs from it, and a hash of that difference.
+
+    A device runs a copy of a working tree, which is often dirty: HEAD alone would name code that did not run.
+    The hash covers `git diff HEAD` (tracked files) and the path and bytes of every untracked, unignored file, so
+    two runs with the same `git_label` ran the same sources (`git_dirty_files` lists what differs). `git_label` is "<short HEAD>" on a clean tree and
+    "<short HEAD>+dirty.<hash>" otherwise; outside a git checkout every field is None and the label "unknown"."""
+    repo = repo or REPO
+    head = _git(repo, "rev-parse", "HEAD")
+    if head is None:
+        return {"git_commit": None, "git_dirty": None, "git_diff_sha256": None, "git_label": "unknown",
+                "git_dirty_files": None}
+    head = head.decode().strip()
+    diff = _git(repo, "diff", "HEAD", "--binary") or b""
+    untracked = (_git(repo, "ls-files", "--others", "--exclude-standard", "-z") or b"").split(b"\0")
+    digest = hashlib.sha256(diff)
+    for name in sorted(n for n in untracked if n):
+        digest.update(b"\0untracked\0" + name + b"\0")
+        try:
+            with open(os.path.join(repo, os.fsdecode(name)), "rb") as f:
+                digest.update(f.read())
+        except OSError:  # vanished, or not a regular file: its name still counts
+            pass
+    dirty = bool(diff) or any(untracked)
+    short = digest.hexdigest()[:DIFF_HASH_CHARS] if dirty else None
+    changed = (_git(repo, "status", "--porcelain") or b"").decode(errors="replace").splitlines()
+    return {"git_commit": head, "git_dirty": dirty, "git_diff_sha256": short,
+            "git_label": f"{head[:7]}+dirty.{short}" if dirty else head[:7], "git_dirty_files": changed}
+
+
+def provenance(repo: str | None = None) -> dict:
+    """What a results file says about its run: the code (`git_state`), jax, XLA flags, the command and the date."""
+    return {"jax_version": jax.__version__, **git_state(repo),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+
+
+def write_results(path: str, result) -> dict:
+    """Write a results file stamped with `provenance()` (one place for every writer): a dict gains the fields at
+    its top level, a list of rows becomes {"rows": [...], ...}. Returns what was written."""
+    stamped = {"rows": result} if isinstance(result, list) else dict(result)
+    stamped.update(provenance())
+    with open(path, "w") as f:
+        json.dump(stamped, f, indent=1)
+    return stamped

@@ -31,7 +31,6 @@ slot state (4 B a token) and activations (within 1 - utilisation) are left out.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -44,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.bench_util import write_results  # noqa: E402
 from kdtree_jax import sharding as sh  # noqa: E402
 from kdtree_jax.config import ModelConfig, kimi_k2_6  # noqa: E402
 from kdtree_jax.drafter import DFlashDrafter, DrafterCache  # noqa: E402
@@ -245,8 +245,7 @@ def main(argv=None):
     print("\n".join([tables[0]] + [t.split("\n", 2)[2] for t in tables[1:]]))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.json, result)
         print(f"\nwrote {args.json}")
     return result
 

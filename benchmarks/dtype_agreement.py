@@ -13,7 +13,6 @@ there, against the typical margin over the float32 AR positions, say the flips a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,6 +25,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))  # bench_engine: the pair, pro
 import jax.numpy as jnp  # noqa: E402
 
 from bench_engine import add_pair_args, agreement, load_prompts  # noqa: E402
+
+from benchmarks.bench_util import write_results  # noqa: E402
 from kdtree_jax import train as T  # noqa: E402
 from kdtree_jax.engine import Engine  # noqa: E402
 
@@ -86,8 +87,7 @@ def main(argv=None) -> dict:
     pct = result["float32_margin_percentiles"]
     print(f"\nfloat32 top-2 margin over all float32 ar positions: median {pct[50]:.3f}, 10th percentile {pct[10]:.3f}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.out, result)
     return result
 
 

@@ -26,6 +26,7 @@ from pallas_kernels.int4_moe import (DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, DEFAULT_W
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402
 from pallas_kernels.tree_build import tree_build  # noqa: E402
 from pallas_kernels.verify_attn import verify_attn  # noqa: E402
+from bench_util import write_results  # noqa: E402
 from triton_report import MIX_GROUPS, SHARED_LIMIT, instruction_mix, report  # noqa: E402
 
 SPEC = jax.ShapeDtypeStruct
@@ -154,8 +155,7 @@ def main(argv=None):
             print(json.dumps(rows[-1]), flush=True)
     print(markdown(rows))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_results(args.out, rows)
 
 
 if __name__ == "__main__":

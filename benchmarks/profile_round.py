@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench_kimi_layer import build_model, random_module  # noqa: E402
-from bench_util import median_s  # noqa: E402
+from bench_util import median_s, write_results  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.drafter import DFlashDrafter  # noqa: E402
 from kdtree_jax.drafter_config import DrafterConfig  # noqa: E402
@@ -181,8 +181,7 @@ def main(argv=None):
         results.append(row)
         print(json.dumps(row), flush=True)
     print("\n" + markdown(results))
-    with open(os.path.join(args.out, f"profile_round_b{args.batch}.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(os.path.join(args.out, f"profile_round_b{args.batch}.json"), results)
 
 
 def markdown(rows: list[dict]) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.bench_util import write_results  # noqa: E402
 from kdtree_jax.engine import Engine  # noqa: E402
 
 DEFAULT_DIR = os.path.join(REPO, "checkpoints", "kdtree-mini")
@@ -129,8 +130,7 @@ def main() -> None:
               f"{r['mean_acceptance_length']:.2f} | {r.get('speedup_vs_ar', 1.0):.2f} | "
               f"{r.get('identical_to_ar', True)} | {r.get('prompts_identical', len(prompts))}/{len(prompts)} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": device, "args": vars(args), "rows": rows}, f, indent=2)
+        write_results(args.out, {"device": device, "args": vars(args), "rows": rows})
     if args.plot:
         plot(rows, args.plot, device)
 

@@ -39,11 +39,9 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import datetime
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -58,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_engine's
 
 from bench_engine import DEFAULT_DIR, load_prompts
 
+from benchmarks.bench_util import provenance, write_results
 from kdtree_jax.cli import parse_budget_table, parse_sizes
 
 PERCENTILES = (50, 99)
@@ -946,7 +945,8 @@ def _target(name: str, value: float, minimum: float) -> dict:
 
 
 def _ms(stats: dict | None, key: str) -> str:
-    return "-" if not stats else f"{stats[key]:.2f}"
+    """A latency cell; "-" where the run recorded none (e.g. TPOT of one-token outputs)."""
+    return "-" if not stats or stats.get(key) is None else f"{stats[key]:.2f}"
 
 
 def row_line(r: dict) -> str:
@@ -959,9 +959,9 @@ def row_line(r: dict) -> str:
 def markdown(result: dict) -> str:
     """The results as markdown tables: one row per (config, load point), then configs, targets, start-up."""
     lines = [] if not result["rows"] else [
-        ("| config | load | requests | output tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+        ("| config | load | requests | output tok/s | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | "
          "ITL p50 / p99 ms | mean acceptance | steps run | greedy = generate | x baseline |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         steps = " ".join(f"{k}:{v}" for k, v in r.get("step_kinds", {}).items()) or "-"
         greedy = f"{r['greedy_equal']}/{r['greedy_checked']}" if "greedy_checked" in r else "-"
@@ -969,8 +969,8 @@ def markdown(result: dict) -> str:
         ratio = f"{r['vs_baseline']:.3f}" if "vs_baseline" in r else "-"
         lines.append(
             f"| {r['config']} | {r['load']} | {r['completed']}/{r['num_requests']} | {r['output_tokens_per_s']:.1f} | "
-            f"{r['requests_per_s']:.2f} | {_ms(r['ttft_ms'], 'p50')} / {_ms(r['ttft_ms'], 'p99')} | "
-            f"{_ms(r['tpot_ms'], 'p50')} / {_ms(r['tpot_ms'], 'p99')} | "
+            f"{r['requests_per_s']:.2f} | {_ms(r['ttft_ms'], 'p50')} | {_ms(r['ttft_ms'], 'p99')} | "
+            f"{_ms(r['tpot_ms'], 'p50')} | {_ms(r['tpot_ms'], 'p99')} | "
             f"{_ms(r['itl_ms'], 'p50')} / {_ms(r['itl_ms'], 'p99')} | {tau} | {steps} | {greedy} | {ratio} |")
     gen = [c for c in result["configs"] if "generate" in c]
     if gen:
@@ -1043,22 +1043,7 @@ def header(result: dict, args) -> str:
         baseline = "tokens/s / the --compare file's same load point"
     return (f"### {where}; {workload}\n\n"
             f"each point ran {args.repeats} times back to back; its row is the median run by output tok/s\n\n"
-            f"ITL = gap between deltas / tokens in the delta; x baseline = {baseline}\n")
-
-
-def provenance() -> dict:
-    import jax
-
-    def git(*cmd):
-        try:
-            return subprocess.run(["git", "-C", REPO, *cmd], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return None
-
-    return {"jax_version": jax.__version__, "git_commit": git("rev-parse", "HEAD"),
-            "git_dirty": bool(git("status", "--porcelain")),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "command": " ".join(shlex.quote(a) for a in sys.argv)}
+            f"TTFT, TPOT, ITL in ms; ITL = gap between deltas / tokens in the delta; x baseline = {baseline}\n")
 
 
 def _jsonable(x):
@@ -1216,12 +1201,9 @@ def main(argv=None) -> dict:
         enable_compilation_cache()  # the traces build several engines: their programs come from the cache
         result = run_traces(args)
         result.update(args=vars(args), **provenance())
-        status = subprocess.run(["git", "-C", REPO, "status", "--porcelain"], capture_output=True, text=True)
-        result["git_dirty_files"] = status.stdout.splitlines() if status.returncode == 0 else None
         print("\n" + header(result, args) + "\n" + trace_markdown(result), flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+            write_results(args.out, result)
         return result
     if args.startup:
         startup = measure_startup(args)
@@ -1232,8 +1214,7 @@ def main(argv=None) -> dict:
     result.update(compilation_cache=cache, args=vars(args), **provenance())
     print("\n" + header(result, args) + "\n" + markdown(result), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_results(args.out, result)
     return result
 
 

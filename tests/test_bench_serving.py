@@ -284,3 +284,21 @@ def test_tiny_traces_on_the_shipped_pair_report_what_their_steps_did(tmp_path):
         assert r["itl_ms"]["p99"] == pytest.approx(np.percentile(v, 99))
     assert lj["goal"]["value"] == lj["runs"]["chunked"]["itl_ms"]["p99_over_p50"]
     assert result["git_commit"] and result["command"] and result["date"]
+
+
+def test_markdown_table_has_ttft_and_tpot_percentile_columns(rng):
+    """One column each for TTFT / TPOT p50 / p99, holding that row's value; "-" where a row recorded none."""
+    mod = _module()
+    stats = {m: {q: float(rng.uniform(0.1, 50.0)) for q in ("mean", "p50", "p99")} for m in ("ttft_ms", "tpot_ms")}
+    base = {"config": "auto", "load": "c=1", "completed": 4, "num_requests": 4, "output_tokens_per_s": 100.0,
+            "requests_per_s": 2.0, "itl_ms": None, "mean_acceptance_length": None}
+    rows = [{**base, **stats}, {**base, "load": "c=2", "ttft_ms": stats["ttft_ms"], "tpot_ms": None}]
+    lines = mod.markdown({"rows": rows, "configs": [], "targets": []}).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:4]]
+    assert len(lines[1].strip("|").split("|")) == len(header) == len(cells[0]) == len(cells[1])
+    for metric, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT")):
+        for q in ("p50", "p99"):
+            col = header.index(f"{name} {q}")
+            assert cells[0][col] == f"{stats[metric][q]:.2f}"
+            assert cells[1][col] == ("-" if metric == "tpot_ms" else f"{stats[metric][q]:.2f}")

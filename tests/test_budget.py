@@ -252,6 +252,94 @@ def dictating_profile(rng, key: ProfileKey, batches, budgets, want: int) -> Budg
     return profile
 
 
+# A plausible device: a round costs a fixed part (weights read once, launches) plus a part per verified token of
+# the batch, batch x (1 + B); acceptance grows about logarithmically with the tree. At low load the fixed part
+# dominates and a tree pays; at high load every tree node is paid for by every request and AR wins.
+LOAD_FIXED_S = 1e-3  # seconds per round whatever the batch
+LOAD_PER_TOKEN_S = 2e-5  # seconds per verified token (batch x (1 + B))
+LOAD_TAU_SLOPE = 0.8  # tau(B) = 1 + slope * ln(1 + B)
+LOAD_BUDGETS = (4, 16, 64)
+LOAD_BATCHES = (1, 4, 8, 16, 32, 64)
+
+
+def load_profile_where_ar_wins_at_high_load(key: ProfileKey) -> BudgetProfile:
+    def cost(batch, budget):
+        return LOAD_FIXED_S + LOAD_PER_TOKEN_S * batch * (1 + budget)
+
+    tables = {b: BatchProfile(ar_step_s=cost(b, 0), budgets={
+        k: BudgetPoint(tau=1.0 + LOAD_TAU_SLOPE * float(np.log1p(k)), round_s=cost(b, k)) for k in LOAD_BUDGETS})
+        for b in LOAD_BATCHES}
+    return BudgetProfile(device_kind=key.device_kind, dtype=key.dtype, n_devices=key.n_devices, target=key.target,
+                         drafter=key.drafter, batches=tables, settings={"note": "synthetic: cost ~ batch x width"})
+
+
+def test_auto_plan_runs_ddtree_at_low_load_and_ar_at_high_load():
+    """Per batch: the best measured tokens/s (ar or a budget), computed here by hand, is what auto picks; the
+    profile makes a tree best at batch 1-16 and ar best at 32-64, so both answers are exercised."""
+    profile = load_profile_where_ar_wins_at_high_load(ProfileKey("cpu", "float32", 1, "t", "d"))
+    want = {}
+    for batch, table in profile.batches.items():
+        per_request = {"ar": 1.0 / table.ar_step_s, **{k: p.tau / p.round_s for k, p in table.budgets.items()}}
+        want[batch] = max(per_request, key=per_request.get)
+    assert want == {1: 16, 4: 4, 8: 4, 16: 4, 32: "ar", 64: "ar"}  # the synthetic device behaves as described
+    for batch in range(1, 2 * max(LOAD_BATCHES) + 1):
+        nearest = budget_mod.nearest_batch(profile, batch)
+        pays = budget_mod.speculation_pays(profile, batch)
+        assert pays == (want[nearest] != "ar"), batch
+        if pays:
+            assert budget_mod.choose_budget(profile, batch) == want[nearest], batch
+
+
+def test_serving_engine_plan_follows_the_load(shipped):
+    """ServingEngine's plan under budget="auto" with that profile: a tree at 1-16 running requests, ar above."""
+    from kdtree_jax.serving import ServeConfig, ServingEngine
+    from kdtree_jax.serving.programs import StepKind
+
+    eng0, _ = shipped
+    eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer,
+                 budget_profile=load_profile_where_ar_wins_at_high_load(eng0.profile_key()))
+    eng.checkpoint_names = eng0.checkpoint_names
+    core = ServingEngine(eng, ServeConfig(max_slots=64, max_context=64, budget="auto", step_widths=(1, 64)))
+    try:
+        assert core.plan[1] == StepKind("ddtree", 16)
+        assert {core.plan[a] for a in range(2, 23)} == {StepKind("ddtree", 4)}  # nearest measured: 4, 8 and 16
+        assert {core.plan[a] for a in range(23, 65)} == {StepKind("ar")}  # 23/16 > 32/23: nearest is 32
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.heavy
+def test_serving_engine_steps_ar_at_high_load(shipped):
+    """The step report's kind: one running request runs the tree, 23 or more run ar (32 measured: ar wins)."""
+    from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine
+
+    eng0, prompts = shipped
+    eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer,
+                 budget_profile=load_profile_where_ar_wins_at_high_load(eng0.profile_key()))
+    eng.checkpoint_names = eng0.checkpoint_names
+    high, context = 32, 256  # every request still decoding when the last one joins: prefill 256 tokens a step
+    core = ServingEngine(eng, ServeConfig(max_slots=high, max_context=context, budget="auto", step_widths=(1, high),
+                                          prefill_batch=high, max_num_batched_tokens=context, overlap=False))
+    params = RequestParams(max_new_tokens=context - max(map(len, prompts)) - 8)
+    try:
+        def step_until(active: int):
+            for _ in range(4 * high):
+                report = core.step()
+                if report.active >= active:
+                    return report
+            raise AssertionError(f"never {active} requests running")
+
+        core.submit(prompts[0], params)
+        low = step_until(1)
+        assert (low.active, low.kind.name) == (1, "ddtree-16")
+        for i in range(1, high):
+            core.submit(prompts[i % len(prompts)], params)
+        busy = step_until(high)
+        assert busy.active == high and busy.kind.name == "ar", (busy.active, busy.kind)
+    finally:
+        core.shutdown()
+
+
 @pytest.mark.heavy
 def test_engine_auto_budget_runs_the_profiles_choice(shipped, rng, tmp_path):
     eng0, prompts = shipped
@@ -393,3 +481,91 @@ def test_profile_script_smoke_run_writes_a_loadable_profile(tmp_path):
             want = f"| {batch} | ar (auto) |"
         assert len(auto) == 1 and auto[0].startswith(want), auto
     assert f"wrote {out}" in proc.stdout
+
+
+def _profile_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_profile_budget", os.path.join(REPO, "scripts", "profile_budget.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_scoring_a_profile_records_its_source_and_scores_fresh_timings(rng, tmp_path):
+    """Out-of-sample: the earlier profile's choice, scored against the best of this run's rows; the results name
+    the profile file (sha256) and the commit and date that measured each of its tables."""
+    script = _profile_script()
+    profile = load_profile_where_ar_wins_at_high_load(ProfileKey("cpu", "float32", 1, "t", "d"))
+    path = tmp_path / "earlier.json"
+    budget_mod.save_profile(profile, path)
+    with pytest.raises(SystemExit, match="--profile-commit"):  # nothing says which run measured it
+        script.profile_source(str(path), profile, None)
+    source = script.profile_source(str(path), profile, "eaf7c42")
+    import hashlib
+
+    assert source["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert {b["git_commit"] for b in source["batches"].values()} == {"eaf7c42"}
+    recorded = dataclasses.replace(profile, settings={"by_batch": {
+        str(b): {"measured_at": f"2026-01-0{i + 1}", "git_commit": f"c{b}", "git_label": f"c{b}+dirty.ab"}
+        for i, b in enumerate(profile.batches)}})
+    budget_mod.save_profile(recorded, path)
+    source = script.profile_source(str(path), recorded, "ignored")
+    assert source["batches"]["32"] == {"measured_at": "2026-01-05", "git_commit": "c32", "git_label": "c32+dirty.ab"}
+    partly = dataclasses.replace(recorded, settings={"by_batch": {"1": recorded.settings["by_batch"]["1"]}})
+    assert list(script.profile_source(str(path), partly, None, [1])["batches"]) == ["1"]  # only the tables it reads
+    with pytest.raises(SystemExit, match="batch 64 records no commit"):
+        script.profile_source(str(path), partly, None, [1, 50])
+
+    fresh = {b: {"ar": {"tokens_per_s": float(rng.uniform(100, 200))},
+                 **{k: {"tokens_per_s": float(rng.uniform(100, 200))} for k in LOAD_BUDGETS}} for b in (1, 32)}
+    scores = {s["batch"]: s for s in script.score(recorded, fresh)}
+    for batch, want in ((1, 16), (32, "ar")):
+        s, rates = scores[batch], {k: r["tokens_per_s"] for k, r in fresh[batch].items()}
+        best = max(rates, key=rates.get)
+        assert (s["auto"], s["best_fixed"]) == (want, best)
+        assert s["auto_over_best"] == pytest.approx(rates[want] / rates[best])
+        assert s["met"] == (rates[want] / rates[best] >= script.AUTO_GOAL)
+    with pytest.raises(SystemExit, match="chooses budget 16"):
+        script.score(recorded, {1: {"ar": {"tokens_per_s": 1.0}, 4: {"tokens_per_s": 2.0}}})
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--score-profile", "PROFILE"], "--score-profile needs --results"),
+    (["--score-profile", "PROFILE", "--results", "r.json", "--out", "p.json"], "--out"),
+    (["--score-profile", "missing.json", "--results", "r.json"], "no such file"),
+    (["--profile-commit", "abc"], "--profile-commit applies only with --score-profile"),
+])
+def test_profile_script_flags_for_scoring(argv, needle, tmp_path, capsys):
+    script = _profile_script()
+    path = tmp_path / "p.json"
+    budget_mod.save_profile(load_profile_where_ar_wins_at_high_load(ProfileKey("cpu", "float32", 1, "t", "d")), path)
+    with pytest.raises(SystemExit):
+        script.parse_args([str(path) if a == "PROFILE" else a for a in argv])
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_script_scores_an_earlier_profile_on_a_fresh_run(tmp_path):
+    """A --score-profile run measures again, writes no profile, and its results carry the scores and both runs'
+    provenance."""
+    eng_key = ProfileKey(jax.devices()[0].device_kind, "float32", 1, "kdtree-mini/target", "kdtree-mini/drafter")
+    earlier = dataclasses.replace(load_profile_where_ar_wins_at_high_load(eng_key), settings={"by_batch": {
+        str(b): {"measured_at": "2026-01-01 00:00:00", "git_commit": "0" * 40, "git_label": "0000000"}
+        for b in LOAD_BATCHES}})
+    path, results = tmp_path / "earlier.json", tmp_path / "score.json"
+    budget_mod.save_profile(earlier, path)
+    before = path.read_bytes()
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "profile_budget.py"), "--n-prompts", "2",
+                           "--max-new-tokens", "16", "--budgets", "4", "16", "--batches", "1", "--repeats", "1",
+                           "--score-profile", str(path), "--results", str(results)], capture_output=True, text=True,
+                          cwd=REPO, env=_subprocess_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert path.read_bytes() == before and "auto scored out-of-sample" in proc.stdout
+    out = json.loads(results.read_text())
+    assert out["scored_on"].endswith("out-of-sample") and out["git_commit"] and "git_diff_sha256" in out
+    assert out["profile_source"]["batches"]["1"]["git_commit"] == "0" * 40
+    (score,) = out["scores"]
+    rates = {k: r["tokens_per_s"] for k, r in out["rows"]["1"].items()}
+    assert score["auto"] == 16 and score["auto_tokens_per_s"] == rates["16"]
+    assert score["auto_over_best"] == pytest.approx(rates["16"] / max(rates.values()))
