@@ -70,23 +70,59 @@ KIMI_SPECIAL_OFFSETS: dict[str, int] = {
     "[PAD]": 255,
 }
 
-# Kimi's turn format (K2): `<|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|>`; tool results are system-
-# channel turns. Used when a checkpoint ships no template, and written into our own tokenizer_config.json.
+# Kimi's turn format (K2): `<|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|>`. Used when a checkpoint ships
+# no template, and written into our own tokenizer_config.json. Tools follow Kimi K2.6's template: declared first as a
+# `tool_declare` system turn (compact JSON, or the caller's `tools_ts_str`); an assistant turn's calls follow its
+# content as `<|tool_calls_section_begin|>` + `<|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}
+# <|tool_call_end|>` per call + `<|tool_calls_section_end|>`; a tool result is a system-channel turn named after the
+# function (or "tool") whose content opens with `## Return of {tool_call_id}`. Thinking marks appear only when the
+# caller passes `thinking`: the generation prompt then ends with `<think>` (True) or `<think></think>` (False), and
+# assistant turns carry `<think>{reasoning_content}</think>`, the reasoning kept only after the last answer that
+# called no tool, as K2.6 does. Without tools, tool turns or `thinking`, the output is the plain turn format.
 DEFAULT_CHAT_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>"
+    "{%- if tools_ts_str is defined and tools_ts_str -%}{{ tools_ts_str }}"
+    "{%- else -%}{{ tools | tojson(separators=(',', ':')) }}{%- endif -%}<|im_end|>"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_answer=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' and not message.get('tool_calls') -%}"
+    "{%- set ns.last_answer = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' or message['role'] == 'tool' -%}<|im_system|>"
     "{%- elif message['role'] == 'user' -%}<|im_user|>"
     "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>"
     "{%- else -%}{{ raise_exception('unknown chat role: ' ~ message['role']) }}"
     "{%- endif -%}"
-    "{{ message.get('name') or message['role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>"
+    "{{ message.get('name') or message['role'] }}<|im_middle|>"
+    "{%- if message['role'] == 'tool' -%}## Return of {{ message['tool_call_id'] }}\n{{ message['content'] }}"
+    "{%- elif message['role'] == 'assistant' and (thinking is defined or message.get('tool_calls')) -%}"
+    "{%- if thinking is defined -%}<think>"
+    "{%- if thinking and loop.index0 > ns.last_answer -%}{{ message.get('reasoning_content') or '' }}{%- endif -%}"
+    "</think>{%- endif -%}"
+    "{%- if message['content'] -%}{{ message['content'] }}{%- endif -%}"
+    "{%- if message.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for call in message['tool_calls'] -%}<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
+    "{%- if call['function']['arguments'] is string -%}{{ call['function']['arguments'] }}"
+    "{%- else -%}{{ call['function']['arguments'] | tojson }}{%- endif -%}<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}"
+    "{%- else -%}{{ message['content'] }}"
+    "{%- endif -%}<|im_end|>"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined -%}{%- if thinking -%}<think>{%- else -%}<think></think>{%- endif -%}{%- endif -%}"
+    "{%- endif -%}"
 )
 
 
 class TokenizerFileError(ValueError):
     """A tokenizer file that is missing or malformed; the message names the file (and line / field)."""
+
+
+class ChatInputError(ValueError, TemplateError):
+    """Chat messages or tools the template cannot render; the message names the field. A TemplateError too, so a
+    caller that reports template refusals (the server's 400) reports these the same way."""
 
 
 def reserved_token_name(token_id: int) -> str:
@@ -335,9 +371,13 @@ class KimiTokenizer:
     # ---- chat ----
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
-        """Render messages ([{role, content, name?}]) with the checkpoint's Jinja template (HF conventions:
-        sandboxed, trim_blocks / lstrip_blocks, `raise_exception`, `tojson`); extra kwargs (tools, thinking, ...)
-        reach the template."""
+        """Render messages ([{role, content, name?, tool_calls?, tool_call_id?, reasoning_content?}]) with the
+        checkpoint's Jinja template (HF conventions: sandboxed, trim_blocks / lstrip_blocks, `raise_exception`,
+        `tojson`); extra kwargs (tools, thinking, ...) reach the template. Tool calls, tool results and tool
+        declarations are checked first (OpenAI's shapes): a ValueError names the field that is wrong."""
+        check_chat_tool_fields(messages, kwargs.get("tools"))
+        if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
+            raise ChatInputError(f"thinking must be true or false, got {kwargs['thinking']!r}")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
@@ -348,12 +388,57 @@ class KimiTokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), allow_special=True)
 
 
+def _check_function_call(call: Any, where: str) -> None:
+    if not isinstance(call, dict):
+        raise ChatInputError(f"{where}: a tool call must be an object {{id, type, function: {{name, arguments}}}}")
+    if not isinstance(call.get("id"), str) or not call["id"]:
+        raise ChatInputError(f"{where}.id: a tool call needs a non-empty string id")
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise ChatInputError(f"{where}.function: must be an object {{name, arguments}}")
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise ChatInputError(f"{where}.function.name: a tool call needs the function's name")
+    if not isinstance(function.get("arguments"), (str, dict)):
+        raise ChatInputError(f"{where}.function.arguments: must be a JSON string or an object")
+
+
+def check_chat_tool_fields(messages: Sequence[dict[str, Any]], tools: Any = None) -> None:
+    """OpenAI's shapes for `tools`, an assistant turn's `tool_calls` and a tool turn's `tool_call_id`; a
+    `ChatInputError` (a ValueError) names the first field that is missing or of the wrong type."""
+    if tools is not None:
+        if not isinstance(tools, (list, tuple)):
+            raise ChatInputError("tools: must be a list of {type: 'function', function: {name, parameters?}}")
+        for k, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+                raise ChatInputError(f"tools[{k}].function.name: a tool needs a function with a name")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise ChatInputError(f"tools[{k}].function.parameters: must be a JSON schema object")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatInputError(f"messages[{i}]: must be an object with a role")
+        if message.get("role") == "tool" and (not isinstance(message.get("tool_call_id"), str)
+                                              or not message["tool_call_id"]):
+            raise ChatInputError(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers")
+        calls = message.get("tool_calls")
+        if calls is None:
+            continue
+        if message.get("role") != "assistant":
+            raise ChatInputError(f"messages[{i}].tool_calls: only an assistant message makes tool calls")
+        if not isinstance(calls, (list, tuple)):
+            raise ChatInputError(f"messages[{i}].tool_calls: must be a list")
+        for j, call in enumerate(calls):
+            _check_function_call(call, f"messages[{i}].tool_calls[{j}]")
+
+
 def _compile_template(source: str):
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        """HF transformers' `tojson` (its signature and defaults): templates pass `separators=(',', ':')`."""
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson

@@ -1,0 +1,329 @@
+"""Structured output: a regex, a JSON schema, `json_object` or a choice list -> a token-level automaton over the
+model's vocabulary, as numpy tables a device step can index (`constrain_ref.py` is their decoding rule).
+
+outlines-core turns the constraint into a regex (JSON schemas through its schema -> regex translation) and walks
+every token's bytes through the regex's DFA. The result is flattened into `TokenAutomaton`:
+
+- `allowed [S, W] uint32`, W = ceil(V / 32): bit `t % 32` of word `t // 32` of row s is set iff token t may follow
+  in state s. Stop tokens are allowed exactly in final states (the text so far is a whole match).
+- the transition `next(s, t)` of an allowed token is `default_next[s]` unless t is one of state s's exceptions:
+  `exc_tokens[exc_offsets[s]:exc_offsets[s + 1]]` (ascending) with states `exc_next[...]`. The default is the most
+  common target of the state's tokens (inside a JSON string nearly every token stays in the string), so the
+  exceptions are few where a dense `[S, V]` table would be 640 KiB a state at Kimi's V = 163,840.
+- `final [S] bool`; state 0 is the start. A stop token leaves the state unchanged.
+
+States are capped (`MAX_STATES`, per compile) because each costs V / 8 bytes of mask; past the cap the compile
+fails with a `ConstraintTooLarge` that names the constraint. Compiled automata are cached by the constraint's text.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from outlines_core import Index, Vocabulary
+from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, build_regex_from_schema
+
+WORD_BITS = 32
+MAX_STATES = 2048  # default cap: 2048 states x 20 KiB of mask at V = 163,840 is 40 MiB
+CACHE_ENTRIES = 64  # compiled automata kept by the compiler (least recently used dropped first)
+JSON_WHITESPACE = r"[ ]?"  # between JSON tokens: one optional space keeps automata small and output compact
+JSON_OBJECT_DEPTH = 2  # `json_object`: objects / arrays nest this deep in all (a regex has no stack; 3 compiles 40x slower)
+SPEC_PREVIEW_CHARS = 120  # how much of a constraint's text an error message quotes
+KINDS = ("regex", "json_schema", "json_object", "choice")
+# characters that have a meaning in outlines-core's (Rust) regex syntax, escaped in choice literals
+REGEX_META = set(r"\.+*?()|[]{}^$#&-~")
+
+
+class ConstraintTooLarge(ValueError):
+    """The automaton has more states than the cap allows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintSpec:
+    """What to constrain to; `text` is the cache key (a schema's JSON text as given: property order matters)."""
+
+    kind: str  # one of KINDS
+    text: str  # regex pattern, schema JSON, "" for json_object, JSON list of choices
+
+    @classmethod
+    def regex(cls, pattern: str) -> ConstraintSpec:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"regex: must be a non-empty string, got {pattern!r}")
+        return cls("regex", pattern)
+
+    @classmethod
+    def json_schema(cls, schema: str | dict[str, Any]) -> ConstraintSpec:
+        if isinstance(schema, dict):
+            return cls("json_schema", json.dumps(schema))
+        if not isinstance(schema, str):
+            raise ValueError(f"json_schema: must be a JSON object or its text, got {type(schema).__name__}")
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema: not valid JSON ({e})") from e
+        if not isinstance(parsed, (dict, bool)):
+            raise ValueError(f"json_schema: must be a JSON object, got {type(parsed).__name__}")
+        return cls("json_schema", schema)
+
+    @classmethod
+    def json_object(cls) -> ConstraintSpec:
+        return cls("json_object", "")
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> ConstraintSpec:
+        if (isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or not choices
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise ValueError(f"choice: must be a non-empty list of non-empty strings, got {choices!r}")
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    def describe(self) -> str:
+        text = self.text if len(self.text) <= SPEC_PREVIEW_CHARS else self.text[:SPEC_PREVIEW_CHARS] + "..."
+        return f"{self.kind} {text!r}" if text else self.kind
+
+    def to_regex(self) -> str:
+        """The regex outlines-core compiles; a ValueError names the constraint when it cannot be translated."""
+        if self.kind == "regex":
+            return self.text
+        if self.kind == "choice":
+            return "|".join(_literal(c) for c in json.loads(self.text))
+        if self.kind == "json_object":
+            return _json_object_regex(JSON_OBJECT_DEPTH)
+        if self.kind == "json_schema":
+            try:
+                return build_regex_from_schema(self.text, JSON_WHITESPACE)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"json_schema: cannot be compiled ({e}): {self.describe()}") from e
+        raise ValueError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
+
+
+def spec_from_response_format(response_format: Any) -> ConstraintSpec | None:
+    """OpenAI's `response_format` ({type: text | json_object | json_schema, json_schema: {name, schema}}) -> a
+    spec, or None for plain text; a ValueError names the field that is wrong."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec.json_object()
+    if kind == "json_schema":
+        body = response_format.get("json_schema")
+        if not isinstance(body, dict) or not isinstance(body.get("schema"), (dict, str)):
+            raise ValueError("response_format.json_schema.schema: a JSON schema object is required")
+        try:
+            return ConstraintSpec.json_schema(body["schema"])
+        except ValueError as e:
+            raise ValueError(f"response_format.{e}") from e
+    raise ValueError(f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches exactly it."""
+    out = []
+    for ch in text:
+        if ch in REGEX_META:
+            out.append("\\" + ch)
+        elif ch.isprintable() or ch == " ":
+            out.append(ch)
+        else:
+            out.append(f"\\x{{{ord(ch):X}}}")
+    return "".join(out)
+
+
+def _json_object_regex(depth: int) -> str:
+    """A JSON object nesting objects and arrays `depth` levels deep in all (itself the first)."""
+    ws = JSON_WHITESPACE
+
+    def obj(value: str) -> str:
+        member = f"{STRING}{ws}:{ws}{value}"
+        return rf"\{{{ws}(?:{member}(?:{ws},{ws}{member})*)?{ws}\}}"
+
+    def array(value: str) -> str:
+        return rf"\[{ws}(?:{value}(?:{ws},{ws}{value})*)?{ws}\]"
+
+    value = f"(?:{STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
+    for _ in range(depth - 1):
+        value = f"(?:{value}|{obj(value)}|{array(value)})"
+    return obj(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintVocabulary:
+    """The model's vocabulary as outlines-core sees it: the bytes of every ordinary token (special tokens never
+    spell constrained text), plus the stop tokens a final state allows."""
+
+    vocab_size: int
+    stop_ids: tuple[int, ...]
+    index_vocab: Vocabulary
+
+    @classmethod
+    def from_token_bytes(cls, token_bytes: Sequence[bytes], vocab_size: int, stop_ids: Sequence[int]
+                         ) -> ConstraintVocabulary:
+        """`token_bytes[i]` spells token i (ids past len(token_bytes) are special); stop ids lie in
+        [len(token_bytes), vocab_size)."""
+        if not stop_ids or not all(len(token_bytes) <= s < vocab_size for s in stop_ids):
+            raise ValueError(f"stop_ids {tuple(stop_ids)} must be special ids in [{len(token_bytes)}, {vocab_size})")
+        by_bytes: dict[bytes, list[int]] = {}
+        for i, b in enumerate(token_bytes):
+            if b:
+                by_bytes.setdefault(b, []).append(i)
+        return cls(vocab_size, tuple(sorted(stop_ids)), Vocabulary(min(stop_ids), by_bytes))
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> ConstraintVocabulary:
+        """From a `KimiTokenizer`: ordinary tokens below its special base, its chat stop ids."""
+        return cls.from_token_bytes([tokenizer.token_bytes(i) for i in range(tokenizer.special_base)],
+                                    tokenizer.vocab_size, tokenizer.stop_token_ids)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenAutomaton:
+    """A compiled constraint (layout in the module docstring). Start state 0."""
+
+    spec: ConstraintSpec
+    vocab_size: int
+    stop_ids: tuple[int, ...]
+    allowed: np.ndarray  # [S, ceil(V/32)] uint32 bitmask of allowed tokens
+    default_next: np.ndarray  # [S] int32
+    exc_offsets: np.ndarray  # [S + 1] int32
+    exc_tokens: np.ndarray  # [E] int32, ascending within a state
+    exc_next: np.ndarray  # [E] int32
+    final: np.ndarray  # [S] bool
+
+    @property
+    def num_states(self) -> int:
+        return self.final.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.allowed, self.default_next, self.exc_offsets, self.exc_tokens,
+                                      self.exc_next, self.final))
+
+    def allowed_tokens(self, state: int) -> np.ndarray:
+        """[V] bool."""
+        bits = np.unpackbits(self.allowed[state].view(np.uint8), bitorder="little")
+        return bits[:self.vocab_size].astype(bool)
+
+    def is_allowed(self, state: int, token: int) -> bool:
+        return bool((int(self.allowed[state, token // WORD_BITS]) >> (token % WORD_BITS)) & 1)
+
+    def next_state(self, state: int, token: int) -> int:
+        if not self.is_allowed(state, token):
+            raise ValueError(f"token {token} is not allowed in state {state} of {self.spec.describe()}")
+        lo, hi = int(self.exc_offsets[state]), int(self.exc_offsets[state + 1])
+        at = lo + int(np.searchsorted(self.exc_tokens[lo:hi], token))
+        return int(self.exc_next[at]) if at < hi and self.exc_tokens[at] == token else int(self.default_next[state])
+
+    def accepts(self, tokens: Sequence[int]) -> bool:
+        """Whether the tokens spell a whole match (a trailing stop token is allowed)."""
+        state = 0
+        for t in tokens:
+            if not self.is_allowed(state, int(t)):
+                return False
+            state = self.next_state(state, int(t))
+        return bool(self.final[state])
+
+
+def compile_constraint(spec: ConstraintSpec, vocab: ConstraintVocabulary, max_states: int = MAX_STATES
+                       ) -> TokenAutomaton:
+    """Build the token automaton of `spec` over `vocab`; ValueError (naming the constraint) when the pattern is
+    invalid, matches nothing, or needs more than `max_states` states."""
+    try:
+        index = Index(anchored_regex(spec.to_regex()), vocab.index_vocab)
+    except ValueError as e:
+        raise ValueError(f"{spec.kind}: cannot be compiled ({e}): {spec.describe()}") from e
+    transitions = index.get_transitions()
+    order = _reachable_states(index.get_initial_state(), transitions)
+    if len(order) > max_states:
+        raise ConstraintTooLarge(f"{spec.describe()}: the automaton has {len(order)} states, over the cap of "
+                                 f"{max_states} (kdtree_jax.constrain.MAX_STATES)")
+    number = {s: i for i, s in enumerate(order)}
+    final = np.array([index.is_final_state(s) for s in order], dtype=bool)
+    eos = min(vocab.stop_ids)
+    src, tok, dst = [], [], []
+    for s in order:
+        edges = {t: n for t, n in transitions.get(s, {}).items() if t != eos}
+        src.append(np.full(len(edges), number[s], np.int32))
+        tok.append(np.fromiter(edges.keys(), np.int32, len(edges)))
+        dst.append(np.fromiter((number[n] for n in edges.values()), np.int32, len(edges)))
+    stops = np.array(vocab.stop_ids, np.int32)
+    for s in np.flatnonzero(final):  # a stop token ends the text where it is
+        src.append(np.full(len(stops), s, np.int32))
+        tok.append(stops)
+        dst.append(np.full(len(stops), s, np.int32))
+    automaton = _pack(spec, vocab, final, np.concatenate(src), np.concatenate(tok), np.concatenate(dst))
+    if not automaton.allowed[0].any():
+        raise ValueError(f"{spec.kind}: no token sequence of this vocabulary matches {spec.describe()}")
+    return automaton
+
+
+def anchored_regex(pattern: str) -> str:
+    """`pattern` anchored at the end of the text. outlines-core's index (0.2.14) leaves out tokens that step from a
+    final state into a non-final one unless the pattern is anchored: `a( b)*` would never allow " " after "a"."""
+    return f"(?:{pattern})$"
+
+
+def _reachable_states(initial: int, transitions: dict[int, dict[int, int]]) -> list[int]:
+    """States in breadth-first order from the start (the start first)."""
+    order, seen, queue = [], {initial}, collections.deque([initial])
+    while queue:
+        s = queue.popleft()
+        order.append(s)
+        for n in transitions.get(s, {}).values():
+            if n not in seen:
+                seen.add(n)
+                queue.append(n)
+    return order
+
+
+def _pack(spec: ConstraintSpec, vocab: ConstraintVocabulary, final: np.ndarray, src: np.ndarray, tok: np.ndarray,
+          dst: np.ndarray) -> TokenAutomaton:
+    """Edges (src, tok, dst) -> bitmask + default target + sorted exceptions."""
+    n_states, words = final.shape[0], -(-vocab.vocab_size // WORD_BITS)
+    allowed = np.zeros((n_states, words), np.uint32)
+    np.bitwise_or.at(allowed, (src, tok // WORD_BITS), (np.uint32(1) << (tok % WORD_BITS).astype(np.uint32)))
+    # default target per state: the most frequent (src, dst) pair's dst
+    pair = src.astype(np.int64) * n_states + dst
+    pairs, counts = np.unique(pair, return_counts=True)
+    by_count = np.lexsort((-counts, pairs // n_states))  # per state, most frequent first
+    first = np.unique(pairs[by_count] // n_states, return_index=True)[1]
+    default_next = np.full(n_states, -1, np.int32)
+    default_next[(pairs[by_count] // n_states)[first]] = (pairs[by_count] % n_states)[first]
+    exc = dst != default_next[src]
+    order = np.lexsort((tok[exc], src[exc]))
+    exc_src, exc_tokens, exc_next = src[exc][order], tok[exc][order], dst[exc][order]
+    exc_offsets = np.searchsorted(exc_src, np.arange(n_states + 1)).astype(np.int32)
+    return TokenAutomaton(spec, vocab.vocab_size, vocab.stop_ids, allowed, default_next, exc_offsets,
+                          exc_tokens.astype(np.int32), exc_next.astype(np.int32), final)
+
+
+class ConstraintCompiler:
+    """Compiles constraints over one vocabulary and keeps the last `cache_entries` automata, keyed by the
+    constraint's kind and text. Thread-safe (the server compiles off its event loop)."""
+
+    def __init__(self, vocab: ConstraintVocabulary, max_states: int = MAX_STATES,
+                 cache_entries: int = CACHE_ENTRIES):
+        self.vocab, self.max_states, self.cache_entries = vocab, max_states, cache_entries
+        self._cache: collections.OrderedDict[tuple[str, str], TokenAutomaton] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def compile(self, spec: ConstraintSpec) -> TokenAutomaton:
+        key = (spec.kind, spec.text)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return self._cache[key]
+        automaton = compile_constraint(spec, self.vocab, self.max_states)
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = automaton
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+        return automaton
