@@ -5,14 +5,19 @@ vLLM / SGLang names where they have one. Startup loads the checkpoints, compiles
 run (progress bars while compiling; JAX's persistent compilation cache makes a restart load them instead, see
 $KDTREE_COMPILATION_CACHE) and only then opens the port, so no request waits on a compile.
 
+By default (--engine-process) the serving engine runs in a process of its own that loads the checkpoint and steps
+the engine, while this one serves HTTP, tokenizes and detokenizes (serving/engine_process.py); --no-engine-process
+runs the engine in a thread of this process.
+
 SIGTERM (or Ctrl-C): the port closes at once, running requests get --shutdown-timeout seconds to finish, what is
-left is cancelled (finish_reason "abort"), and the process exits 0.
+left is cancelled (finish_reason "abort"), the engine process stops, and the process exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import inspect
@@ -25,6 +30,7 @@ import time
 import jax
 import uvicorn
 
+from kdtree_jax.checkpoint_io import load_tokenizer_any
 from kdtree_jax.cli import (
     ATTENTION_BACKENDS,
     CACHE_HELP,
@@ -50,6 +56,7 @@ from kdtree_jax.serving import (
     enable_compilation_cache,
     enable_loop_graphs,
 )
+from kdtree_jax.serving.engine_process import EngineProcessClient
 from kdtree_jax.sharding import parse_mesh
 
 log = logging.getLogger("kdtree_jax.serve")
@@ -85,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the names requests may give as 'model' (responses use the first); default: the --model "
                         "value as given, or 'kdtree-mini' for the shipped pair")
     m.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter/compute dtype")
-    m.add_argument("--mesh", default=None, help="device layout as data x tensor x expert, e.g. 1x8x1; default: one "
-                                                "device")
+    m.add_argument("--mesh", default=None,
+                   help="device layout as data x tensor x expert, e.g. 1x8x1 or 2x2x2; data > 1 splits the slots and "
+                        "the page pool into that many groups, one per data shard (--max-slots, --num-pages and "
+                        "--step-widths must be multiples of it); default: one device")
     m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="verify_attn kernel")
     m.add_argument("--loop-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU: XLA captures the step's round loop in its CUDA graphs, so a step call returns before "
@@ -141,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--api-key", default=None,
                    help="every /v1/* request must carry 'Authorization: Bearer <key>' (401 otherwise; /health and "
                         f"/metrics stay open); default: ${API_KEY_ENV}, else none required")
+    h.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the serving engine (scheduler, device loop, checkpoint) in a process of its own, apart "
+                        "from HTTP and (de)tokenizing; --no-engine-process: in a thread of the server's process")
     h.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled")
     h.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level")
@@ -203,7 +215,30 @@ def _check_args(args) -> None:
 
 
 def load(args):
-    """Load the engine, compile every program of the serving engine; returns (front, tokenizer, settings)."""
+    """Start the serving engine (in its own process with --engine-process) and wait until every program is compiled;
+    returns (front, tokenizer, settings)."""
+    if args.engine_process:
+        tokenizer = load_tokenizer_any(args.checkpoint)
+        if tokenizer is None:
+            raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; the OpenAI server needs them")
+        front = EngineProcessClient(functools.partial(engine_process_core, args))
+        front.launch()
+    else:
+        core = load_core(args)
+        front, tokenizer = AsyncServingEngine(core), core.engine.tokenizer
+    settings = ServerSettings(model_names=tuple(args.served_model_name), shutdown_timeout=args.shutdown_timeout,
+                              root=os.path.abspath(args.checkpoint), api_key=args.api_key)
+    return front, tokenizer, settings
+
+
+def engine_process_core(args) -> ServingEngine:
+    """What the engine process runs first: the server's log format, then `load_core`."""
+    configure_logging(args.log_level, server=True)
+    return load_core(args)
+
+
+def load_core(args) -> ServingEngine:
+    """Load the engine and compile every program of the serving engine."""
     t0 = time.perf_counter()
     drafter = args.drafter if args.mode != "ar" else None
     log.info("loading target %s%s (%s) on %s", args.checkpoint, f" and drafter {drafter}" if drafter else "",
@@ -235,9 +270,7 @@ def load(args):
     seconds = core.warm_up()
     log.info("compiled in %.1f s: %s", time.perf_counter() - t0, ", ".join(f"{k} {v:.1f}s" for k, v in
                                                                          seconds.items()))
-    settings = ServerSettings(model_names=tuple(args.served_model_name), shutdown_timeout=args.shutdown_timeout,
-                              root=os.path.abspath(args.checkpoint), api_key=args.api_key)
-    return AsyncServingEngine(core), engine.tokenizer, settings
+    return core
 
 
 class GracefulServer(uvicorn.Server):
@@ -271,16 +304,21 @@ def run(argv: list[str] | None = None) -> int:
     loop_graphs(args.loop_graphs)
     log.info("XLA_FLAGS: %s", os.environ.get("XLA_FLAGS", "") or "(none)")
     front, tokenizer, settings = load(args)
-    app = build_app(front, tokenizer, settings)
-    server = make_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-                         log_level=args.log_level)
-    log.info("serving %s at http://%s:%d/v1%s", " / ".join(settings.model_names), args.host, args.port,
-             " (API key required)" if settings.api_key else "")
-    # uvicorn handles SIGTERM / SIGINT while it runs, then re-raises the signal once it has shut down; ignoring them
-    # from here on lets that graceful shutdown end the process with exit code 0 instead of the signal's default
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
-    server.run()
+    try:
+        app = build_app(front, tokenizer, settings)
+        server = make_server(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+                             log_level=args.log_level)
+        log.info("serving %s at http://%s:%d/v1%s", " / ".join(settings.model_names), args.host, args.port,
+                 " (API key required)" if settings.api_key else "")
+        # uvicorn handles SIGTERM / SIGINT while it runs, then re-raises the signal once it has shut down; ignoring
+        # them from here on lets that graceful shutdown end the process with exit code 0 instead of the signal's
+        # default
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        server.run()
+    finally:
+        if isinstance(front, EngineProcessClient):
+            front.close()  # stopped already where the app drained it; here where it never started or failed to
     return 0 if server.started else 1
 
 

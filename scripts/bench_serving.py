@@ -22,6 +22,10 @@ of each request would dominate a 1024-token context):
     long-join  --streams short-prompt, long-output requests decode; then a --long-prompt-tokens prompt joins. The
                streams' ITL over the steps its prefill takes in --chunk-tokens chunks (+ 1), prefilled in those
                chunks and as one chunk of the whole prompt.
+    multi-turn --conversations x --turns over one --system-prompt-tokens system prompt: each turn is the
+               conversation so far + a new --user-tokens message, sent when the previous --reply-tokens reply ends.
+               For ar and ddtree, prefix caching off then on in the same engine: prefix hit rate (cached / prompt
+               tokens, overall and from turn 2) and TTFT, also on turns whose earlier context is >= --shared-tokens.
 
 Metrics (vLLM's serving benchmark defines them the same way, except ITL, see below). Times are taken where the
 tokens arrive: in-process the host time of each token delta, over HTTP the client's receive time of each chunk.
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -547,6 +552,52 @@ async def run_http(args) -> dict:
             "rows": rows, "targets": []}
 
 
+SERVER_START_S = 1800.0  # --serve: load and compile (from an empty compilation cache) before the port opens
+SERVER_STOP_S = 120.0  # --serve: after SIGTERM, for the server and its engine process to exit
+
+
+@contextlib.contextmanager
+def started_server(args):
+    """--serve FLAGS: `python -m kdtree_jax.serve FLAGS` on a free port of 127.0.0.1 for the run (args.url points at
+    it), stopped with SIGTERM after. The engine runs in its own process unless FLAGS say --no-engine-process."""
+    import shlex
+    import signal
+    import socket
+
+    import httpx
+
+    if args.serve is None:
+        yield
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args.url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "kdtree_jax.serve", "--port", str(port),
+                             *shlex.split(args.serve)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"--serve: the server exited with code {proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"--serve: the server did not answer /health within {SERVER_START_S:.0f} s")
+            try:
+                if httpx.get(args.url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=SERVER_STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def compare_rows(rows: list[dict], spec: str) -> None:
     """Add each row's tokens/s against the same load point of another results file (FILE or FILE:CONFIG)."""
     path, _, config = spec.rpartition(":") if ":" in spec and not os.path.exists(spec) else (spec, "", "")
@@ -733,12 +784,14 @@ def trace_page_size(args) -> int:
     return next((p for p in sorted(PAGE_SIZES) if p >= want), max(PAGE_SIZES))
 
 
-def trace_config(args, **kw):
+def trace_config(args, mode: str | None = None, **kw):
+    """The traces' ServeConfig: --trace-mode's steps unless `mode` is given."""
     from kdtree_jax.serving import ServeConfig
 
-    extra = {"budget": args.budget} if args.trace_mode == "ddtree" else {}
-    return ServeConfig(max_context=args.trace_context, mode=args.trace_mode, rounds_per_step=args.rounds_per_step,
-                       min_prompt_bucket=args.min_prompt_bucket, prefill_batch=args.prefill_batch, **extra, **kw)
+    mode = mode or args.trace_mode
+    extra = {"budget": args.budget} if mode == "ddtree" else {}
+    return ServeConfig(max_context=args.trace_context, mode=mode, rounds_per_step=args.rounds_per_step,
+                       min_prompt_bucket=args.min_prompt_bucket, prefill_batch=args.prefill_batch, **{**extra, **kw})
 
 
 def build_core(engine, cfg, label: str):
@@ -894,6 +947,116 @@ def run_long_join(engine, args) -> dict:
                      "value": c["p99_over_p50"], "max": LONG_JOIN_GOAL, "met": c["p99_over_p50"] <= LONG_JOIN_GOAL}}
 
 
+MULTI_TURN_HIT_GOAL = 0.80  # prefix hits / prompt tokens from the second turn on, caching on
+MULTI_TURN_MODE_GAP = 0.01  # ddtree's hit rate within this of ar's
+MULTI_TURN_TTFT_GOAL = 3.0  # median TTFT without caching / with it, on turns sharing >= --shared-tokens
+
+
+def multi_turn_trace(args, tokenizer) -> tuple[list[int], list[list[int]], dict]:
+    """The multi-turn trace's text: (system prompt, user messages [conversation * turns + turn], description)."""
+    rng = np.random.default_rng(args.seed)
+    stream = token_stream(args, tokenizer)
+    n, turns = args.conversations, args.turns
+    system = window_prompt(stream, args.system_prompt_tokens, rng)
+    users = [window_prompt(stream, args.user_tokens, rng) for _ in range(n * turns)]
+    longest = args.system_prompt_tokens + turns * (args.user_tokens + args.reply_tokens)
+    if longest > args.trace_context:
+        raise SystemExit(f"multi-turn trace: a last turn's context reaches {longest} tokens, over --trace-context "
+                         f"{args.trace_context}")
+    desc = {"conversations": n, "turns": turns, "system_prompt_tokens": args.system_prompt_tokens,
+            "user_tokens": args.user_tokens, "reply_tokens": args.reply_tokens, "shared_tokens": args.shared_tokens,
+            "turn": "the conversation so far (the system prompt, every earlier message and reply) + a new user "
+                    "message, submitted when the conversation's previous reply ends; every first turn at t = 0",
+            "replies": "greedy, reply_tokens tokens each (ignore_eos)",
+            "text": f"windows of the held-out prompts' tokens, numpy default_rng({args.seed})"}
+    return system, users, desc
+
+
+def serve_conversations(core, system: list[int], users: list[list[int]], args) -> list[dict]:
+    """Every conversation's turns through `core`; per request: turn, prompt and cached tokens, tokens shared with
+    the conversation's previous turn (its whole context), TTFT, and the tokens it generated."""
+    from kdtree_jax.serving import RequestParams, RequestRecord
+
+    n, turns = args.conversations, args.turns
+    context = {c: list(system) for c in range(n)}
+    asked: dict[int, tuple[int, int, int]] = {}  # rid -> (conversation, turn, shared tokens)
+    out = []
+
+    def submit(c: int, t: int, shared: int) -> None:
+        context[c] += users[c * turns + t]
+        rid = core.submit(list(context[c]), RequestParams(max_new_tokens=args.reply_tokens, ignore_eos=True))
+        asked[rid] = (c, t, shared)
+
+    for c in range(n):
+        submit(c, 0, 0)
+    while core.has_work:
+        for e in core.step().events:
+            if not isinstance(e, RequestRecord):
+                continue
+            c, t, shared = asked[e.request_id]
+            out.append({"conversation": c, "turn": t, "prompt_tokens": e.prompt_tokens,
+                        "cached_tokens": e.cached_tokens, "shared_tokens": shared, "finish_reason": e.finish_reason,
+                        "ttft_s": e.first_token_time - e.submit_time, "tokens": len(e.token_ids),
+                        "mean_acceptance_length": e.mean_acceptance_length})
+            context[c] += e.token_ids
+            if t + 1 < turns:
+                submit(c, t + 1, len(context[c]))
+    return out
+
+
+def run_multi_turn(engine, args) -> dict:
+    """--conversations x --turns over one system prompt, for ar and ddtree, each with prefix caching off then on
+    (the same engine, its cache emptied between the runs): prefix hit rate (cached / prompt tokens) and TTFT."""
+    system, users, desc = multi_turn_trace(args, engine.tokenizer)
+    runs = {}
+    for mode in ("ar", "ddtree"):
+        if mode == "ddtree" and engine.drafter is None:
+            raise SystemExit("multi-turn trace: ddtree needs a drafter (--drafter)")
+        cfg = trace_config(args, mode=mode, max_slots=args.conversations, page_size=trace_page_size(args))
+        core = build_core(engine, cfg, f"multi-turn {mode}")
+        for caching in (False, True):
+            core.cache.clear_cache()
+            core.cache.prefix_caching = caching
+            t0 = time.perf_counter()
+            reqs = serve_conversations(core, system, users, args)
+            wall = time.perf_counter() - t0
+            later = [r for r in reqs if r["turn"] > 0]
+            long = [r["ttft_s"] for r in reqs if r["shared_tokens"] >= args.shared_tokens]
+            name = f"{mode}_{'cached' if caching else 'uncached'}"
+            runs[name] = {
+                "mode": mode, "prefix_caching": caching, "requests": len(reqs), "wall_s": wall,
+                "completed": sum(r["finish_reason"] in FINISHED_OK for r in reqs),
+                "hit_rate": sum(r["cached_tokens"] for r in reqs) / sum(r["prompt_tokens"] for r in reqs),
+                "hit_rate_from_turn_2": (sum(r["cached_tokens"] for r in later)
+                                         / max(sum(r["prompt_tokens"] for r in later), 1)),
+                "ttft_ms": percentiles([r["ttft_s"] for r in reqs]),
+                "ttft_shared_ms": percentiles(long), "shared_requests": len(long),
+                "mean_acceptance_length": float(np.mean([r["mean_acceptance_length"] for r in reqs])),
+                "prefix_cache_queries": core.prefix_cache_queries, "prefix_cache_hits": core.prefix_cache_hits,
+                "per_request": reqs}
+            r = runs[name]
+            ttft = r["ttft_shared_ms"] or r["ttft_ms"]
+            print(f"multi-turn {name}: hit rate {r['hit_rate']:.3f} ({r['hit_rate_from_turn_2']:.3f} from turn 2), "
+                  f"TTFT p50 {ttft['p50']:.1f} ms on {r['shared_requests']} turns sharing >= {args.shared_tokens} "
+                  f"tokens, {r['completed']}/{r['requests']} done in {wall:.1f} s", flush=True)
+        core.shutdown()
+    ar, dd = runs["ar_cached"], runs["ddtree_cached"]
+    goals = [_target("multi-turn ddtree, caching on: prefix hits / prompt tokens from turn 2",
+                     dd["hit_rate_from_turn_2"], MULTI_TURN_HIT_GOAL),
+             {"target": "multi-turn: |ddtree hit rate - ar hit rate|, caching on",
+              "value": abs(dd["hit_rate"] - ar["hit_rate"]), "max": MULTI_TURN_MODE_GAP,
+              "met": abs(dd["hit_rate"] - ar["hit_rate"]) <= MULTI_TURN_MODE_GAP}]
+    ratios = {}
+    for mode in ("ar", "ddtree"):
+        off, on = runs[f"{mode}_uncached"]["ttft_shared_ms"], runs[f"{mode}_cached"]["ttft_shared_ms"]
+        if off and on:
+            ratios[f"{mode}_ttft_p50_uncached_over_cached"] = off["p50"] / on["p50"]
+            goals.append(_target(f"multi-turn {mode}: median TTFT uncached / cached, turns sharing >= "
+                                 f"{args.shared_tokens} tokens", ratios[f"{mode}_ttft_p50_uncached_over_cached"],
+                                 MULTI_TURN_TTFT_GOAL))
+    return {"trace": desc, "runs": runs, "ratios": ratios, "goals": goals}
+
+
 def run_traces(args) -> dict:
     import jax
 
@@ -907,12 +1070,12 @@ def run_traces(args) -> dict:
     out = {"mode": "traces", "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
            "cpu_count": os.cpu_count(), "step_mode": step, "rounds_per_step": args.rounds_per_step,
            "max_context": args.trace_context, "traces": {}}
-    run = {"mixed": run_mixed, "long-join": run_long_join}
+    run = {"mixed": run_mixed, "long-join": run_long_join, "multi-turn": run_multi_turn}
     for name in args.trace:
         t0 = time.perf_counter()
         out["traces"][name] = run[name](engine, args)
         out["traces"][name]["trace_s"] = time.perf_counter() - t0
-    out["targets"] = [t["goal"] for t in out["traces"].values()]
+    out["targets"] = [g for t in out["traces"].values() for g in t.get("goals", [t.get("goal")])]
     return out
 
 
@@ -1019,6 +1182,20 @@ def trace_markdown(result: dict) -> str:
                          f"**{i['p99_over_p50']:.2f}** | {g['p50']:.1f} / {g['p99']:.1f} | "
                          f"{r['itl_before_join_ms']['p50']:.2f} | {r['long_ttft_s']:.2f} |")
         lines.append("")
+    if "multi-turn" in tr:
+        mt, d = tr["multi-turn"], tr["multi-turn"]["trace"]
+        lines += [f"multi-turn: {d['conversations']} conversations x {d['turns']} turns, a {d['system_prompt_tokens']}"
+                  f"-token system prompt, {d['user_tokens']}-token messages, {d['reply_tokens']}-token replies; TTFT on "
+                  f"turns whose earlier context is >= {d['shared_tokens']} tokens", "",
+                  "| run | hit rate | from turn 2 | TTFT p50 ms | TTFT p99 ms | shared-turn TTFT p50 ms | "
+                  "acceptance | done |", "|---|---|---|---|---|---|---|---|"]
+        for name, r in mt["runs"].items():
+            shared = r["ttft_shared_ms"]
+            lines.append(f"| {name} | {r['hit_rate']:.3f} | {r['hit_rate_from_turn_2']:.3f} | "
+                         f"{r['ttft_ms']['p50']:.1f} | {r['ttft_ms']['p99']:.1f} | "
+                         f"{shared['p50'] if shared else float('nan'):.1f} | {r['mean_acceptance_length']:.2f} | "
+                         f"{r['completed']}/{r['requests']} |")
+        lines.append("")
     lines += ["| goal | value | bound | met |", "|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']:.2f} | {'>= ' + str(t['min']) if 'min' in t else '<= ' + str(t['max'])} "
               f"| {'yes' if t['met'] else 'NO'} |" for t in result["targets"]]
@@ -1066,7 +1243,7 @@ class _progress:
 
 
 # ---- command line -----------------------------------------------------------------------------------------------
-TRACES = ("mixed", "long-join")
+TRACES = ("mixed", "long-join", "multi-turn")
 
 
 def _trace_names(text: str) -> list[str]:
@@ -1160,10 +1337,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     tr.add_argument("--long-prompt-tokens", type=int, default=896)
     tr.add_argument("--long-new-tokens", type=int, default=64)
     tr.add_argument("--chunk-tokens", type=int, default=64, help="the chunked run's max_num_batched_tokens")
+    tr.add_argument("--conversations", type=int, default=8, help="multi-turn: conversations at once")
+    tr.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    tr.add_argument("--system-prompt-tokens", type=int, default=512, help="multi-turn: the shared system prompt")
+    tr.add_argument("--user-tokens", type=int, default=48, help="multi-turn: each new user message")
+    tr.add_argument("--reply-tokens", type=int, default=48, help="multi-turn: each reply")
+    tr.add_argument("--shared-tokens", type=int, default=512,
+                    help="multi-turn: TTFT is compared on turns whose previous turn's context is this long")
     tr.add_argument("--join-after-steps", type=int, default=4,
                     help="the long prompt joins once every stream has decoded this many steps together")
     http = p.add_argument_group("HTTP server (OpenAI-compatible /v1/completions)")
     http.add_argument("--url", default=None, help="e.g. http://127.0.0.1:8000; --configs does not apply")
+    http.add_argument("--serve", default=None, metavar="FLAGS",
+                      help="instead of --url: start `python -m kdtree_jax.serve FLAGS` on a free port for the run "
+                           "and stop it after (its engine in its own process unless FLAGS say --no-engine-process)")
     http.add_argument("--model", default=None, help="default: the server's first model")
     http.add_argument("--client", choices=("httpx", "openai"), default="httpx",
                       help="httpx reading the SSE lines (as vLLM's benchmark does), or the openai SDK")
@@ -1191,6 +1378,9 @@ def main(argv=None) -> dict:
         return {}
     if args.url and args.startup:
         raise SystemExit("--startup measures the in-process engine; it does not apply with --url")
+    if args.serve is not None and (args.url or args.startup or args.trace):
+        raise SystemExit("--serve starts the server --url would name; it does not apply with --url, --startup or "
+                         "--trace")
     from kdtree_jax.serving import enable_compilation_cache, enable_loop_graphs
     from kdtree_jax.serving.core import CACHE_ENV
 
@@ -1210,7 +1400,8 @@ def main(argv=None) -> dict:
         result = {"mode": "startup", "device": startup[0]["device"], "configs": [], "rows": [], "targets": [],
                   "startup": startup}
     else:
-        result = asyncio.run(run_http(args) if args.url else run_inprocess(args))
+        with started_server(args):
+            result = asyncio.run(run_http(args) if args.url else run_inprocess(args))
     result.update(compilation_cache=cache, args=vars(args), **provenance())
     print("\n" + header(result, args) + "\n" + markdown(result), flush=True)
     if args.out:

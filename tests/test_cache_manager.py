@@ -1,6 +1,8 @@
 """The paged cache's host-side manager (`kdtree_jax/serving/cache_manager.py`): unit tests with values, then a
 hypothesis state machine that drives it like a scheduler (submit, grow, cancel, preempt the newest, a grow the pool
-cannot serve) against an independent model of who owns which pages."""
+cannot serve) against an independent model of who owns which pages, in one data group or several. Then the
+scheduler (`kdtree_jax/serving/scheduler.py`) over data groups: admission, prefill rows, preemption and compaction
+each stay within a request's group."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kdtree_jax.serving.cache_manager import CacheManager, OutOfPagesError
+from kdtree_jax.serving.scheduler import Request, Scheduler
 
 
 # ---- unit tests ------------------------------------------------------------------------------------------------
@@ -96,6 +99,7 @@ def test_pages_for():
     ((0, 4, 1), "num_pages"), ((-3, 4, 1), "num_pages"), ((2.0, 4, 1), "num_pages"), ((True, 4, 1), "num_pages"),
     ((4, 0, 1), "page_size"), ((4, "8", 1), "page_size"),
     ((4, 4, 0), "max_pages_per_request"), ((4, 4, 5), "max_pages_per_request"), ((4, 4, None), "max_pages_per_request"),
+    ((6, 4, 1, 4), "multiple of groups"), ((6, 4, 1, 0), "groups"), ((6, 4, 4, 2), "max_pages_per_request"),
 ])
 def test_bad_constructor_args(args, name):
     with pytest.raises(ValueError, match=name):
@@ -127,21 +131,65 @@ def test_check_names_the_page():
         m.check()
 
 
+@pytest.mark.timeout(10)
+def test_groups_own_contiguous_page_ranges():
+    m = CacheManager(num_pages=8, page_size=4, max_pages_per_request=3, groups=2)
+    assert [m.group_range(g) for g in range(2)] == [range(4), range(4, 8)]
+    assert m.grow("a", 5, 1) == [4, 5] and m.grow("b", 4, 0) == [0]
+    assert m.grow("a", 9) == [6]  # a known request grows in its own group without naming it
+    assert (m.group_of("a"), m.group_of("b"), m.group_of("c")) == (1, 0, None)
+    assert (m.free_in(0), m.free_in(1), m.free_pages) == (3, 1, 4)
+    assert not m.can_grow("c", 8, 1) and m.can_grow("c", 8, 0)  # group 1 is short, the pool is not
+    with pytest.raises(OutOfPagesError, match=r"needs 2 more pages, 1 of 4 are free"):
+        m.grow("c", 8, 1)
+    with pytest.raises(ValueError, match="holds pages of group 1, not of group 0"):
+        m.grow("a", 12, 0)
+    with pytest.raises(ValueError, match="name its group"):
+        m.grow("c", 4)
+    with pytest.raises(ValueError, match="group must be"):
+        m.grow("c", 4, 2)
+    m.check()
+    assert m.free("a") == [4, 5, 6] and m.group_of("a") is None
+    assert m.grow("a", 4, 0) == [1]  # freed, it may start again in another group
+    m.check()
+
+
+@pytest.mark.timeout(10)
+def test_check_names_a_page_outside_its_requests_group():
+    m = CacheManager(8, 2, 4, groups=2)
+    m.grow("a", 4, 0)
+    m._group["a"] = 1  # corrupt on purpose: a's pages 0, 1 are group 0's
+    with pytest.raises(AssertionError, match="page 0 of request 'a' is outside its group 1"):
+        m.check()
+    m = CacheManager(8, 2, 4, groups=2)
+    m._free[0].append(m._free[1].pop())  # a free page on the wrong group's stack
+    with pytest.raises(AssertionError, match="free page 4 is on the stack of group 0"):
+        m.check()
+
+
 # ---- the state machine -----------------------------------------------------------------------------------------
 class CacheMachine(RuleBasedStateMachine):
     """Drives a CacheManager as a scheduler would and keeps its own record of ownership: rid -> the pages grow
     returned to it (in order), the number of free pages and the order requests were created, computed from the
     page size alone, never from the manager's state."""
 
-    @initialize(num_pages=st.integers(1, 24), page_size=st.integers(1, 6), data=st.data())
-    def setup(self, num_pages, page_size, data):
-        max_pages = data.draw(st.integers(1, num_pages), label="max_pages_per_request")
-        self.m = CacheManager(num_pages, page_size, max_pages)
+    @initialize(group_pages=st.integers(1, 12), groups=st.integers(1, 3), page_size=st.integers(1, 6),
+                data=st.data())
+    def setup(self, group_pages, groups, page_size, data):
+        num_pages = group_pages * groups
+        max_pages = data.draw(st.integers(1, group_pages), label="max_pages_per_request")
+        self.m = CacheManager(num_pages, page_size, max_pages, groups)
         self.num_pages, self.page_size, self.max_pages = num_pages, page_size, max_pages
+        self.groups, self.group_pages = groups, group_pages
         self.owned: dict[int, list[int]] = {}
-        self.free = num_pages
+        self.group: dict[int, int] = {}  # rid -> the group it was submitted to (kept after it is freed)
+        self.free_by_group = [group_pages] * groups
         self.live: list[int] = []  # live rids, oldest first
         self.next_rid = 0
+
+    @property
+    def free(self) -> int:
+        return sum(self.free_by_group)
 
     def _pages(self, n_rows: int) -> int:
         return (n_rows + self.page_size - 1) // self.page_size
@@ -152,40 +200,45 @@ class CacheMachine(RuleBasedStateMachine):
         have = len(self.owned.get(rid, []))
         total = self._pages(n_rows)
         needed = max(0, total - have)
-        ok = total <= self.max_pages and needed <= self.free
-        assert self.m.can_grow(rid, n_rows) == ok
+        g = self.group[rid]
+        free = self.free_by_group[g]
+        ok = total <= self.max_pages and needed <= free
+        assert self.m.can_grow(rid, n_rows, g) == ok
         if total > self.max_pages:
             event("grow: over max_pages_per_request")
             with pytest.raises(ValueError, match="max_pages_per_request"):
-                self.m.grow(rid, n_rows)
+                self.m.grow(rid, n_rows, g)
             return
-        if needed > self.free:
-            event("grow: out of pages")
-            with pytest.raises(OutOfPagesError, match=f"needs {needed} more pages, {self.free} of"):
-                self.m.grow(rid, n_rows)
+        if needed > free:
+            event("grow: out of pages" + (" in its group, others free" if needed <= self.free else ""))
+            with pytest.raises(OutOfPagesError, match=f"needs {needed} more pages, {free} of"):
+                self.m.grow(rid, n_rows, g)
             return
         event("grow: takes pages" if needed else "grow: nothing to take")
-        taken = self.m.grow(rid, n_rows)
+        taken = self.m.grow(rid, n_rows, g if rid not in self.owned else None)  # a known request: its own group
         assert len(taken) == needed
         held = {p for pages in self.owned.values() for p in pages}
-        assert all(0 <= p < self.num_pages and p not in held for p in taken), (taken, held)
+        mine = range(g * self.group_pages, (g + 1) * self.group_pages)
+        assert all(p in mine and p not in held for p in taken), (taken, held, g)
         assert len(set(taken)) == len(taken)
         if taken:
             if rid not in self.owned:
                 self.live.append(rid)
             self.owned.setdefault(rid, []).extend(taken)
-            self.free -= needed
+            self.free_by_group[g] -= needed
 
     def _release(self, rid: int) -> None:
         freed = self.m.free(rid)
         assert freed == self.owned.pop(rid, [])
-        self.free += len(freed)
+        if freed:
+            self.free_by_group[self.group[rid]] += len(freed)
         if rid in self.live:
             self.live.remove(rid)
 
     @rule(data=st.data())
     def submit(self, data):
         rid, self.next_rid = self.next_rid, self.next_rid + 1
+        self.group[rid] = data.draw(st.integers(0, self.groups - 1), label="group")
         n_rows = data.draw(st.integers(0, (self.max_pages + 1) * self.page_size), label="rows")
         self._grow(rid, n_rows)
 
@@ -202,21 +255,36 @@ class CacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self.live) if self.live else st.integers(0, self.next_rid), label="rid")
         self._release(rid)
 
+    @precondition(lambda self: self.live and self.groups > 1)
+    @rule(data=st.data())
+    def grow_in_another_group(self, data):
+        """A request never takes a page outside its group: naming another is refused and changes nothing."""
+        rid = data.draw(st.sampled_from(self.live), label="rid")
+        other = data.draw(st.sampled_from([g for g in range(self.groups) if g != self.group[rid]]), label="group")
+        before = self.m.owners()
+        with pytest.raises(ValueError, match=f"holds pages of group {self.group[rid]}"):
+            self.m.grow(rid, (len(self.owned[rid]) + 1) * self.page_size, other)
+        assert self.m.owners() == before
+
     @precondition(lambda self: self.live)
     @rule()
     def preempt_newest(self):
         self._release(self.live[-1])
 
-    @precondition(lambda self: self.free < self.max_pages)
+    @precondition(lambda self: min(self.free_by_group) < self.max_pages)
     @rule(data=st.data())
     def grow_past_free(self, data):
-        """Ask for more pages than are free (from a live request or a new one): must raise and change nothing."""
-        fits = [rid for rid in self.live if len(self.owned[rid]) + self.free < self.max_pages]
+        """Ask for more pages than the group has free (from a live request or a new one), whatever the other groups
+        have: must raise and change nothing."""
+        g = data.draw(st.sampled_from([g for g in range(self.groups) if self.free_by_group[g] < self.max_pages]),
+                      label="group")
+        free = self.free_by_group[g]
+        fits = [rid for rid in self.live if self.group[rid] == g and len(self.owned[rid]) + free < self.max_pages]
         rid = data.draw(st.sampled_from([*fits, self.next_rid]), label="rid")
         have = len(self.owned.get(rid, []))
         before = self.m.owners()
         with pytest.raises(OutOfPagesError):
-            self.m.grow(rid, (have + self.free + 1) * self.page_size)
+            self.m.grow(rid, (have + free + 1) * self.page_size, g)
         assert self.m.owners() == before
 
     @invariant()
@@ -226,6 +294,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert list(m.owners()) == self.live
         owned = sum(len(p) for p in self.owned.values())
         assert m.free_pages == self.free == self.num_pages - owned
+        assert [m.free_in(g) for g in range(self.groups)] == self.free_by_group
+        assert all(m.group_of(rid) == self.group[rid] for rid in self.live)
         assert m.used_pages == owned and m.usage == owned / self.num_pages
         every = [p for pages in self.owned.values() for p in pages]
         assert len(every) == len(set(every)), "a page owned twice"
@@ -240,18 +310,151 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def free_pages_are_not_owned(self):
-        """The pages new requests can take now are exactly the ones nobody owns: probes take every free page (in
-        requests of at most max_pages_per_request pages) and give them back, which leaves the state as it was."""
-        taken = []
-        probes = [("probe", i) for i in range(-(-self.free // self.max_pages))]
-        for rid in probes:
-            taken += self.m.grow(rid, min(self.max_pages, self.free - len(taken)) * self.page_size)
-        assert self.m.free_pages == 0
+        """The pages new requests can take now in each group are exactly the group's pages nobody owns: probes take
+        every free page (in requests of at most max_pages_per_request pages) and give them back, which leaves the
+        state as it was."""
         owned = {p for pages in self.owned.values() for p in pages}
-        assert sorted(taken) == sorted(set(range(self.num_pages)) - owned)
+        probes = []
+        for g, free in enumerate(self.free_by_group):
+            taken = []
+            for i in range(-(-free // self.max_pages)):
+                probes.append(("probe", g, i))
+                taken += self.m.grow(probes[-1], min(self.max_pages, free - len(taken)) * self.page_size, g)
+            assert self.m.free_in(g) == 0
+            mine = set(range(g * self.group_pages, (g + 1) * self.group_pages))
+            assert sorted(taken) == sorted(mine - owned)
+        assert self.m.free_pages == 0
         for rid in reversed(probes):
             self.m.free(rid)
 
 
 CacheMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=50, deadline=None)
 test_cache_machine = pytest.mark.timeout(60)(CacheMachine.TestCase)
+
+
+# ---- the scheduler over data groups -----------------------------------------------------------------------------
+GROUPS = 2
+SLOTS = 4  # two per group
+PAGE = 4
+GROUP_PAGES = 6
+MAX_ROWS = 24  # a request's rows: GROUP_PAGES pages, so one request can fill its group
+SLACK = 2
+
+
+def _scheduler(chunk_tokens: int = 8) -> Scheduler:
+    cache = CacheManager(GROUPS * GROUP_PAGES, PAGE, MAX_ROWS // PAGE, groups=GROUPS)
+    return Scheduler(cache, max_slots=SLOTS, chunk_tokens=chunk_tokens, buckets=[4, 8], prefill_sizes=[1, 2],
+                     row_slack=SLACK, max_rows=MAX_ROWS)
+
+
+def _request(rid, prompt_len: int) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), None, (), 0, 0.0)
+
+
+def _owned_within_groups(s: Scheduler) -> None:
+    """Every page free or owned by an admitted request of the page's own group; each request's slot in its group."""
+    s.check()
+    admitted = {r.rid: r for r in s.prefilling + s.running}
+    for rid, pages in s.cache.owners().items():
+        group = admitted[rid].group
+        assert all(p // GROUP_PAGES == group for p in pages), (rid, group, pages)
+    for slot, r in enumerate(s.slots):
+        assert r is None or slot // (SLOTS // GROUPS) == r.group, (slot, r.rid, r.group)
+
+
+def _run_plan(s: Scheduler, tokens_ahead: int = 0):
+    """Plan one prefill and apply it as its program would; returns the plan's rows as (rid or None, group of the
+    row's block)."""
+    plan, _ = s.plan_prefill(tokens_ahead)
+    if plan is None:
+        return []
+    assert len(plan.rows) % GROUPS == 0
+    block = len(plan.rows) // GROUPS
+    out = []
+    for i, chunk in enumerate(plan.rows):
+        out.append((None if chunk is None else chunk.request.rid, i // block))
+        if chunk is not None:
+            assert chunk.request.group == i // block  # a row's pages are on its own data shard
+            assert chunk.slot is None or chunk.slot in s.group_range(chunk.request.group)
+            s.prefilled(chunk, running=True)
+    _owned_within_groups(s)
+    return out
+
+
+@pytest.mark.timeout(10)
+def test_requests_spread_over_groups_and_prefill_rows_go_by_group():
+    s = _scheduler()
+    for rid in "abcde":
+        s.add(_request(rid, 3))
+    # the least loaded group first; each group prefills up to chunk_tokens (two chunks of 4) in its own rows
+    assert _run_plan(s) == [("a", 0), ("c", 0), ("b", 1), ("d", 1)]
+    assert [r.rid if r else None for r in s.slots] == ["a", "c", "b", "d"]
+    assert s.cache.pages("a") == [0] and s.cache.pages("b") == [6]
+    assert [r.rid for r in s.waiting] == ["e"] and _run_plan(s) == []  # no slot left in any group
+    assert s.step_slots(2) == [0, 2] and s.step_slots(4) == [0, 1, 2, 3] and s.busiest() == 2
+    s.finish(2)  # b leaves group 1
+    assert _run_plan(s) == [(None, 0), ("e", 1)]  # group 0 has no slot: a padding row keeps the blocks aligned
+    assert s.slots[2].rid == "e" and s.cache.group_of("e") == 1
+
+
+@pytest.mark.timeout(10)
+def test_moves_compact_each_group_within_itself():
+    s = _scheduler()
+    for rid in "abcd":
+        s.add(_request(rid, 3))
+    _run_plan(s)
+    s.finish(0)  # group 0: [None, c]; group 1: [b, d]
+    s.finish(3)  # group 1: [b, None]
+    assert s.moves() == [(1, 0)]  # c moves down within group 0; group 1 is compact already
+    assert [r.rid if r else None for r in s.slots] == ["c", None, "b", None] and s.busiest() == 1
+    _owned_within_groups(s)
+
+
+@pytest.mark.timeout(10)
+def test_preemption_takes_the_newest_request_of_the_short_group():
+    s = _scheduler()
+    for rid in ["old0", "old1", "new0", "new1"]:
+        s.add(_request(rid, 4))
+    assert _run_plan(s) == [("old0", 0), ("new0", 0), ("old1", 1), ("new1", 1)]
+    for r in s.running:
+        if r.group == 0:
+            r.tokens += [7] * 10  # 14 rows + 4 ahead + slack: 5 pages each, and group 0 has 6
+    preempted = s.reserve(tokens_ahead=4)  # group 1 needs 3 pages each: it has them
+    # new1 is the newest overall, but only group 0 is short: its newest goes
+    assert [r.rid for r in preempted] == ["new0"] and s.waiting[0].rid == "new0" and s.waiting[0].group is None
+    assert {r.rid for r in s.running} == {"old0", "old1", "new1"} and len(s.cache.pages("old0")) == 5
+    _owned_within_groups(s)
+
+
+@pytest.mark.timeout(60)
+def test_random_schedules_keep_every_page_in_its_group(rng):
+    """Submit, prefill, grow, decode, finish, cancel and preempt at random; after every operation each page is free
+    or held by an admitted request of its group, and each decoding request sits in a slot of its group."""
+    s, next_rid, live = _scheduler(), 0, set()
+    for _ in range(300):
+        if rng.random() < 0.4:
+            s.add(_request(next_rid, int(rng.integers(1, 15))))
+            live.add(next_rid)
+            next_rid += 1
+        ahead = int(rng.integers(0, 6))
+        _run_plan(s, ahead)
+        s.reserve(ahead)
+        _owned_within_groups(s)
+        for src, dst in s.moves():
+            assert src // (SLOTS // GROUPS) == dst // (SLOTS // GROUPS), (src, dst)
+        for g in range(GROUPS):
+            used = [s.slots[i] is not None for i in s.group_range(g)]
+            assert used == sorted(used, reverse=True), used  # the group's running requests in its lowest slots
+        for slot, r in enumerate(s.slots):
+            if r is None:
+                continue
+            r.tokens += [1] * int(rng.integers(0, ahead + 1))
+            if r.known_len + ahead + SLACK >= MAX_ROWS or rng.random() < 0.1:
+                s.finish(slot)
+                live.discard(r.rid)
+        if live and rng.random() < 0.1:
+            rid = int(rng.choice(sorted(live)))
+            assert s.remove(rid) is not None
+            live.discard(rid)
+        _owned_within_groups(s)
+    assert next_rid > 50 and s.num_preemptions > 0  # the schedule reached preemption, not only idle steps

@@ -8,6 +8,7 @@ on an app around a serving engine that compiles nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -47,6 +48,7 @@ SHUTDOWN_TIMEOUT_S = 2.0  # the subprocess server's --shutdown-timeout
 STARTUP_DEADLINE_S = 300.0  # the subprocess loads, then compiles (from the persistent cache when warm)
 CANCEL_MARGIN_S = 5.0  # beyond the shutdown timeout, for the cancelled stream to end: a step or two on this CPU
 EXIT_MARGIN_S = 15.0  # beyond the shutdown timeout, for the process to exit: the above, then interpreter teardown
+CHILD_EXIT_S = 5.0  # after the server exited, for its child processes to be gone
 DISCONNECT_DEADLINE_S = 2.0  # a dropped stream's slot is free within this (a few steps on this CPU)
 PROBE_TIMEOUT_S = 1.0  # a /health probe
 HTTP_TIMEOUT_S = 120.0  # one request, queueing included
@@ -93,11 +95,10 @@ def reference(engine) -> Reference:
     return Reference(engine.tokenizer, dict(zip([*PROMPTS, "chat"], out)))
 
 
-@pytest.fixture(scope="module")
-def base_url(engine, reference):
-    core = ServingEngine(engine, ServeConfig(mode=MODE, budget=DEFAULT_BUDGET, **SERVE))
-    core.warm_up()
-    app = build_app(AsyncServingEngine(core), engine.tokenizer, ServerSettings(model_names=(MODEL,)))
+@contextlib.contextmanager
+def serve_in_thread(app, stop_within: float = SERVER_UP_S):
+    """uvicorn on a free port of 127.0.0.1, in a thread of this process; yields the base URL. At exit the server
+    gets `stop_within` seconds to shut down (a daemon thread: one that hangs is left behind)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -108,9 +109,20 @@ def base_url(engine, reference):
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=SERVER_UP_S)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=stop_within)
+
+
+@pytest.fixture(scope="module")
+def base_url(engine, reference):
+    core = ServingEngine(engine, ServeConfig(mode=MODE, budget=DEFAULT_BUDGET, **SERVE))
+    core.warm_up()
+    app = build_app(AsyncServingEngine(core), engine.tokenizer, ServerSettings(model_names=(MODEL,)))
+    with serve_in_thread(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -454,8 +466,10 @@ def test_metrics_count_tokens_speculation_and_latency(client, base_url):
 
 # ---- the command line --------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-def test_a_pool_too_small_for_one_request_stops_the_server_naming_the_flags():
-    args = build_parser().parse_args(["--num-pages", "2", "--page-size", "16", "--max-context", "512"])
+@pytest.mark.parametrize("where", ["--engine-process", "--no-engine-process"])
+def test_a_pool_too_small_for_one_request_stops_the_server_naming_the_flags(where):
+    """The engine refuses the pool; from the engine process the same one-line error reaches the server."""
+    args = build_parser().parse_args(["--num-pages", "2", "--page-size", "16", "--max-context", "512", where])
     _check_args(args)
     with pytest.raises(serve.UsageError, match="--num-pages or --gpu-memory-utilization.*--max-context"):
         serve.load(args)
@@ -573,7 +587,8 @@ def test_metrics_have_no_created_series(idle_app):
 @pytest.mark.heavy
 def test_sigterm_stops_accepting_cancels_within_the_bound_and_exits_zero(tmp_path):
     """A request still streaming at SIGTERM: the port closes at once, the request is cancelled after
-    --shutdown-timeout and its stream still ends well-formed, and the process exits 0."""
+    --shutdown-timeout and its stream still ends well-formed, the engine process (the default) stops, and the server
+    process exits 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -585,6 +600,8 @@ def test_sigterm_stops_accepting_cancels_within_the_bound_and_exits_zero(tmp_pat
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_healthy(url, proc, log)
+            children = _children(proc.pid)
+            assert children, "no engine process"
             lines, reader = _stream_lines(url, {"model": MODEL, "prompt": PROMPTS[0], "stream": True,
                                                 "max_tokens": SERVE["max_context"] - 16, "ignore_eos": True})
             t0 = time.monotonic()
@@ -594,12 +611,31 @@ def test_sigterm_stops_accepting_cancels_within_the_bound_and_exits_zero(tmp_pat
             assert not reader.is_alive(), "the running request outlived the shutdown timeout"
             code = proc.wait(timeout=SHUTDOWN_TIMEOUT_S + EXIT_MARGIN_S - (time.monotonic() - t0))
             assert code == 0, _tail(log)
+            deadline = time.monotonic() + CHILD_EXIT_S  # the resource tracker exits once the server has
+            while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not [pid for pid in children if _alive(pid)], "the engine process outlived the server"
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     events = [json.loads(x[len("data: "):]) for x in lines if x.startswith("data: {")]
     assert lines[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] in ("length", "abort")
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux /proc)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    """A process that has not exited (a zombie left unreaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _stream_lines(url: str, body: dict) -> tuple[list[str], threading.Thread]:

@@ -1,10 +1,12 @@
-"""The OpenAI-compatible HTTP app (FastAPI) over an `AsyncServingEngine`.
+"""The OpenAI-compatible HTTP app (FastAPI) over a serving front (`ServingFront`: the engine in a thread of this
+process, or in its own process).
 
 POST /v1/completions and /v1/chat/completions (stream false or true: SSE chunks as OpenAI sends them, ending with
 `data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus text). Every error is OpenAI's error JSON with
 the status it calls for: 400 naming the field, 401 without the API key (where one is set: /v1/* only), 404 for an
-unknown model or path, 503 while the queue is full or the server is shutting down. A request whose client goes away
-is cancelled at once, which frees its slot.
+unknown model or path, 503 while the queue is full, the server is shutting down or the engine has died (then
+/health is 503 too, saying why, and requests in flight end with that error). A request whose client goes away is
+cancelled at once, which frees its slot.
 """
 from __future__ import annotations
 
@@ -37,14 +39,8 @@ from kdtree_jax.server.protocol import (
     param_path,
 )
 from kdtree_jax.server.text import TextStream
-from kdtree_jax.serving import (
-    AsyncServingEngine,
-    EngineClosedError,
-    QueueFullError,
-    RequestError,
-    RequestParams,
-    RequestStream,
-)
+from kdtree_jax.serving import EngineClosedError, QueueFullError, RequestError, RequestParams, RequestStream
+from kdtree_jax.serving.frontend import EngineDeadError, ServingFront
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +50,7 @@ QUEUE_FULL_RETRY_AFTER_S = 1  # Retry-After of a 503 for a full queue
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 SSE_DONE = format_sse_event(data_str="[DONE]")
+ENGINE_DEAD = "engine_dead"  # the error code, and /health's status, once the engine has died
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,17 +153,24 @@ class Job:
                 "num_accepted_tokens": r.num_accepted_tokens, "mean_acceptance_length": r.mean_acceptance_length}
 
     def error(self) -> dict:
-        return error_body(f"generation failed: {self.record.error or self.record.finish_reason}", "server_error")
+        code = ENGINE_DEAD if self._server.front.failure is not None else None
+        return error_body(f"generation failed: {self.record.error or self.record.finish_reason}", "server_error",
+                          code=code)
+
+    @property
+    def error_status(self) -> int:
+        """500 for a request that failed; 503 once the engine has died (nothing can be served until a restart)."""
+        return 503 if self._server.front.failure is not None else 500
 
 
 class OpenAIServer:
     """Turns OpenAI requests into serving-engine requests and their results back into OpenAI responses."""
 
-    def __init__(self, front: AsyncServingEngine, tokenizer, settings: ServerSettings):
+    def __init__(self, front: ServingFront, tokenizer, settings: ServerSettings):
         if tokenizer is None:
             raise ValueError("the OpenAI server needs the checkpoint's tokenizer")
         self.front, self.tokenizer, self.settings = front, tokenizer, settings
-        self.max_context = front.core.config.max_context
+        self.max_context = front.config.max_context
         self.metrics = ServerMetrics(front, settings.model_name)
         self.hidden_ids = frozenset(tokenizer.special_tokens.values())
         self.max_token_chars = _longest_token(tokenizer)
@@ -233,6 +237,8 @@ class OpenAIServer:
         except QueueFullError as e:
             raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
                            code="queue_full", headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}) from None
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), type="server_error", code=ENGINE_DEAD) from None
         except EngineClosedError:
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
         self.metrics.prompt_tokens.inc(len(ids))
@@ -318,13 +324,16 @@ class OpenAIServer:
                 yield _sse({**self.head(job, obj), "choices": [], "usage": job.usage()})
         yield SSE_DONE
 
-    def health(self) -> dict:
-        slots = self.front.core.config.max_slots
-        running = self.front.n_running
-        cache = self.front.core.cache
-        return {"status": "shutting_down" if self.closing else "ok", "running": running,
-                "waiting": self.front.n_waiting, "free_slots": slots - running, "max_slots": slots,
-                "free_pages": cache.free_pages, "num_pages": cache.num_pages, "page_size": cache.page_size}
+    def health(self) -> tuple[dict, int]:
+        """(body, status): 200 while serving; 503 shutting down, or with the engine's death as `error`."""
+        if self.front.failure is not None:
+            return {"status": ENGINE_DEAD, "error": self.front.failure}, 503
+        slots = self.front.config.max_slots
+        stats = self.front.stats()
+        body = {"status": "shutting_down" if self.closing else "ok", "running": stats.running,
+                "waiting": self.front.n_waiting, "free_slots": slots - stats.running, "max_slots": slots,
+                "free_pages": stats.free_pages, "num_pages": stats.num_pages, "page_size": stats.page_size}
+        return body, 503 if self.closing else 200
 
     def models(self) -> dict:
         created = int(time.time())
@@ -374,7 +383,7 @@ class JobEventStream(EventSourceResponse):
             self.job.close()
 
 
-def build_app(front: AsyncServingEngine, tokenizer, settings: ServerSettings) -> FastAPI:
+def build_app(front: ServingFront, tokenizer, settings: ServerSettings) -> FastAPI:
     """The ASGI app; its lifespan starts `front` (warmed up already) and drains it at shutdown."""
     server = OpenAIServer(front, tokenizer, settings)
 
@@ -399,7 +408,7 @@ def build_app(front: AsyncServingEngine, tokenizer, settings: ServerSettings) ->
             return JobEventStream(job, events(job, body))
         text = await server.run_to_end(job, request)
         if job.failed:
-            return JSONResponse(job.error(), status_code=500)
+            return JSONResponse(job.error(), status_code=job.error_status)
         return JSONResponse(complete(job, text, body))
 
     @app.post("/v1/completions")
@@ -425,7 +434,8 @@ def build_app(front: AsyncServingEngine, tokenizer, settings: ServerSettings) ->
 
     @app.get("/health")
     async def health():
-        return JSONResponse(server.health(), status_code=503 if server.closing else 200)
+        body, status = server.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics():

@@ -1,9 +1,10 @@
 """Prometheus metrics of the server, named as vLLM names them (its "vllm:" prefix is "kdtree:" here).
 
-Gauges read the serving engine when scraped; counters and histograms are fed by the request handlers: tokens as
-they arrive, the rest once a request's final record is in. No `_created` series: prometheus_client would add one per
-counter and histogram (the time it was created, an OpenMetrics notion), a second series per counter that no query
-of these metrics uses.
+Gauges read the serving front's engine statistics when scraped (where the engine runs in its own process, the
+snapshot it sends with each step); counters and histograms are fed by the request handlers: tokens as they arrive,
+the rest once a request's final record is in. No `_created` series: prometheus_client would add one per counter and
+histogram (the time it was created, an OpenMetrics notion), a second series per counter that no query of these
+metrics uses.
 """
 from __future__ import annotations
 
@@ -47,16 +48,16 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, labelnames=tuple(labels), buckets=buckets,
                              registry=reg).labels(**labels)
 
-        core = front.core
-        slots = core.config.max_slots
+        slots = front.config.max_slots
         gauge("num_requests_running", "Requests prefilling or decoding.", lambda: front.n_running)
         gauge("num_requests_waiting", "Requests waiting for pages or a slot (preempted ones included).",
               lambda: front.n_waiting)
         gauge("num_slots_free", "Slots free for a waiting request.", lambda: slots - front.n_running)
-        gauge("kv_cache_usage_perc", "Share of the page pool held by requests (1 = full).", lambda: core.cache.usage)
-        gauge("num_free_pages", "Pages of the pool no request holds.", lambda: core.cache.free_pages)
+        gauge("kv_cache_usage_perc", "Share of the page pool held by requests (1 = full).",
+              lambda: front.stats().kv_cache_usage)
+        gauge("num_free_pages", "Pages of the pool no request holds.", lambda: front.stats().free_pages)
         reg.register(_EngineCounter(PREFIX + "num_preemptions", "Requests preempted: pages given back, recomputed.",
-                                    lambda: core.n_preemptions, labels))
+                                    lambda: front.stats().num_preemptions, labels))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests submitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_drafts = counter("spec_decode_num_drafts", "Speculative rounds (one draft verified each).")
@@ -89,7 +90,7 @@ class ServerMetrics:
 
 
 class _EngineCounter:
-    """A counter the serving engine keeps itself (its worker thread counts; a scrape reads it)."""
+    """A counter the serving engine keeps itself (it counts where it runs; a scrape reads the front's snapshot)."""
 
     def __init__(self, name: str, doc: str, read, labels: dict):
         self._name, self._doc, self._read, self._labels = name, doc, read, labels

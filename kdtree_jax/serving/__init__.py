@@ -5,6 +5,7 @@
     runner.py         device: the table and its compiled programs (programs.py: what they compute)
     core.py           the serving engine that joins them: requests in, token deltas and final records out
     frontend.py       the async front: submit, iterate deltas, read the record
+    engine_process.py the same front over the engine in its own process (the server's default)
 """
 from kdtree_jax.serving.frontend import AsyncServingEngine, RequestStream
 from kdtree_jax.serving.core import (

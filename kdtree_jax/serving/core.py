@@ -12,6 +12,10 @@ narrowest compiled width that holds them, and runs k rounds. With `overlap` the 
 the host reads the previous step's tokens. Everything a request asks for is runtime data, so after `warm_up()`
 nothing compiles.
 
+On a mesh whose data axis has G > 1 devices the slots and the pages split into G data groups, each on its own data
+shard (`scheduler.py`, `cache_manager.py`): slot, page and program row counts are multiples of G, and a program's
+rows are laid out group by group so that each shard computes its own requests over its own pages.
+
 `kdtree_jax/serving/frontend.py` puts an async front on it.
 """
 from __future__ import annotations
@@ -92,15 +96,16 @@ class ServeConfig:
     # {active slots: B or "ar"} (missing counts take the nearest smaller entry)
     budget: int | str | Mapping[int, int | str] = "auto"
     rounds_per_step: int = 8  # k: rounds per step; tokens come back to the host once per step
-    # prefill chunks of one bucket run together in one program of up to this many rows (a program per power of two
-    # up to it): one launch instead of one per request when many join at once
+    # prefill chunks of one bucket run together in one program of up to this many rows per data group (a program
+    # per power of two up to it): one launch instead of one per request when many join at once
     prefill_batch: int = 4
     top_k_cap: int = sampling.TOP_K_CAP  # the largest per-request top_k
     max_stop_ids: int = 8  # stop-id table width per slot (the model's own stop ids included)
     min_prompt_bucket: int = 16  # prefill chunks pad to powers of two from here
     max_queue: int = 1024  # waiting requests beyond this are refused
-    # step programs run over the first w slots, for each w here (None: powers of two, then max_slots); a step
-    # takes the narrowest that holds the running requests
+    # step programs run over the first w slots, for each w here (None: powers of two, then max_slots; on a mesh
+    # that splits data over G devices, G times those of max_slots / G, and every w a multiple of G: the first w / G
+    # slots of each data group); a step takes the narrowest that holds the running requests
     step_widths: tuple[int, ...] | None = None
     # run each step on a device thread and read the last step's tokens meanwhile, so the device waits only for
     # admission and dispatch; tokens, finishes and faults reach the host one step later (a finished row rides
@@ -252,14 +257,17 @@ class ServingEngine:
             raise ValueError(f"max_context {config.max_context} exceeds the model's context of "
                              f"{cfg.max_position_embeddings} tokens")
         mesh = engine.mesh
-        if mesh is not None and mesh.shape.get("data", 1) > 1:
-            raise ValueError(f"serving on a mesh splits no data axis yet (each data group would own its pages and "
-                             f"requests): got --mesh with data {mesh.shape['data']}; use data 1, e.g. --mesh 1x2x4")
+        self.groups = 1 if mesh is None else int(mesh.shape.get("data", 1))  # data groups: slots and pages split
+        self.group_slots = config.max_slots // self.groups
+        self._check_groups()
         self.plan = self._budget_plan()
         self.kinds = sorted(set(self.plan.values()))
-        self.widths = sorted(set(config.step_widths or _powers_of_two(config.max_slots)))
-        # the step programs: each width with the kinds its active counts (the ones it is the narrowest for) need
-        self.step_keys = sorted({(self.plan[a], self.width_for(a)) for a in range(1, config.max_slots + 1)},
+        self.widths = sorted(set(config.step_widths or
+                                 [self.groups * w for w in _powers_of_two(self.group_slots)]))
+        # the step programs: each width with the kinds its active counts (the ones it is the narrowest for, given how
+        # many of them the busiest group holds) need
+        self.step_keys = sorted({(self.plan[a], self.width_for(a, m)) for a in range(1, config.max_slots + 1)
+                                 for m in range(-(-a // self.groups), min(a, self.group_slots) + 1)},
                                 key=lambda kw: (kw[1], kw[0]))
         self.uses_drafter = engine.drafter is not None and config.mode != "ar"
         budgets = [k.budget for k in self.kinds if k.mode == "ddtree"]
@@ -270,8 +278,9 @@ class ServingEngine:
         self.draft_k = prefill_spec.top_k
         self.chunk_tokens = min(config.max_num_batched_tokens or engine.prefill_chunk, config.max_context)
         self.buckets = self._buckets()
-        self.prefill_sizes = _powers_of_two(min(config.prefill_batch, config.max_slots))
-        self.prefill_specs = {(b, n): dataclasses.replace(self._spec(self._prefill_kind, prompt_len=b), batch=n)
+        self.prefill_sizes = _powers_of_two(min(config.prefill_batch, self.group_slots))  # chunks per group
+        self.prefill_specs = {(b, self.groups * n): dataclasses.replace(self._spec(self._prefill_kind, prompt_len=b),
+                                                                        batch=self.groups * n)
                               for b in self.buckets for n in self.prefill_sizes}
         self.row_slack = max(s.slack for s in [*self.specs.values(), prefill_spec])
         self.capacity = aligned_rows(config.max_context + self.row_slack)
@@ -281,14 +290,14 @@ class ServingEngine:
         if len(self.stop_ids) > config.max_stop_ids:
             raise ValueError(f"max_stop_ids {config.max_stop_ids} is below the model's {len(self.stop_ids)} stop ids")
         self.num_pages = self._num_pages()
-        self.cache = CacheManager(self.num_pages, config.page_size, self.pages_per_request)
+        self.cache = CacheManager(self.num_pages, config.page_size, self.pages_per_request, self.groups)
         self.scheduler = Scheduler(self.cache, max_slots=config.max_slots, chunk_tokens=self.chunk_tokens,
                                    buckets=self.buckets, prefill_sizes=self.prefill_sizes, row_slack=self.row_slack,
                                    max_rows=self.capacity)
         self.runner = ModelRunner(
             engine, uses_drafter=self.uses_drafter, new_table=self._new_table, prefill_specs=self.prefill_specs,
             step_specs=self.specs, rounds=config.rounds_per_step, page_table_width=self.pages_per_request,
-            max_slots=config.max_slots, overlap=config.overlap,
+            max_slots=config.max_slots, overlap=config.overlap, groups=self.groups,
             rows_for=lambda n: _rows([RequestParams()] * n, [self.stop_ids] * n, config.max_stop_ids))
         self._rng = np.random.default_rng()
         self._next_id = 0
@@ -312,23 +321,36 @@ class ServingEngine:
 
     def _num_pages(self) -> int:
         """The pool: --num-pages, else what `gpu_memory_utilization` of the device leaves after what is in use
-        (weights), else (no memory figures, e.g. a CPU) max_slots requests of max_context. A pool that cannot hold
-        one request of max_context is refused."""
-        c = self.config
+        (weights) on each data shard, else (no memory figures, e.g. a CPU) max_slots requests of max_context. A
+        pool whose data group cannot hold one request of max_context is refused."""
+        c, g = self.config, self.groups
         n = c.num_pages
         if n is None:
             stats = _memory_stats()
-            if stats is not None:
+            if stats is not None:  # each data shard holds its group's pages, every head's rows of them
                 free = int(stats["bytes_limit"] * c.gpu_memory_utilization) - int(stats["bytes_in_use"])
-                n = max(free, 0) // self.page_bytes
+                n = g * (max(free, 0) // self.page_bytes)
             else:
                 n = c.max_slots * self.pages_per_request
-        if n < self.pages_per_request:
+        elif n % g:
+            raise ValueError(f"num_pages (--num-pages) {n} must be a multiple of the mesh's data size {g}: each data "
+                             f"group owns an equal range of pages")
+        if n // g < self.pages_per_request:
             raise ValueError(
-                f"the page pool holds {n} pages of {c.page_size} tokens, fewer than the {self.pages_per_request} one "
-                f"request of max_context {c.max_context} needs (with {self.row_slack} rows of scratch): raise "
-                f"--num-pages or --gpu-memory-utilization, or lower --max-context")
+                f"the page pool holds {n} pages of {c.page_size} tokens ({n // g} per data group), fewer than the "
+                f"{self.pages_per_request} one request of max_context {c.max_context} needs (with {self.row_slack} "
+                f"rows of scratch): raise --num-pages or --gpu-memory-utilization, or lower --max-context")
         return int(n)
+
+    def _check_groups(self) -> None:
+        """Slot counts that split evenly over the data groups."""
+        c, g = self.config, self.groups
+        if c.max_slots % g:
+            raise ValueError(f"max_slots (--max-slots) {c.max_slots} must be a multiple of the mesh's data size {g}: "
+                             f"each data group owns an equal share of the slots")
+        if c.step_widths is not None and any(w % g for w in c.step_widths):
+            raise ValueError(f"step_widths (--step-widths) {c.step_widths} must be multiples of the mesh's data size "
+                             f"{g}: a step runs over the same number of slots in each data group")
 
     def capacity_summary(self) -> str:
         """The pool in words, for the start-up log."""
@@ -336,8 +358,10 @@ class ServingEngine:
         tokens = self.num_pages * c.page_size
         size = self.num_pages * self.page_bytes
         size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-        return (f"{self.num_pages} pages of {c.page_size} tokens ({tokens} tokens, {size_text}); "
-                f"{self.num_pages // self.pages_per_request} requests of max_context {c.max_context} at once "
+        groups = f" in {self.groups} data groups" if self.groups > 1 else ""
+        per_group = self.num_pages // self.groups // self.pages_per_request
+        return (f"{self.num_pages} pages of {c.page_size} tokens ({tokens} tokens, {size_text}){groups}; "
+                f"{self.groups * per_group} requests of max_context {c.max_context} at once "
                 f"(up to {c.max_slots} slots)")
 
     # ---- programs -------------------------------------------------------------------------------------------
@@ -366,9 +390,11 @@ class ServingEngine:
             return plan
         return {a: StepKind("ddtree", _budget_int(budget)) for a in range(1, n + 1)}
 
-    def width_for(self, active: int) -> int:
-        """The narrowest compiled width that holds `active` running requests (they sit in the lowest slots)."""
-        return next(w for w in self.widths if w >= active)
+    def width_for(self, active: int, busiest: int | None = None) -> int:
+        """The narrowest compiled width that holds `active` running requests, at most `busiest` of them in one data
+        group (default: as many as one group holds); each group keeps its own in its lowest slots."""
+        per_group = min(active, self.group_slots) if busiest is None else busiest
+        return next(w for w in self.widths if w // self.groups >= per_group)
 
     def _spec(self, kind: StepKind, prompt_len: int = 1, batch: int | None = None):
         eng, cfg = self.engine, self.config
@@ -547,11 +573,12 @@ class ServingEngine:
             self.n_moves += 1
         active = s.n_running
         kind = self.plan[active] if active else None
-        width = self.width_for(active) if active else 0
+        width = self.width_for(active, s.busiest()) if active else 0
         done, self._in_flight = self._in_flight, None
         if active:
             future = self.runner.queue_step((kind, width), s.page_table())
-            owners = [(r, 0 if r is None else r.epoch) for r in s.slots[:width]]  # a width may pass the running
+            rows = [s.slots[i] for i in s.step_slots(width)]  # a width may pass the running
+            owners = [(r, 0 if r is None else r.epoch) for r in rows]
             self._in_flight = _InFlight(kind, owners, future=future)
             if not self.runner.overlap:  # this step is the one to read, now
                 events += self._settle()
@@ -608,20 +635,25 @@ class ServingEngine:
         return events
 
     def _prefill(self, plan: PrefillPlan) -> tuple[list, int]:
-        """Run the plan's chunk program; requests whose context it ended start decoding (or end at once)."""
-        chunks, c = plan.chunks, self.config
-        n = len(chunks)
-        reqs = [ch.request for ch in chunks]
-        rows = _rows([r.params for r in reqs], [r.stop_ids for r in reqs], c.max_stop_ids)
+        """Run the plan's chunk program; requests whose context it ended start decoding (or end at once). A padding
+        row (a data group with fewer chunks than the others) has no pages and no slot: its writes are dropped."""
+        c, bucket = self.config, plan.bucket
+        reqs = [ch.request for ch in plan.chunks]
+        n = len(plan.rows)
+        pad = Chunk(Request(None, [0], RequestParams(), self.stop_ids, 0, 0.0, context=[0]), 0, 1, None)  # rid None:
+        rows = [pad if ch is None else ch for ch in plan.rows]  # a page-table row of UNOWNED
+        row_reqs = [ch.request for ch in rows]
         self.prefill_calls[n] = self.prefill_calls.get(n, 0) + 1
         try:
             out = self.runner.prefill(
-                plan.bucket, self.cache.page_table([r.rid for r in reqs]),
-                np.stack([ch.tokens(plan.bucket) for ch in chunks]),
-                np.array([c.max_slots if ch.slot is None else ch.slot for ch in chunks], np.int32),
-                np.array([ch.start for ch in chunks], np.int32), np.array([ch.n_valid for ch in chunks], np.int32),
-                np.array([len(r.prompt) for r in reqs], np.int32), np.array([len(r.tokens) for r in reqs], np.int32),
-                np.array([r.seed for r in reqs], np.uint32), rows)
+                bucket, self.cache.page_table([r.rid for r in row_reqs]),
+                np.stack([ch.tokens(bucket) for ch in rows]),
+                np.array([c.max_slots if ch.slot is None else ch.slot for ch in rows], np.int32),
+                np.array([ch.start for ch in rows], np.int32), np.array([ch.n_valid for ch in rows], np.int32),
+                np.array([len(r.prompt) for r in row_reqs], np.int32),
+                np.array([len(r.tokens) for r in row_reqs], np.int32),
+                np.array([r.seed for r in row_reqs], np.uint32),
+                _rows([r.params for r in row_reqs], [r.stop_ids for r in row_reqs], c.max_stop_ids))
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             failed = [r for r in reqs if r in self.scheduler.prefilling]
@@ -629,7 +661,9 @@ class ServingEngine:
             return [*events, *(self._record(r, "error", error=error) for r in failed if not r.ended)], 0
         now = time.perf_counter()
         events, admitted = [], 0
-        for ch, (first, finish) in zip(chunks, out.tolist()):
+        for ch, (first, finish) in zip(plan.rows, out.tolist()):
+            if ch is None:
+                continue
             r = ch.request
             if not ch.last:
                 self.scheduler.prefilled(ch, running=False)

@@ -1,8 +1,13 @@
 """The async front of the serving engine: submit a request, iterate its token deltas, read its final record.
 
-One worker thread owns the `ServingEngine` and steps it while there is work; callers on an asyncio loop talk to
-it through a thread-safe inbox (submit, cancel) and per-request queues (deltas, then the record). Validation runs
-in the caller, so a bad request raises at `submit` and never reaches the worker or another request's slot.
+`ServingFront` is what the HTTP server uses, wherever the engine runs: `submit` / `cancel`, the engine's `config`,
+a `stats()` snapshot for /health and /metrics, and `failure` once the engine has died. Two fronts implement it:
+`AsyncServingEngine` here (the engine in a worker thread of this process) and `EngineProcessClient`
+(engine_process.py: the engine in its own process). Validation runs in the caller, so a bad request raises at
+`submit` and never reaches the engine or another request's slot.
+
+`AsyncServingEngine`: one worker thread owns the `ServingEngine` and steps it while there is work; callers on an
+asyncio loop talk to it through a thread-safe inbox (submit, cancel) and per-request queues (deltas, then the record).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from kdtree_jax.serving.core import (
     QueueFullError,
     RequestParams,
     RequestRecord,
+    ServeConfig,
     ServingEngine,
     StepReport,
     TokenDelta,
@@ -27,10 +33,34 @@ from kdtree_jax.serving.core import (
 log = logging.getLogger(__name__)
 
 
+class EngineDeadError(EngineClosedError):
+    """The engine stopped for good (its process exited, its worker thread failed); the message says how."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """What /health and /metrics read of the engine; a snapshot, taken after each step where the engine runs apart."""
+
+    running: int  # requests prefilling or decoding
+    waiting: int  # requests queued in the engine (not counting those still on their way to it)
+    free_pages: int
+    num_pages: int
+    page_size: int
+    kv_cache_usage: float  # share of the page pool held by requests, 0..1
+    num_preemptions: int
+    taken: int = 0  # submits the engine has taken from its inbox, since it started
+
+    @classmethod
+    def of(cls, core: ServingEngine, taken: int = 0) -> EngineStats:
+        cache = core.cache
+        return cls(core.n_running, core.n_waiting, cache.free_pages, cache.num_pages, cache.page_size, cache.usage,
+                   core.n_preemptions, taken)
+
+
 class RequestStream:
     """Token deltas of one request as they are committed; `record` once the iteration ends."""
 
-    def __init__(self, engine: AsyncServingEngine, request_id: int, prompt_tokens: int):
+    def __init__(self, engine: ServingFront, request_id: int, prompt_tokens: int):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.record: RequestRecord | None = None
@@ -67,21 +97,114 @@ class RequestStream:
         self._queue.put_nowait(item)
 
 
-class AsyncServingEngine:
-    """Runs a `ServingEngine` in a worker thread; use from one asyncio event loop."""
+class ServingFront:
+    """Requests in, token deltas and records out, over an engine that runs elsewhere (a thread, a process); use from
+    one asyncio event loop. Subclasses say how a request reaches the engine (`_post`), how many wait
+    (`_queued`), how a request is checked (`_check`) and what the engine's state is (`stats`)."""
 
-    def __init__(self, core: ServingEngine):
-        self.core = core
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+    config: ServeConfig
+
+    def __init__(self):
         self._streams: dict[int, RequestStream] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._closing = False
-        self._lock = threading.Lock()  # guards _pending and the step listeners
+        self.failure: str | None = None  # why the engine died; set once, then every request ends with it
+        self.step_listeners: list = []  # callables(StepReport), run after each step
+
+    # ---- what a front implements ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    def _check(self, prompt: Sequence[int], params: RequestParams) -> tuple[list[int], tuple[int, ...], int]:
+        raise NotImplementedError
+
+    def _queued(self) -> int:
+        raise NotImplementedError
+
+    def _post(self, msg: tuple) -> None:
+        raise NotImplementedError
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams()) -> RequestStream:
+        """Queue a request; raises RequestError (bad field), QueueFullError, EngineClosedError or EngineDeadError at
+        once."""
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        if self._closing or self._loop is None:
+            raise EngineClosedError("the serving engine is not running; no new requests")
+        queued = self._queued()
+        if queued >= self.config.max_queue:
+            raise QueueFullError(f"{queued} requests are waiting (max_queue {self.config.max_queue})")
+        ids, _, seed = self._check(prompt, params)
+        if params.seed is None:  # fix the drawn seed now: the record can then reproduce the request
+            params = dataclasses.replace(params, seed=seed)
+        rid = next(self._ids)
+        stream = RequestStream(self, rid, len(ids))
+        self._streams[rid] = stream
+        self._post(("submit", rid, ids, params))
+        return stream
+
+    def cancel(self, request_id: int) -> None:
+        if self.failure is None:
+            self._post(("cancel", request_id))
+
+    @property
+    def n_running(self) -> int:
+        return self.stats().running
+
+    @property
+    def n_waiting(self) -> int:
+        return self._queued()
+
+    # ---- results (on the event loop) --------------------------------------------------------------------------
+    def _push_events(self, events: list) -> None:
+        for ev in events:
+            stream = self._streams.get(ev.request_id)
+            if stream is None:
+                continue
+            if isinstance(ev, RequestRecord):
+                self._streams.pop(ev.request_id, None)
+            stream._push(ev)
+
+    def _fail(self, message: str) -> None:
+        """The engine died: every open request ends with `message` as its error, and so does every later submit."""
+        if self.failure is not None:
+            return
+        log.error("%s; failing %d open requests", message, len(self._streams))
+        self.failure = message
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream._push(_failed(rid, stream.prompt_tokens, message))
+
+    async def _wait_streams(self, timeout: float | None) -> None:
+        """Let the open requests finish for up to `timeout` seconds (None: no limit)."""
+        if timeout is None or not self._streams:
+            return
+        try:
+            await asyncio.wait_for(asyncio.gather(*(s._done.wait() for s in list(self._streams.values()))), timeout)
+        except TimeoutError:
+            log.warning("shutdown: cancelling %d requests still running after %.1f s", len(self._streams), timeout)
+
+
+class AsyncServingEngine(ServingFront):
+    """Runs a `ServingEngine` in a worker thread of this process; use from one asyncio event loop."""
+
+    def __init__(self, core: ServingEngine):
+        super().__init__()
+        self.core = core
+        self.config = core.config
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards _pending
         self._pending = 0  # submitted, not yet taken by the worker
-        self.step_listeners: list = []  # callables(StepReport), run on the worker thread after each step
 
     async def start(self) -> None:
         """Start the worker (warm up `core` first: a step that compiles would stall every request)."""
@@ -89,36 +212,21 @@ class AsyncServingEngine:
         self._thread = threading.Thread(target=self._run, name="kdtree-serving", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams()) -> RequestStream:
-        """Queue a request; raises RequestError (bad field), QueueFullError or EngineClosedError at once."""
-        if self._closing or self._loop is None:
-            raise EngineClosedError("the serving engine is not running; no new requests")
-        with self._lock:
-            if self.core.n_waiting + self._pending >= self.core.config.max_queue:
-                raise QueueFullError(f"{self.core.n_waiting + self._pending} requests are waiting "
-                                     f"(max_queue {self.core.config.max_queue})")
-            ids, _, seed = self.core.check(prompt, params)
-            if params.seed is None:  # fix the drawn seed now: the record can then reproduce the request
-                params = dataclasses.replace(params, seed=seed)
-            rid = next(self._ids)
-            self._pending += 1
-        stream = RequestStream(self, rid, len(ids))
-        self._streams[rid] = stream
-        self._inbox.put(("submit", rid, ids, params))
-        self._wake.set()
-        return stream
+    def stats(self) -> EngineStats:
+        return EngineStats.of(self.core)
 
-    def cancel(self, request_id: int) -> None:
-        self._inbox.put(("cancel", request_id))
-        self._wake.set()
+    def _check(self, prompt, params):
+        return self.core.check(prompt, params)
 
-    @property
-    def n_running(self) -> int:
-        return self.core.n_running
-
-    @property
-    def n_waiting(self) -> int:
+    def _queued(self) -> int:
         return self.core.n_waiting + self._pending
+
+    def _post(self, msg: tuple) -> None:
+        if msg[0] == "submit":
+            with self._lock:
+                self._pending += 1
+        self._inbox.put(msg)
+        self._wake.set()
 
     async def shutdown(self, timeout: float | None = None) -> None:
         """Refuse new requests, let running and waiting ones finish for up to `timeout` seconds (None: no limit),
@@ -126,19 +234,20 @@ class AsyncServingEngine:
         self._closing = True
         if self._thread is None:
             return
-        if timeout is not None:
-            try:
-                await asyncio.wait_for(asyncio.gather(*(s._done.wait() for s in list(self._streams.values()))),
-                                       timeout)
-            except TimeoutError:
-                log.warning("shutdown: cancelling %d requests still running after %.1f s",
-                            len(self._streams), timeout)
+        await self._wait_streams(timeout)
         self._inbox.put(("shutdown",))
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
-    # ---- worker thread ----------------------------------------------------------------------------------
+    # ---- worker thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # a fault step() does not handle: end every request instead of leaving them hanging
+            log.exception("the serving engine's worker thread failed")
+            self._loop.call_soon_threadsafe(self._fail, f"the serving engine failed: {type(e).__name__}: {e}")
+
+    def _serve(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
@@ -166,7 +275,7 @@ class AsyncServingEngine:
                 try:
                     self.core.submit(ids, params, request_id=rid)
                 except (QueueFullError, EngineClosedError, ValueError) as e:
-                    self._deliver([_refused(rid, len(ids), e)])
+                    self._deliver([refused(rid, len(ids), e)])
             elif msg[0] == "cancel":
                 record = self.core.cancel(msg[1])
                 if record is not None:
@@ -176,18 +285,18 @@ class AsyncServingEngine:
                 return True
 
     def _deliver(self, events: list) -> None:
-        for ev in events:
-            stream = self._streams.get(ev.request_id)
-            if stream is None:
-                continue
-            if isinstance(ev, RequestRecord):
-                self._streams.pop(ev.request_id, None)
-            self._loop.call_soon_threadsafe(stream._push, ev)
+        if events:
+            self._loop.call_soon_threadsafe(self._push_events, events)
 
 
-def _refused(rid: int, prompt_tokens: int, error: Exception) -> RequestRecord:
+def refused(rid: int, prompt_tokens: int, error: Exception) -> RequestRecord:
+    """The record of a request the engine refused when it reached it (the queue filled meanwhile, shut down)."""
+    return _failed(rid, prompt_tokens, f"{type(error).__name__}: {error}")
+
+
+def _failed(rid: int, prompt_tokens: int, error: str) -> RequestRecord:
     return RequestRecord(request_id=rid, token_ids=[], finish_reason="error", prompt_tokens=prompt_tokens,
-                         accept_lengths=[], num_draft_tokens=0, error=f"{type(error).__name__}: {error}")
+                         accept_lengths=[], num_draft_tokens=0, error=error)
 
 
-__all__ = ["AsyncServingEngine", "RequestStream", "StepReport"]
+__all__ = ["AsyncServingEngine", "EngineDeadError", "EngineStats", "RequestStream", "ServingFront", "StepReport"]

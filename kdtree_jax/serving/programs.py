@@ -11,7 +11,9 @@ anything.
 
 Widths. The host keeps the running requests in the lowest rows (`move` fills a hole left by a finished request:
 one row of small state, never the cache), so a step runs over only the first w rows for the smallest compiled width
-w that holds them: one request pays for a batch of one, not for the whole table.
+w that holds them: one request pays for a batch of one, not for the whole table. On a mesh whose data axis splits
+the rows into G groups (group g's rows on data shard g, over its own pages), a step of width w runs over the first
+w / G rows of each group, so every shard keeps its rows and reads only its own pages.
 
 Budgets. A table may be stepped by several programs (plain AR and DDTree at a few budgets) chosen per step. They
 share one state: the drafter's top-K lists keep the largest budget's K (`DecodeSpec.draft_k`; a smaller budget
@@ -170,20 +172,35 @@ def slot_axes(table: DecodeState) -> DecodeState:
     return axes.replace(cache=axes.cache.replace(latent=-1), draft_cache=dc, round=-1)
 
 
-def slice_rows(state: DecodeState, start: int, size: int) -> DecodeState:
-    """Rows [start, start + size) of a state (static bounds), as a state of `size` requests."""
-    return jax.tree.map(lambda axis, x: x if axis < 0 else jax.lax.slice_in_dim(x, start, start + size, axis=axis),
-                        slot_axes(state), state)
+def slice_rows(state: DecodeState, start: int, size: int, groups: int = 1) -> DecodeState:
+    """Rows [start, start + size / groups) of each of `groups` equal blocks of a state's rows (static bounds), as a
+    state of `size` requests, block by block."""
+    def cut(axis, x):
+        if axis < 0:
+            return x
+        part = jax.lax.slice_in_dim(_blocks(x, axis, groups), start, start + size // groups, axis=axis + 1)
+        return part.reshape(*x.shape[:axis], size, *x.shape[axis + 1:])
+
+    return jax.tree.map(cut, slot_axes(state), state)
 
 
-def put_rows(table: DecodeState, part: DecodeState, start) -> DecodeState:
-    """The table with rows [start, start + n) := `part`, a state of n requests; the pools and the round counter
-    are part's."""
+def put_rows(table: DecodeState, part: DecodeState, start, groups: int = 1) -> DecodeState:
+    """The table with rows [start, start + n / groups) of each of `groups` equal blocks := `part`, a state of n
+    requests block by block (`slice_rows`' inverse); the pools and the round counter are part's."""
 
     def put(axis, big, small):
-        return small if axis < 0 else jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), start, axis)
+        if axis < 0:
+            return small
+        out = jax.lax.dynamic_update_slice_in_dim(_blocks(big, axis, groups),
+                                                  _blocks(small.astype(big.dtype), axis, groups), start, axis + 1)
+        return out.reshape(big.shape)
 
     return jax.tree.map(put, slot_axes(table), table, part)
+
+
+def _blocks(x: jax.Array, axis: int, groups: int) -> jax.Array:
+    """[..., S, ...] -> [..., groups, S / groups, ...] at `axis`: the rows of each data group as one block."""
+    return x.reshape(*x.shape[:axis], groups, x.shape[axis] // groups, *x.shape[axis + 1:])
 
 
 def move(table: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
@@ -203,16 +220,17 @@ def release(table: DecodeState, slot: jax.Array) -> DecodeState:
     return table.replace(finish=table.finish.at[slot].set(FINISH_LENGTH))
 
 
-def step(spec: DecodeSpec, target, drafter, table: DecodeState, page_table: jax.Array, rounds: int):
-    """Up to `rounds` rounds for the first `spec.batch` slots (fewer once all of them are done) over the host's page
-    table [slots, W]; the other rows are not touched.
+def step(spec: DecodeSpec, target, drafter, table: DecodeState, page_table: jax.Array, rounds: int,
+         groups: int = 1):
+    """Up to `rounds` rounds for the first `spec.batch / groups` slots of each of the `groups` data groups (fewer
+    rounds once all of them are done) over the host's page table [slots, W]; the other rows are not touched.
 
     Returns (table, packed) with packed [spec.batch, 2 + rounds + rounds * L] int32, one transfer for the host: per
-    slot the tokens committed this step, its finish code, each round's acceptance length (0: did not run) and the
-    tokens themselves (L = the most tokens one round commits)."""
+    slot, group by group, the tokens committed this step, its finish code, each round's acceptance length (0: did
+    not run) and the tokens themselves (L = the most tokens one round commits)."""
     table = with_pages(table, page_table)
-    part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch), rounds)
-    return put_rows(table, part, 0), packed
+    part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch, groups), rounds)
+    return put_rows(table, part, 0, groups), packed
 
 
 def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):

@@ -27,7 +27,7 @@ class ModelRunner:
     """The device half of the serving engine: one table, its programs, and the device thread."""
 
     def __init__(self, engine, *, uses_drafter: bool, new_table, prefill_specs: dict, step_specs: dict,
-                 rounds: int, page_table_width: int, max_slots: int, rows_for, overlap: bool):
+                 rounds: int, page_table_width: int, max_slots: int, rows_for, overlap: bool, groups: int = 1):
         self.engine = engine
         self.uses_drafter = uses_drafter
         self._new_table = new_table
@@ -36,6 +36,7 @@ class ModelRunner:
         self.rounds = rounds
         self.width_pages = page_table_width
         self.max_slots = max_slots
+        self.groups = groups  # data groups: a step runs over the lowest rows of each (`programs.step`)
         self._rows_for = rows_for  # n -> RequestRows of n default requests (the compile-time example)
         self._programs: dict = {}
         self._uid = next(_TABLE_IDS)
@@ -86,10 +87,10 @@ class ModelRunner:
                     np.zeros((n,), np.uint32), self._rows_for(n))
             desc = f"prefill {bucket} x{n}"
         elif name == "step":
-            spec, rounds = self.step_specs[key], self.rounds
+            spec, rounds, groups = self.step_specs[key], self.rounds, self.groups
 
             def fn(w, table, page_table):
-                return self._pinned(programs.step(spec, *self._modules(w), table, page_table, rounds))
+                return self._pinned(programs.step(spec, *self._modules(w), table, page_table, rounds, groups))
 
             args = (pages,)
             desc = f"step {key[0].name} x{key[1]}"
@@ -133,7 +134,8 @@ class ModelRunner:
         return np.asarray(jax.device_get(out))
 
     def queue_step(self, key, page_table: np.ndarray) -> concurrent.futures.Future:
-        """Start a step (k rounds over the first width slots); the table is the step's until `settle`."""
+        """Start a step (k rounds over the first width / groups slots of each data group); the table is the step's
+        until `settle`."""
         run = functools.partial(self._program("step", key), self._weight_leaves, self.table, page_table)
         self.table = None
         return self._device.submit(run) if self._device is not None else _run_now(run)
@@ -165,8 +167,9 @@ class ModelRunner:
 
 def table_shardings(table, mesh):
     """The table's layout on a mesh: slot rows split over the data axis, and each page pool split by its pages the
-    same way (a data group's requests own its pages); replicated over tensor and expert, since every head reads
-    the whole latent (docs/sharding.md)."""
+    same way (data group g's slots and pages on data shard g: its requests own its pages); replicated over tensor
+    and expert, since every head reads the whole latent (docs/sharding.md). The serving engine makes the slot and
+    page counts multiples of the data size, so no dim falls back to replicated."""
     axes = programs.slot_axes(table)
 
     def one(axis, x):

@@ -14,6 +14,13 @@ Host only (no jax), over the cache manager's pages:
 A request's rows: a slot row of small state while it decodes (tokens, lengths, draft lists), and its pages, which
 hold both caches. Running requests sit in the lowest slots (`moves` fills holes), so a step runs over the narrowest
 width that holds them.
+
+Data groups (a mesh whose data axis has G > 1 devices): slots and pages split into G equal groups, group g's slots
+`[g * max_slots / G, (g + 1) * max_slots / G)` and its pages (the cache manager's group g) both on data shard g. A
+request is admitted to one group (the least loaded that has room for it) and stays there until it leaves or is
+preempted: it grows, is preempted and is compacted (`moves`) within its group, and each group has its own prefill
+budget per step, as a data-parallel rank of vLLM schedules its own requests. With G = 1 every rule above reads as
+written.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ class Request:
     prefilled: int = 0  # rows of `context` in its pages
     num_preemptions: int = 0
     epoch: int = 0  # bumped at each preemption: a step queued before it carries tokens that will be recomputed
+    group: int | None = None  # the data group it was admitted to; None while it waits
 
     @property
     def known_len(self) -> int:
@@ -72,19 +80,29 @@ class Chunk:
 @dataclasses.dataclass(frozen=True)
 class PrefillPlan:
     bucket: int  # padded chunk length: the program's T
-    chunks: tuple[Chunk, ...]
+    # the program's rows: data group g's chunks in rows [g * n, (g + 1) * n) for the same n in every group, so a
+    # row's pages are on its own data shard; None: a padding row (no pages, its writes dropped)
+    rows: tuple[Chunk | None, ...]
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return tuple(c for c in self.rows if c is not None)
 
 
 class Scheduler:
-    """Queue, prefill progress, slots and preemption over one `CacheManager`."""
+    """Queue, prefill progress, slots and preemption over one `CacheManager`, in its data groups."""
 
     def __init__(self, cache: CacheManager, *, max_slots: int, chunk_tokens: int, buckets: Sequence[int],
                  prefill_sizes: Sequence[int], row_slack: int, max_rows: int):
+        if max_slots % cache.groups:
+            raise ValueError(f"max_slots ({max_slots}) must be a multiple of the data groups ({cache.groups})")
         self.cache = cache
+        self.groups = cache.groups
+        self.group_slots = max_slots // cache.groups  # slots of one group
         self.max_slots = max_slots
         self.chunk_tokens = chunk_tokens
         self.buckets = sorted(buckets)
-        self.prefill_sizes = sorted(prefill_sizes)
+        self.prefill_sizes = sorted(prefill_sizes)  # chunks of one group in one program
         self.row_slack = row_slack  # rows past the last committed token one round may write
         self.max_rows = max_rows  # a slot's rows: max_context plus the largest scratch
         self.waiting: collections.deque[Request] = collections.deque()
@@ -104,8 +122,21 @@ class Scheduler:
     def bucket_for(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def group_range(self, group: int) -> range:
+        """The slots of a data group."""
+        return range(group * self.group_slots, (group + 1) * self.group_slots)
+
+    def busiest(self) -> int:
+        """The most requests decoding in one group: a step's width must hold that many in every group."""
+        return max(sum(self.slots[i] is not None for i in self.group_range(g)) for g in range(self.groups))
+
+    def step_slots(self, width: int) -> list[int]:
+        """The slots a step program of `width` rows runs over, in its row order: the lowest width / groups slots of
+        each group (rows [g * width / groups, (g + 1) * width / groups) are group g's, on data shard g)."""
+        return [i for g in range(self.groups) for i in self.group_range(g)[: width // self.groups]]
+
     def add(self, r: Request, *, front: bool = False) -> None:
-        r.context, r.prefilled = list(r.prompt) + list(r.tokens), 0
+        r.context, r.prefilled, r.group = list(r.prompt) + list(r.tokens), 0, None
         if front:
             self.waiting.appendleft(r)
         else:
@@ -146,20 +177,40 @@ class Scheduler:
         """[max_slots, W] int32 for the step programs: each slot's request's pages."""
         return self.cache.page_table([None if r is None else r.rid for r in self.slots])
 
+    def check(self) -> None:
+        """Verify the groups over the cache manager's own check: a decoding request sits in a slot of its group, an
+        admitted request holds pages of its group only, a waiting one holds none and has no group. Raises
+        AssertionError naming the request."""
+        self.cache.check()
+        for slot, r in enumerate(self.slots):
+            if r is not None and slot not in self.group_range(r.group if r.group is not None else -1):
+                raise AssertionError(f"request {r.rid!r} of group {r.group} decodes in slot {slot}, outside its group")
+        for r in self.prefilling + self.running:
+            if self.cache.group_of(r.rid) != r.group:
+                raise AssertionError(f"request {r.rid!r} of group {r.group} holds pages of group "
+                                     f"{self.cache.group_of(r.rid)}")
+        for r in self.waiting:
+            if r.group is not None or self.cache.group_of(r.rid) is not None:
+                raise AssertionError(f"waiting request {r.rid!r} has group {r.group} and holds "
+                                     f"{self.cache.pages(r.rid)}")
+
     # ---- prefill ----------------------------------------------------------------------------------------------
     def plan_prefill(self, tokens_ahead: int) -> tuple[PrefillPlan | None, list[Request]]:
         """This step's prefill chunk: requests part-way through their context first, then the queue in order,
-        each taking the pages of its chunk. At most `chunk_tokens` tokens (one bucket), one program. A request from
-        the queue starts only where the pages its chunk takes leave what the running requests need for their next
-        `tokens_ahead` tokens (else it would be preempted again at once). The oldest request part-way through
-        preempts newer ones when its next chunk lacks pages (else prefills could hold the whole pool between them
-        and none finish). Returns the plan and the requests preempted for it."""
+        each taking the pages of its chunk. Per group at most `chunk_tokens` tokens (one bucket); one program for
+        all groups. A request from the queue starts in the least loaded group where the pages its chunk takes leave
+        what that group's running requests need for their next `tokens_ahead` tokens (else it would be preempted
+        again at once). The oldest request part-way through in each group preempts newer ones of its group when its
+        next chunk lacks pages (else prefills could hold the group's pages between them and none finish). Returns
+        the plan and the requests preempted for it."""
         preempted = []
-        if self.prefilling:
-            oldest = self.prefilling[0]
+        for g in range(self.groups):
+            oldest = next((r for r in self.prefilling if r.group == g), None)
+            if oldest is None:
+                continue
             need = oldest.prefilled + min(len(oldest.context) - oldest.prefilled, self.chunk_tokens)
-            while not self.cache.can_grow(oldest.rid, need) and self._newest() is not oldest:
-                preempted.append(self._newest())
+            while not self.cache.can_grow(oldest.rid, need) and self._newest(g) is not oldest:
+                preempted.append(self._newest(g))
                 self._preempt(preempted[-1])
         candidates = list(self.prefilling)
         room = self.max_slots - self.n_running - len(self.prefilling)
@@ -168,34 +219,67 @@ class Scheduler:
             return None, preempted
         first = candidates[0]
         bucket = self.bucket_for(min(len(first.context) - first.prefilled, self.chunk_tokens))
-        free_slots = [i for i, r in enumerate(self.slots) if r is None]
-        headroom = sum(self.cache.pages_needed(r.rid, self._decode_rows(r, tokens_ahead)) for r in self.running)
-        chunks: list[Chunk] = []
+        groups = range(self.groups)
+        free_slots = [[i for i in self.group_range(g) if self.slots[i] is None] for g in groups]
+        load = [sum(r.group == g for r in self.running + self.prefilling) for g in groups]
+        headroom = [0] * self.groups
+        for r in self.running:
+            headroom[r.group] += self.cache.pages_needed(r.rid, self._decode_rows(r, tokens_ahead))
+        oldest = [next((r for r in self.prefilling if r.group == g), None) for g in groups]
+        chunks: list[list[Chunk]] = [[] for _ in groups]
+        blocked = [False] * self.groups  # its oldest chunk waits for pages rather than be overtaken forever
+
+        def full(g: int) -> bool:
+            n = len(chunks[g])
+            return blocked[g] or n == self.prefill_sizes[-1] or (n + 1) * bucket > max(self.chunk_tokens, bucket)
+
+        def fits(r: Request, g: int, rows: int, last: bool) -> bool:
+            """A request from the queue may start in group g with its chunk of `rows`."""
+            return (not full(g) and load[g] < self.group_slots and (free_slots[g] or not last)
+                    and self.cache.can_grow(r.rid, rows, g)
+                    and self.cache.pages_needed(r.rid, rows) + headroom[g] <= self.cache.free_in(g))
+
         for r in candidates:
-            if len(chunks) == self.prefill_sizes[-1] or (len(chunks) + 1) * bucket > max(self.chunk_tokens, bucket):
+            if all(map(full, groups)):
                 break
             n = min(len(r.context) - r.prefilled, bucket)
             last = r.prefilled + n == len(r.context)
-            if last and not free_slots:
-                continue
             fresh = r in self.waiting
-            if not self.cache.can_grow(r.rid, r.prefilled + n) or (
-                    fresh and self.cache.pages_needed(r.rid, r.prefilled + n) + headroom > self.cache.free_pages):
-                if r is first and not fresh:
-                    break  # the oldest chunk waits for pages rather than be overtaken forever
-                continue
-            self.cache.grow(r.rid, r.prefilled + n)
             if fresh:
+                g = min((g for g in groups if fits(r, g, r.prefilled + n, last)),
+                        key=lambda g: (load[g], -self.cache.free_in(g), g), default=None)
+                if g is None:
+                    continue
+            else:
+                g = r.group
+                if full(g) or (last and not free_slots[g]):
+                    continue
+                if not self.cache.can_grow(r.rid, r.prefilled + n):
+                    if r is oldest[g]:
+                        blocked[g] = True
+                    continue
+            self.cache.grow(r.rid, r.prefilled + n, g)
+            if fresh:
+                r.group = g
+                load[g] += 1
                 self.waiting.remove(r)
                 self.prefilling.append(r)
-            chunks.append(Chunk(r, r.prefilled, n, free_slots.pop(0) if last else None))
-        while chunks and len(chunks) not in self.prefill_sizes:  # a compiled row count: the rest wait a step
-            dropped = chunks.pop()
-            if dropped.start == 0:  # not started after all: back to the queue, pages and all
-                self.cache.free(dropped.request.rid)
-                self.prefilling.remove(dropped.request)
-                self.waiting.appendleft(dropped.request)
-        return (PrefillPlan(bucket, tuple(chunks)) if chunks else None), preempted
+            chunks[g].append(Chunk(r, r.prefilled, n, free_slots[g].pop(0) if last else None))
+        dropped = []
+        for mine in chunks:
+            while mine and len(mine) not in self.prefill_sizes:  # a compiled row count: the rest wait a step
+                dropped.append(mine.pop())
+        for chunk in sorted(dropped, key=lambda c: candidates.index(c.request), reverse=True):
+            if chunk.start == 0:  # not started after all: back to the queue, pages and all
+                self.cache.free(chunk.request.rid)
+                self.prefilling.remove(chunk.request)
+                chunk.request.group = None
+                self.waiting.appendleft(chunk.request)
+        size = max(map(len, chunks))
+        if not size:
+            return None, preempted
+        rows = tuple(c for mine in chunks for c in [*mine, *[None] * (size - len(mine))])
+        return PrefillPlan(bucket, rows), preempted
 
     def prefilled(self, chunk: Chunk, running: bool) -> None:
         """A chunk's program ran: its rows are in the pages; a last chunk's request decodes from its slot (or has
@@ -222,7 +306,7 @@ class Scheduler:
                 continue  # preempted for an older one meanwhile
             need = self._decode_rows(r, tokens_ahead)
             while not self.cache.can_grow(r.rid, need):
-                victim = self._newest()
+                victim = self._newest(r.group)
                 preempted.append(victim)
                 self._preempt(victim)
                 if victim is r:
@@ -240,10 +324,10 @@ class Scheduler:
         """rid -> its place in the order requests took their first page (every admitted request holds pages)."""
         return {rid: i for i, rid in enumerate(self.cache.owners())}
 
-    def _newest(self) -> Request:
-        """The request that took its first page last, decoding or prefilling."""
+    def _newest(self, group: int) -> Request:
+        """The request of a group that took its first page last, decoding or prefilling."""
         age = self._ages()
-        return max(self.prefilling + self.running, key=lambda r: age[r.rid])
+        return max((r for r in self.prefilling + self.running if r.group == group), key=lambda r: age[r.rid])
 
     def _preempt(self, r: Request) -> None:
         if r in self.prefilling:
@@ -257,13 +341,16 @@ class Scheduler:
         self.add(r, front=True)
 
     def moves(self) -> list[tuple[int, int]]:
-        """(src, dst) row moves that put the running requests in the lowest slots, applied to the host's slots."""
+        """(src, dst) row moves that put each group's running requests in its lowest slots, applied to the host's
+        slots; a request never leaves its group."""
         out = []
-        while True:
-            free = [i for i, r in enumerate(self.slots) if r is None]
-            used = [i for i, r in enumerate(self.slots) if r is not None]
-            if not free or not used or free[0] > used[-1]:
-                return out
-            src, dst = used[-1], free[0]
-            self.slots[dst], self.slots[src] = self.slots[src], None
-            out.append((src, dst))
+        for g in range(self.groups):
+            while True:
+                free = [i for i in self.group_range(g) if self.slots[i] is None]
+                used = [i for i in self.group_range(g) if self.slots[i] is not None]
+                if not free or not used or free[0] > used[-1]:
+                    break
+                src, dst = used[-1], free[0]
+                self.slots[dst], self.slots[src] = self.slots[src], None
+                out.append((src, dst))
+        return out
