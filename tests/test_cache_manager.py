@@ -458,3 +458,175 @@ def test_random_schedules_keep_every_page_in_its_group(rng):
             live.discard(rid)
         _owned_within_groups(s)
     assert next_rid > 50 and s.num_preemptions > 0  # the schedule reached preemption, not only idle steps
+
+
+# ---- prefix caching ----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_prefix_hits_share_full_committed_pages():
+    m = CacheManager(num_pages=8, page_size=4, max_pages_per_request=4, prefix_caching=True)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 1000, size=13).tolist()
+    m.grow("a", 13)
+    assert m.match("b", prompt) == []  # nothing indexed yet
+    assert m.publish("a", prompt, 13) == 3  # rows 0..12: three full pages
+    assert m.publish("a", prompt, 13) == 0
+    assert m.match("b", prompt) == [0, 1, 2]
+    assert m.match("b", prompt[:12]) == [0, 1]  # at least the last token is computed
+    other = list(prompt)
+    other[5] += 1
+    assert m.match("c", other) == [0]  # page 1 differs, so pages 1 and 2 are not the same rows
+    hit = m.match("b", prompt)
+    assert m.share_cost(hit, 14) == 1  # the hit pages are held by "a": only page 3 of "b" is new
+    m.share("b", hit)
+    m.grow("b", 14)
+    assert m.pages("b") == [0, 1, 2, 4] and m.free_pages == 3
+    m.check()
+    assert m.free("a") == [0, 1, 2, 3] and m.free_pages == 4
+    assert m.free("b") == [0, 1, 2, 4]
+    assert (m.free_pages, m.cached_pages) == (8, 3)  # the indexed pages stay cached, and count as free
+    assert m.share_cost(m.match("d", prompt), 13) == 4  # taking cached pages back costs them too
+    m.check()
+    with pytest.raises(ValueError, match="hold no pages"):
+        m.grow("e", 1)
+        m.share("e", [0])
+    with pytest.raises(ValueError, match="not cached"):
+        m.share("f", [3])
+
+
+@pytest.mark.timeout(10)
+def test_eviction_gives_up_the_least_recent_tail_first():
+    m = CacheManager(num_pages=6, page_size=2, max_pages_per_request=6, prefix_caching=True)
+    prompt = list(range(10, 19))  # 9 tokens: 4 full pages
+    m.grow("a", 9)
+    m.publish("a", prompt, 9)
+    m.free("a")
+    assert m.cached_pages == 4 and m.match("b", prompt) == [0, 1, 2, 3]
+    assert m.grow("x", 8) == [4, 5, 3, 2]  # free pages first (its partial page 4 on top), then the tail
+    assert m.match("b", prompt) == [0, 1] and m.cached_pages == 2
+    m.check()
+    m.clear_cache()  # the pool's contents were lost
+    assert m.match("b", prompt) == [] and m.free_pages == 2 and m.cached_pages == 0
+    m.check()
+
+
+@pytest.mark.timeout(10)
+def test_prefix_caching_off_shares_nothing():
+    m = CacheManager(num_pages=4, page_size=2, max_pages_per_request=4)
+    m.grow("a", 5)
+    assert m.publish("a", [1, 2, 3, 4, 5], 5) == 0 and m.match("b", [1, 2, 3, 4, 5]) == []
+    m.free("a")
+    assert m.cached_pages == 0 and m.free_pages == 4
+
+
+@pytest.mark.timeout(10)
+def test_check_catches_a_shared_page_left_unindexed():
+    m = CacheManager(num_pages=4, page_size=2, max_pages_per_request=4, prefix_caching=True)
+    m.grow("a", 3)
+    m._tables["b"], m._group["b"] = [0], 0  # listed twice, counted once and not indexed
+    m._users[0] += 1
+    with pytest.raises(AssertionError, match="page 0 is held by several requests but not cached"):
+        m.check()
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    """Requests over a two-token alphabet (so prefixes are shared often) submitted with a prefix lookup, committing
+    tokens, finishing, cancelled, preempted, and a pool under pressure that evicts. The machine writes rows as the
+    engine does, only at or past a request's committed length, and keeps its own record of each page's tokens and
+    of each page's live users. It checks that a written page is never shared or cached, that every hit page holds
+    exactly the request's own tokens (no stale rows after an eviction), and that user counts equal live users."""
+
+    @initialize(group_pages=st.integers(2, 12), page_size=st.integers(1, 3), groups=st.integers(1, 2))
+    def setup(self, group_pages, page_size, groups):
+        num_pages = group_pages * groups
+        self.m = CacheManager(num_pages, page_size, group_pages, groups, prefix_caching=True)
+        self.P, self.num_pages, self.groups = page_size, num_pages, groups
+        self.tokens: dict[int, list[int]] = {}  # live rid -> its context
+        self.rows: dict[int, int] = {}  # live rid -> committed rows
+        self.content: dict[int, list] = {}  # page -> the token each row holds (None: never written)
+        self.next_rid = 0
+
+    def _write(self, rid: int, start: int, stop: int) -> None:
+        pages = self.m.pages(rid)
+        for s in range(start, stop):
+            page = pages[s // self.P]
+            index = self.m._index[page // self.m.group_pages]
+            assert self.m._users[page] == 1 and not index.indexed(page), f"row {s} written to shared {page}"
+            self.content.setdefault(page, [None] * self.P)[s % self.P] = self.tokens[rid][s]
+
+    def _grow(self, rid: int, n_rows: int, group: int | None = None) -> bool:
+        if not self.m.can_grow(rid, n_rows, group):
+            return False
+        for page in self.m.grow(rid, n_rows, group):
+            self.content[page] = [None] * self.P  # a fresh or evicted page: its old rows are garbage now
+        return True
+
+    @rule(data=st.data())
+    def submit(self, data):
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        tokens = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=4 * self.P + 2), label="context")
+        group = data.draw(st.integers(0, self.groups - 1), label="group")
+        hit = self.m.match(rid, tokens, group)
+        event(f"submit: {len(hit)} pages hit")
+        for j, page in enumerate(hit):  # the cached rows are exactly this request's tokens, in its group
+            assert self.content[page] == tokens[j * self.P:(j + 1) * self.P], (page, j)
+            assert page in self.m.group_range(group)
+        if (self.m.share_cost(hit, len(tokens)) > self.m.free_in(group)
+                or self.m.pages_for(len(tokens)) > self.m.max_pages_per_request):
+            return
+        self.m.share(rid, hit, group)
+        start = len(hit) * self.P
+        self.tokens[rid] = tokens
+        assert self._grow(rid, len(tokens), group)
+        self._write(rid, start, len(tokens))
+        self.rows[rid] = len(tokens)
+        self.m.publish(rid, tokens, len(tokens))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def commit(self, data):
+        """A round: scratch rows past the committed length, then the accepted ones committed and published."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)), label="rid")
+        new = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=2 * self.P), label="accepted")
+        end = self.rows[rid] + len(new)
+        if not self._grow(rid, end):
+            return
+        self.tokens[rid] += new
+        self._write(rid, self.rows[rid], end)
+        self.rows[rid] = end
+        self.m.publish(rid, self.tokens[rid], end)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def leave(self, data):
+        """Finish, cancel or preempt: the same call to the manager; a preempted request comes back as a submit."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)), label="rid")
+        self.m.free(rid)
+        del self.tokens[rid], self.rows[rid]
+
+    @rule(data=st.data())
+    def pressure(self, data):
+        """A request that takes every free page of a group, evicting its cached ones, then leaves."""
+        group = data.draw(st.integers(0, self.groups - 1), label="group")
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        n = self.m.free_in(group)
+        if n:
+            self.tokens[rid] = [2] * (n * self.P)  # a token no context uses: never a hit
+            assert self._grow(rid, n * self.P, group)
+            self._write(rid, 0, n * self.P)
+            self.m.free(rid)
+            del self.tokens[rid]
+            assert self.m._index[group].n_parked == 0
+
+    @invariant()
+    def counts_are_live_users(self):
+        users = [0] * self.num_pages
+        for rid in self.tokens:
+            for page in self.m.pages(rid):
+                users[page] += 1
+        assert self.m._users == users
+        assert self.m.free_pages == users.count(0)
+        self.m.check()
+
+
+PrefixMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_prefix_machine = pytest.mark.timeout(60)(PrefixMachine.TestCase)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -147,11 +148,11 @@ def _run(core: ServingEngine, schedule: dict[int, list[tuple[list[int], RequestP
 
 
 def _accounted(core: ServingEngine, live: set, ended: set) -> None:
-    """Every page free or held by exactly one live request that has been admitted; nothing held by a request whose
-    record is out; decoding requests one slot each. `live` and `ended` are the caller's own model."""
+    """Every page free (or cached) or held by live requests that have been admitted (a prefix hit shares a page);
+    nothing held by a request whose record is out; decoding requests one slot each. `live` and `ended` are the caller's own model."""
     owners = core.cache.owners()
     core.cache.check()
-    assert core.cache.free_pages + sum(len(p) for p in owners.values()) == core.num_pages
+    assert core.cache.free_pages + len({p for pages in owners.values() for p in pages}) == core.num_pages
     assert not set(owners) & ended, f"ended requests hold pages: {set(owners) & ended}"
     assert set(owners) <= live
     assert not set(owners) & set(core.waiting_ids())  # a waiting request holds nothing, preempted ones included
@@ -244,6 +245,110 @@ def test_preempted_requests_resume_with_exactly_their_tokens(tight, served, expe
     assert tight.cache.free_pages == tight.num_pages
 
 
+def _cached_pages(core: ServingEngine) -> dict:
+    """(page, key) -> sha256 of the page's rows in both pools, for every page in the prefix cache. Takes the table
+    back from the device thread first (the next step finds nothing to settle)."""
+    core._faults += core._settle()
+    table = core.runner.table
+    pools = [table.cache.latent] + ([] if table.draft_cache is None else [table.draft_cache.k, table.draft_cache.v])
+    pools = [np.asarray(p) for p in pools]  # latent [L, pages, P, A], drafter [L, pages, Hk, P, Dh]
+    return {(page, key): hashlib.sha256(b"".join(p[:, page].tobytes() for p in pools)).hexdigest()
+            for page, key in core.cache.indexed_pages().items()}
+
+
+def _serve(core: ServingEngine, requests, check_cached=False) -> list[RequestRecord]:
+    """Submit `requests` at once and step until they end; with check_cached, every page that stays in the prefix
+    cache under the same key keeps its rows from step to step (a shared page is never written)."""
+    rids = [core.submit(prompt, params) for prompt, params in requests]
+    records, before = {}, _cached_pages(core) if check_cached else None
+    for _ in range(MAX_STEPS):
+        if not core.has_work:
+            break
+        records.update({e.request_id: e for e in core.step().events if isinstance(e, RequestRecord)})
+        if check_cached:
+            after = _cached_pages(core)
+            changed = [k for k in before.keys() & after.keys() if before[k] != after[k]]
+            assert not changed, f"cached pages written: {changed}"
+            before = after
+    return [records[rid] for rid in rids]
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_prefix_hits_reuse_prompts_and_replies_with_unchanged_tokens(served, expected):
+    """A second turn (first prompt + the reply + a new message) hits the cache past its first prompt, into the pages
+    of the reply the engine generated; a request sharing only the first prompt's start hits those pages. Greedy and
+    seeded sampling give exactly the tokens of the same requests prefilled cold, and no cached page is written."""
+    prompts, _ = expected
+    sampled = RequestParams(max_new_tokens=14, temperature=1.1, top_p=0.9, seed=99, ignore_eos=True)
+    (first,) = _serve(served, [(prompts[2], _greedy(24))])
+    turn2 = prompts[2] + first.token_ids + prompts[0]
+    sibling = prompts[2][:2 * PAGE + 3] + prompts[1][:9]
+    asks = [(turn2, _greedy(14)), (turn2, sampled), (sibling, _greedy(10))]
+
+    served.cache.prefix_caching = False
+    try:
+        cold = _serve(served, asks)
+    finally:
+        served.cache.prefix_caching = True
+    assert [r.cached_tokens for r in cold] == [0, 0, 0]
+    (again,) = _serve(served, [(prompts[2], _greedy(24))])  # the cold runs may have evicted its pages: cache them
+    assert again.token_ids == first.token_ids
+    queries, hits = served.prefix_cache_queries, served.prefix_cache_hits
+    warm = _serve(served, asks, check_cached=True)
+    # the first turn's rows: all but its last token, whose row no round wrote (64 tokens: a page boundary)
+    committed = len(prompts[2]) + len(first.token_ids) - 1
+    assert warm[0].cached_tokens == committed // PAGE * PAGE > len(prompts[2])  # into the reply's pages
+    assert warm[2].cached_tokens == 2 * PAGE
+    assert served.prefix_cache_queries - queries == 2 * len(turn2) + len(sibling)
+    assert served.prefix_cache_hits - hits == sum(r.cached_tokens for r in warm)
+    for w, c in zip(warm, cold):
+        assert w.token_ids == c.token_ids and w.finish_reason == c.finish_reason == "length"
+    assert _ddtree_acceptance(warm) > MIN_ACCEPTANCE
+
+
+def _preempt_newest(core: ServingEngine) -> None:
+    """Preempt the newest running request between steps, as `reserve` does when pages run out."""
+    core._faults += core._settle()
+    s = core.scheduler
+    slots = list(s.slots)
+    victim = s._newest(s.running[0].group)
+    s._preempt(victim)
+    core._release([victim], slots)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+def test_a_preempted_request_resumes_from_its_own_cached_pages(served, expected):
+    """A request preempted mid-generation finds its prompt's and its own reply's full pages still cached when it is
+    readmitted: it prefills only past them, and ends with exactly the tokens of an uninterrupted run, greedy and
+    seeded sampling alike."""
+    prompts, full = expected
+    sampled = RequestParams(max_new_tokens=24, temperature=1.1, top_p=0.9, seed=7, ignore_eos=True)
+    asks = [(prompts[3], _greedy(24)), (prompts[2], sampled)]
+    served.cache.prefix_caching = False
+    try:
+        uninterrupted = _serve(served, asks)
+    finally:
+        served.cache.prefix_caching = True
+    rids = [served.submit(prompt, params) for prompt, params in asks]
+    records, hits, step, preempted = {}, served.prefix_cache_hits, 0, 0
+    while served.has_work:
+        assert step < MAX_STEPS
+        if step in (3, 5):  # after a few decode steps each: their reply's pages are cached by then
+            _preempt_newest(served)
+            preempted += 1
+        records.update({e.request_id: e for e in served.step().events if isinstance(e, RequestRecord)})
+        step += 1
+    first_admissions = sum(records[rid].cached_tokens for rid in rids)
+    assert sum(records[rid].num_preemptions for rid in rids) == preempted == 2
+    resumed_hits = served.prefix_cache_hits - hits - first_admissions
+    assert resumed_hits >= 2 * PAGE * preempted  # each resume skipped at least two pages
+    for rid, want in zip(rids, uninterrupted):
+        assert records[rid].token_ids == want.token_ids
+    assert records[rids[0]].token_ids == full[3][:24]
+
+
 def test_a_pool_too_small_for_one_request_is_refused_naming_the_flags(pair):
     probe = ServingEngine(pair, _config(num_pages=1 << 10))
     with pytest.raises(ValueError, match="--num-pages or --gpu-memory-utilization.*--max-context"):
@@ -269,6 +374,7 @@ def test_ar_and_chain_tables_equal_generate_alone(pair, expected, mode, overlap)
                                      else "length")
     if mode == "chain":
         assert _ddtree_acceptance(rec for rec, *_ in results.values()) > MIN_ACCEPTANCE
+    assert any(rec.cached_tokens for rec, *_ in results.values())  # the second prompts[2] started from the first's
 
 
 def test_stop_ids_end_a_request_at_the_first_one(served, expected):

@@ -10,14 +10,19 @@ and preempts (frees) the newest request when they run out. The device reads `pag
 Pure state, no device and no jax: every change goes through `grow` and `free`, and `check` verifies the whole
 state, so the scheduler and its tests can drive it directly.
 
-Ownership lives in one place, the per-page user count `_users`: 0 means free, and every page a request's table
-lists counts that request once. Today a page has at most one user; a prefix cache will share full pages between
-requests by counting more than one, and a page returns to the pool only when its count drops to 0.
+Ownership lives in one place, the per-page user count `_users`: every page a request's table lists counts that
+request once. With prefix caching (`serving/prefix_cache.py`) a full page of committed rows is indexed by the tokens
+up to its end, and a later request whose context starts with the same tokens shares it (`match`, `share`) instead of
+computing it: the page then counts one user per request. A page whose count drops to 0 is free, or, when indexed,
+cached: it keeps its rows for a later hit until a page is needed and the least recently used cached page is given
+up. Cached pages count as free for admission. Every page is in exactly one state: held (count > 0), cached (count
+0, indexed) or free (count 0, on its group's free stack).
 
 Data groups. On a mesh whose data axis has G > 1 devices the device pool is split by pages over data, so group g's
 pages are the contiguous range [g * num_pages / G, (g + 1) * num_pages / G) on data shard g. A request belongs to
 the group it took its first page in and only ever takes pages of that group, so every page a data shard's rows
-address lies in its own shard. Each group has its own free stack; with G = 1 there is one group, the whole pool.
+address lies in its own shard. Each group has its own free stack and its own prefix index (a hit is a page of the
+request's own shard); with G = 1 there is one group, the whole pool.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from kdtree_jax.paged import UNOWNED
+from kdtree_jax.serving.prefix_cache import ROOT, PrefixIndex, page_keys
 
 
 class OutOfPagesError(RuntimeError):
@@ -56,9 +62,11 @@ class CacheManager:
 
     Free pages sit on one stack per group, lowest index on top at the start, so allocation is deterministic: the same
     calls give the same pages. A request is known while it holds pages; `free` forgets it. Requests never shrink:
-    `grow` to fewer rows than they hold is a no-op."""
+    `grow` to fewer rows than they hold is a no-op. With `prefix_caching` off, `match` finds nothing and `publish`
+    indexes nothing, so no page is ever shared or cached."""
 
-    def __init__(self, num_pages: int, page_size: int, max_pages_per_request: int, groups: int = 1):
+    def __init__(self, num_pages: int, page_size: int, max_pages_per_request: int, groups: int = 1, *,
+                 prefix_caching: bool = False):
         self.num_pages = _count("num_pages", num_pages, 1)
         self.page_size = _count("page_size", page_size, 1)
         self.max_pages_per_request = _count("max_pages_per_request", max_pages_per_request, 1)
@@ -76,11 +84,21 @@ class CacheManager:
         self._free = [list(reversed(self.group_range(g))) for g in range(self.groups)]
         self._tables: dict[Hashable, list[int]] = {}  # rid -> its pages in row order; only requests holding pages
         self._group: dict[Hashable, int] = {}  # rid -> the group its pages are in; the same requests as _tables
+        self.prefix_caching = bool(prefix_caching)
+        self._index = [PrefixIndex(self.page_size) for _ in range(self.groups)]
+        self._keys: dict[Hashable, list[bytes]] = {}  # rid -> keys of its context's full pages, as far as computed
+        self._published: dict[Hashable, int] = {}  # rid -> how many of its first pages are indexed or were offered
 
     # ---- the pool ------------------------------------------------------------------------------------------------
     @property
     def free_pages(self) -> int:
-        return sum(map(len, self._free))
+        """Pages a grow can take: free ones, then cached ones (least recently used first)."""
+        return sum(self.free_in(g) for g in range(self.groups))
+
+    @property
+    def cached_pages(self) -> int:
+        """Indexed pages no request holds."""
+        return sum(index.n_parked for index in self._index)
 
     @property
     def used_pages(self) -> int:
@@ -101,8 +119,9 @@ class CacheManager:
         return range(group * self.group_pages, (group + 1) * self.group_pages)
 
     def free_in(self, group: int) -> int:
-        """Free pages of a group."""
-        return len(self._free[self._check_group(group)])
+        """Pages a grow can take in a group: free, then cached."""
+        group = self._check_group(group)
+        return len(self._free[group]) + self._index[group].n_parked
 
     def group_of(self, rid: Hashable) -> int | None:
         """The group of a request holding pages; None for one holding none."""
@@ -143,7 +162,7 @@ class CacheManager:
     def can_grow(self, rid: Hashable, n_rows: int, group: int | None = None) -> bool:
         """Whether `grow(rid, n_rows, group)` would succeed now."""
         return (rid is not None and self.pages_for(n_rows) <= self.max_pages_per_request
-                and self.pages_needed(rid, n_rows) <= len(self._free[self._resolve(rid, group)]))
+                and self.pages_needed(rid, n_rows) <= self.free_in(self._resolve(rid, group)))
 
     def grow(self, rid: Hashable, n_rows: int, group: int | None = None) -> list[int]:
         """Make the request's pages cover rows [0, n_rows), taking pages for a request not seen yet; returns the
@@ -159,7 +178,7 @@ class CacheManager:
             raise ValueError(f"{n_rows} rows need {total} pages of {self.page_size} rows, over "
                              f"max_pages_per_request {self.max_pages_per_request}")
         needed = self.pages_needed(rid, n_rows)
-        free = len(self._free[group])
+        free = self.free_in(group)
         if needed > free:
             raise OutOfPagesError(rid, needed, free, self.group_pages)
         if needed == 0:
@@ -171,23 +190,97 @@ class CacheManager:
 
     def free(self, rid: Hashable) -> list[int]:
         """Release all of the request's pages (finished, cancelled or preempted) and forget it; returns its page
-        table. An unknown request is a no-op, so a cancel racing a finish is harmless."""
+        table. An unknown request is a no-op, so a cancel racing a finish is harmless. Its indexed pages stay cached."""
         pages = self._tables.pop(rid, [])
         self._group.pop(rid, None)
-        for page in reversed(pages):  # the stack then hands them out again in the same order
+        self._keys.pop(rid, None)
+        self._published.pop(rid, None)
+        for page in reversed(pages):  # the stack then hands them out again in the same order; cached: tail first
             self._drop(page)
         return pages
 
+    # ---- prefix caching ------------------------------------------------------------------------------------------
+    def match(self, rid: Hashable, tokens: Sequence[int], group: int = 0) -> list[int]:
+        """Cached pages of `group` a request holding no pages could start from: its context's longest indexed run of
+        full pages, leaving at least one token to compute (the next token's logits come from the last one)."""
+        group = self._check_group(group)
+        if not self.prefix_caching or rid in self._tables:
+            return []
+        n_full = min((len(tokens) - 1) // self.page_size, self.max_pages_per_request)
+        return self._index[group].match(self._chain(rid, tokens, n_full))
+
+    def share_cost(self, pages: Sequence[int], n_rows: int) -> int:
+        """Pages taken from the group's `free_in` by `share(rid, pages, group)` then `grow(rid, n_rows)`: the cached
+        ones among `pages`, then the new ones past them."""
+        return sum(self._users[p] == 0 for p in pages) + max(0, self.pages_for(n_rows) - len(pages))
+
+    def share(self, rid: Hashable, pages: Sequence[int], group: int = 0) -> None:
+        """A request holding no pages starts from `pages`, a `match` in `group` made since the last change."""
+        group = self._check_group(group)
+        if rid is None or rid in self._tables:
+            raise ValueError(f"request {rid!r} must hold no pages to share cached ones")
+        index = self._index[group]
+        for page in pages:
+            if not index.indexed(page):
+                raise ValueError(f"page {page} is not cached in group {group}: match again after a change")
+        for page in pages:
+            if self._users[page] == 0:
+                index.unpark(page)
+            self._users[page] += 1
+        if pages:
+            self._tables[rid] = list(pages)
+            self._group[rid] = group
+            self._published[rid] = len(pages)
+
+    def publish(self, rid: Hashable, tokens: Sequence[int], n_rows: int) -> int:
+        """Index the request's full pages among its first `n_rows` rows, whose contents are `tokens[:n_rows]`,
+        committed and final: a later request with the same tokens can then share them. A page whose tokens are
+        indexed already (another request computed the same rows) stays the request's own. Returns pages indexed."""
+        if not self.prefix_caching or rid not in self._tables:
+            return 0
+        table = self._tables[rid]
+        n_full = min(n_rows // self.page_size, len(table))
+        done = self._published.get(rid, 0)
+        if n_full <= done:
+            return 0
+        keys, index = self._chain(rid, tokens, n_full), self._index[self._group[rid]]
+        added = sum(index.add(keys[j], table[j]) for j in range(done, n_full))
+        self._published[rid] = n_full
+        return added
+
+    def indexed_pages(self) -> dict[int, bytes]:
+        """page -> key of every page in the prefix cache, held or not (a snapshot)."""
+        return {page: key for index in self._index for page, key in index.pages().items()}
+
+    def clear_cache(self) -> None:
+        """Forget every indexed page (the device's pool was lost): cached pages become free, held ones private."""
+        for group, index in enumerate(self._index):
+            self._free[group].extend(sorted(index.clear(), reverse=True))
+        self._keys.clear()
+        self._published = {rid: len(t) for rid, t in self._tables.items()}  # their rows are gone: never index them
+
+    def _chain(self, rid: Hashable, tokens: Sequence[int], n_full: int) -> list[bytes]:
+        """Keys of the first n_full pages of the request's context, extending the ones computed before."""
+        keys = self._keys.setdefault(rid, [])
+        if n_full > len(keys):
+            start = len(keys) * self.page_size
+            keys += page_keys(tokens[start:], self.page_size, n_full - len(keys), keys[-1] if keys else ROOT)
+        return keys[:n_full]
+
     # ---- the user counts: the only code that changes them or the free stack ---------------------------------------
     def _take(self, group: int) -> int:
-        page = self._free[group].pop()
+        page = self._free[group].pop() if self._free[group] else self._index[group].evict()
         self._users[page] += 1
         return page
 
     def _drop(self, page: int) -> None:
         self._users[page] -= 1
         if self._users[page] == 0:
-            self._free[page // self.group_pages].append(page)
+            group = page // self.group_pages
+            if self._index[group].indexed(page):
+                self._index[group].park(page)
+            else:
+                self._free[group].append(page)
 
     # ---- views -----------------------------------------------------------------------------------------------------
     def owners(self) -> dict[Hashable, tuple[int, ...]]:
@@ -208,22 +301,26 @@ class CacheManager:
         return table
 
     def check(self) -> None:
-        """Verify the state: every page is either free (on its own group's stack once, no user) or listed by exactly
-        one request's table, which its user count matches, and every page a request lists is of the request's
-        group. Raises AssertionError naming the first page (or request) that is not."""
+        """Verify the state: every page is held (its user count is the number of tables listing it; a page listed by
+        several is indexed and at the same place in each, as its key fixes its position), cached (no user, indexed)
+        or free (no user, not indexed, on its own group's stack once), and every page a request lists or a group
+        indexes is of that group. Raises AssertionError naming the first page (or request) that is not."""
         holders: dict[int, list[Hashable]] = {}
+        place: dict[int, int] = {}
         for rid, pages in self._tables.items():
             if not 0 < len(pages) <= self.max_pages_per_request:
                 raise AssertionError(f"request {rid!r} holds {len(pages)} pages, outside "
                                      f"[1, {self.max_pages_per_request}]")
-            for page in pages:
+            group = self._group.get(rid)
+            for j, page in enumerate(pages):
                 if not 0 <= page < self.num_pages:
                     raise AssertionError(f"page {page} of request {rid!r} is outside the pool of {self.num_pages}")
-                group = self._group.get(rid)
                 if group is not None and page not in self.group_range(group):
                     raise AssertionError(f"page {page} of request {rid!r} is outside its group {group} "
                                          f"({self.group_range(group)})")
                 holders.setdefault(page, []).append(rid)
+                if place.setdefault(page, j) != j:
+                    raise AssertionError(f"page {page} is page {place[page]} of one request and {j} of {rid!r}")
         on_stack = [0] * self.num_pages
         for group, stack in enumerate(self._free):
             for page in stack:
@@ -231,14 +328,22 @@ class CacheManager:
                     raise AssertionError(f"free page {page} is on the stack of group {group} "
                                          f"({self.group_range(group)})")
                 on_stack[page] += 1
+        for group, index in enumerate(self._index):
+            stray = [page for page in index.pages() if page not in self.group_range(group)]
+            if stray:
+                raise AssertionError(f"pages {stray} are indexed by group {group} ({self.group_range(group)})")
         for page in range(self.num_pages):
             users = holders.get(page, [])
-            if len(users) > 1:
-                raise AssertionError(f"page {page} is held by several requests: {users!r}")
+            index = self._index[page // self.group_pages]
+            indexed, parked = index.indexed(page), index.parked(page)
             if self._users[page] != len(users):
                 raise AssertionError(f"page {page} counts {self._users[page]} users, held by {users!r}")
-            if on_stack[page] != (0 if users else 1):
-                state = f"held by {users[0]!r}" if users else "held by no request"
+            if len(users) > 1 and not indexed:
+                raise AssertionError(f"page {page} is held by several requests but not cached: {users!r}")
+            if parked != (indexed and not users):
+                raise AssertionError(f"page {page}: cached {parked}, indexed {indexed}, held by {users!r}")
+            if on_stack[page] != (0 if users or indexed else 1):
+                state = f"held by {users!r}" if users else ("cached" if indexed else "held by no request")
                 raise AssertionError(f"page {page} is on the free stack {on_stack[page]} times and {state}")
         if set(self._group) != set(self._tables):
             raise AssertionError(f"the requests with a group, {sorted(map(repr, self._group))}, are not those "

@@ -118,6 +118,9 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.9  # the share of device memory weights, activations and pages may use
     # prompt tokens prefilled per step (one chunk program); None: the engine's prefill chunk
     max_num_batched_tokens: int | None = None
+    # full pages of committed rows are indexed by their tokens and shared by later requests with the same prefix
+    # (`serving/prefix_cache.py`); off: every request computes its whole context
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         for name in ("max_slots", "max_context", "rounds_per_step", "max_stop_ids", "min_prompt_bucket",
@@ -199,6 +202,7 @@ class RequestRecord:
     num_draft_tokens: int  # tokens drafted and verified (B per DDTree round, L - 1 per chain round)
     error: str | None = None
     num_preemptions: int = 0  # times its pages were taken back and it was recomputed
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (usage's cached_tokens)
     submit_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float = 0.0
@@ -290,7 +294,8 @@ class ServingEngine:
         if len(self.stop_ids) > config.max_stop_ids:
             raise ValueError(f"max_stop_ids {config.max_stop_ids} is below the model's {len(self.stop_ids)} stop ids")
         self.num_pages = self._num_pages()
-        self.cache = CacheManager(self.num_pages, config.page_size, self.pages_per_request, self.groups)
+        self.cache = CacheManager(self.num_pages, config.page_size, self.pages_per_request, self.groups,
+                                  prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, max_slots=config.max_slots, chunk_tokens=self.chunk_tokens,
                                    buckets=self.buckets, prefill_sizes=self.prefill_sizes, row_slack=self.row_slack,
                                    max_rows=self.capacity)
@@ -539,6 +544,15 @@ class ServingEngine:
         return self.scheduler.num_preemptions
 
     @property
+    def prefix_cache_queries(self) -> int:
+        """Context tokens of every admission (vLLM's prefix_cache_queries), and the ones found in the cache."""
+        return self.scheduler.prefix_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.scheduler.prefix_hits
+
+    @property
     def has_work(self) -> bool:
         s = self.scheduler
         return bool(s.waiting) or bool(s.prefilling) or s.n_running > 0 or self._in_flight is not None
@@ -629,6 +643,7 @@ class ServingEngine:
                 new = packed[row, 2 + rounds: 2 + rounds + n_new].tolist()
                 r.tokens += new
                 events.append(TokenDelta(r.rid, new, now))
+                self.scheduler.committed(r)
             if finish != RUNNING:
                 self.scheduler.finish(self.scheduler.slots.index(r))  # its row is finished on the device already
                 events.append(self._record(r, FINISH_REASONS[finish]))
@@ -686,6 +701,7 @@ class ServingEngine:
         log.error("serving step failed: %s: %s", type(error).__name__, error)
         records = [self._record(r, "error", error=f"{type(error).__name__}: {error}")
                    for r in self.scheduler.clear() if not r.ended]
+        self.cache.clear_cache()  # the pool went with the table: no cached page holds its rows any more
         self._in_flight = None
         self.runner.reset()
         return records
@@ -695,6 +711,7 @@ class ServingEngine:
         return RequestRecord(request_id=r.rid, token_ids=list(r.tokens), finish_reason=reason,
                              prompt_tokens=len(r.prompt), accept_lengths=list(r.accept_lengths),
                              num_draft_tokens=r.num_draft_tokens, error=error, num_preemptions=r.num_preemptions,
+                             cached_tokens=r.cached_tokens,
                              submit_time=r.submit_time, first_token_time=r.first_token_time,
                              finish_time=time.perf_counter())
 

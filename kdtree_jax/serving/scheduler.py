@@ -4,6 +4,9 @@ Host only (no jax), over the cache manager's pages:
 - **Chunked prefill.** Each step prefills at most one chunk program: up to `chunk_tokens` prompt tokens, from
   requests that are part-way through their prompts first, then from the queue. A long prompt thus joins over several
   steps, and the running streams wait at most one chunk per step for it.
+- **Prefix hits.** A request from the queue first shares the cached pages its context starts with (the cache
+  manager's `match`, in the data group where the hit is longest) and prefills from their end; as its rows are
+  computed and committed, its full pages are indexed for later requests (`publish`).
 - **Admission by pages.** A waiting request starts prefilling when its first chunk's pages are free and a slot will
   be free for it when its prompt is done (running + prefilling <= slots); it takes pages chunk by chunk.
 - **Preemption.** Before each step every running request grows its pages to the rows that step may write. When the
@@ -51,6 +54,7 @@ class Request:
     context: list[int] = dataclasses.field(default_factory=list)  # what its prefill computes: prompt + tokens
     prefilled: int = 0  # rows of `context` in its pages
     num_preemptions: int = 0
+    cached_tokens: int = 0  # context tokens its first admission found in the prefix cache
     epoch: int = 0  # bumped at each preemption: a step queued before it carries tokens that will be recomputed
     group: int | None = None  # the data group it was admitted to; None while it waits
 
@@ -109,6 +113,8 @@ class Scheduler:
         self.prefilling: list[Request] = []  # admitted, their context not all in their pages yet
         self.slots: list[Request | None] = [None] * max_slots
         self.num_preemptions = 0
+        self.prefix_queries = 0  # context tokens of admissions, and how many of them were prefix hits (vLLM's count)
+        self.prefix_hits = 0
 
     # ---- bookkeeping ------------------------------------------------------------------------------------------
     @property
@@ -147,6 +153,7 @@ class Scheduler:
         for r in self.waiting:
             if r.rid == rid:
                 self.waiting.remove(r)
+                self.cache.free(rid)  # holds no pages; forgets the keys a prefix match computed
                 return r
         for r in self.prefilling:
             if r.rid == rid:
@@ -217,9 +224,10 @@ class Scheduler:
         candidates += list(self.waiting)[: max(room, 0)]
         if not candidates:
             return None, preempted
-        first = candidates[0]
-        bucket = self.bucket_for(min(len(first.context) - first.prefilled, self.chunk_tokens))
         groups = range(self.groups)
+        first = candidates[0]
+        start = first.prefilled if first not in self.waiting else max(self._hit_rows(first, g) for g in groups)
+        bucket = self.bucket_for(min(len(first.context) - start, self.chunk_tokens))
         free_slots = [[i for i in self.group_range(g) if self.slots[i] is None] for g in groups]
         load = [sum(r.group == g for r in self.running + self.prefilling) for g in groups]
         headroom = [0] * self.groups
@@ -233,24 +241,39 @@ class Scheduler:
             n = len(chunks[g])
             return blocked[g] or n == self.prefill_sizes[-1] or (n + 1) * bucket > max(self.chunk_tokens, bucket)
 
-        def fits(r: Request, g: int, rows: int, last: bool) -> bool:
-            """A request from the queue may start in group g with its chunk of `rows`."""
-            return (not full(g) and load[g] < self.group_slots and (free_slots[g] or not last)
-                    and self.cache.can_grow(r.rid, rows, g)
-                    and self.cache.pages_needed(r.rid, rows) + headroom[g] <= self.cache.free_in(g))
+        def start_in(r: Request, g: int) -> tuple[list[int], int, int, bool] | None:
+            """A request from the queue starting in group g: (its prefix hit there, first row, chunk tokens, whether
+            the chunk ends its context), or None when g cannot take it now (slots, pages, this step's tokens)."""
+            hit = self.cache.match(r.rid, r.context, g)
+            start = len(hit) * self.cache.page_size
+            n = min(len(r.context) - start, bucket)
+            last = start + n == len(r.context)
+            ok = (not full(g) and load[g] < self.group_slots and (free_slots[g] or not last)
+                  and self.cache.pages_for(start + n) <= self.cache.max_pages_per_request
+                  and self.cache.share_cost(hit, start + n) + headroom[g] <= self.cache.free_in(g))
+            return (hit, start, n, last) if ok else None
 
+        started: list[Request] = []
         for r in candidates:
             if all(map(full, groups)):
                 break
-            n = min(len(r.context) - r.prefilled, bucket)
-            last = r.prefilled + n == len(r.context)
             fresh = r in self.waiting
-            if fresh:
-                g = min((g for g in groups if fits(r, g, r.prefilled + n, last)),
-                        key=lambda g: (load[g], -self.cache.free_in(g), g), default=None)
+            if fresh:  # the group with the longest prefix hit, then the least loaded
+                options = {g: o for g in groups if (o := start_in(r, g)) is not None}
+                g = min(options, key=lambda g: (-options[g][1], load[g], -self.cache.free_in(g), g), default=None)
                 if g is None:
                     continue
+                hit, start, n, last = options[g]
+                self.cache.share(r.rid, hit, g)
+                r.prefilled = start
+                self.prefix_queries += len(r.context)
+                self.prefix_hits += start
+                if r.num_preemptions == 0:
+                    r.cached_tokens = start
+                started.append(r)
             else:
+                n = min(len(r.context) - r.prefilled, bucket)
+                last = r.prefilled + n == len(r.context)
                 g = r.group
                 if full(g) or (last and not free_slots[g]):
                     continue
@@ -270,11 +293,16 @@ class Scheduler:
             while mine and len(mine) not in self.prefill_sizes:  # a compiled row count: the rest wait a step
                 dropped.append(mine.pop())
         for chunk in sorted(dropped, key=lambda c: candidates.index(c.request), reverse=True):
-            if chunk.start == 0:  # not started after all: back to the queue, pages and all
-                self.cache.free(chunk.request.rid)
-                self.prefilling.remove(chunk.request)
-                chunk.request.group = None
-                self.waiting.appendleft(chunk.request)
+            r = chunk.request
+            if r in started:  # not started after all: back to the queue, pages, counts and all
+                self.cache.free(r.rid)
+                self.prefilling.remove(r)
+                self.prefix_queries -= len(r.context)
+                self.prefix_hits -= r.prefilled
+                if r.num_preemptions == 0:
+                    r.cached_tokens = 0
+                r.group, r.prefilled = None, 0
+                self.waiting.appendleft(r)
         size = max(map(len, chunks))
         if not size:
             return None, preempted
@@ -286,6 +314,7 @@ class Scheduler:
         ended already, `running` False, and leaves)."""
         r = chunk.request
         r.prefilled = chunk.start + chunk.n_valid
+        self.cache.publish(r.rid, r.context, r.prefilled)
         if not chunk.last:
             return
         self.prefilling.remove(r)
@@ -294,7 +323,16 @@ class Scheduler:
         else:
             self.cache.free(r.rid)
 
+    def _hit_rows(self, r: Request, group: int) -> int:
+        """Rows of a waiting request's context that the group's prefix cache holds now."""
+        return len(self.cache.match(r.rid, r.context, group)) * self.cache.page_size
+
     # ---- decode -----------------------------------------------------------------------------------------------
+    def committed(self, r: Request) -> None:
+        """The host has read the request's tokens: the rows before its last token are committed (the last one, the
+        next round's root, has no row yet), and its full pages among them enter the prefix cache."""
+        self.cache.publish(r.rid, [*r.prompt, *r.tokens], r.known_len - 1)
+
     def reserve(self, tokens_ahead: int) -> list[Request]:
         """Grow every running request's pages to the rows the next `tokens_ahead` committed tokens (and one
         round's scratch past them) may write; preempt the newest requests while the pool is short. Returns the
