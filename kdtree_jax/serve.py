@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of device memory weights, activations and pages may use; default: "
                         f"{SERVE_DEFAULTS['gpu_memory_utilization']}")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the full pages of a prompt (and of the replies) with later requests that start with "
+                        "the same tokens, so they skip prefilling them (--no-enable-prefix-caching: every request "
+                        "computes its whole prompt)")
     h = p.add_argument_group("server")
     h.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     h.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
@@ -256,7 +260,8 @@ def load_core(args) -> ServingEngine:
              if getattr(args, k) is not None}
     budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
     try:
-        core = ServingEngine(engine, ServeConfig(mode=args.mode, budget=budget, **given))
+        core = ServingEngine(engine, ServeConfig(mode=args.mode, budget=budget,
+                                                 enable_prefix_caching=args.enable_prefix_caching, **given))
     except ValueError as e:
         raise UsageError(str(e)) from None
     cfg = core.config

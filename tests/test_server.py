@@ -210,6 +210,36 @@ def test_response_carries_usage_and_speculative_stats(client, engine):
 
 
 @pytest.mark.heavy
+def test_a_repeated_prefix_is_reported_as_cached_tokens(client, base_url, engine):
+    """The second request that shares a long prefix reports the cached part in usage (OpenAI's
+    prompt_tokens_details.cached_tokens, streamed too) and in /metrics, and gives the same tokens as the first."""
+    shared = "".join(PROMPTS) * 5
+    assert len(engine.tokenizer.encode(shared)) > 2 * ServeConfig.page_size
+    first = client.completions.create(model=MODEL, prompt=shared, max_tokens=8, temperature=0)
+    before = _metrics(base_url)
+    again = client.completions.create(model=MODEL, prompt=shared, max_tokens=8, temperature=0)
+    after = _metrics(base_url)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    page = ServeConfig.page_size
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # no earlier request shares a full page of it
+    assert cached == (again.usage.prompt_tokens - 1) // page * page > 0
+    assert again.choices[0].text == first.choices[0].text
+    grew = {k: after[(k, ())] - before.get((k, ()), 0)
+            for k in ("kdtree:prefix_cache_queries_total", "kdtree:prefix_cache_hits_total")}
+    assert grew == {"kdtree:prefix_cache_queries_total": again.usage.prompt_tokens,
+                    "kdtree:prefix_cache_hits_total": cached}
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": shared}], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": shared}], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens == chat[-1].usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0  # the chat template's tokens come first
+    assert chat[-1].usage.prompt_tokens_details.cached_tokens == (chat[-1].usage.prompt_tokens - 1) // page * page
+
+
+@pytest.mark.heavy
 def test_stop_string_cuts_text_and_ends_request(client, reference):
     prompt = PROMPTS[0]
     full = reference.text(prompt)

@@ -143,8 +143,9 @@ class Job:
 
     def usage(self) -> dict:
         n = len(self.text.token_ids)
+        cached = self.record.cached_tokens if self.record is not None else 0
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(self.prompt_ids) + n}
+                "total_tokens": len(self.prompt_ids) + n, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def spec_decode(self) -> dict:
         """The request's speculative statistics, named as vLLM names them."""

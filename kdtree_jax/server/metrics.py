@@ -58,6 +58,10 @@ class ServerMetrics:
         gauge("num_free_pages", "Pages of the pool no request holds.", lambda: front.stats().free_pages)
         reg.register(_EngineCounter(PREFIX + "num_preemptions", "Requests preempted: pages given back, recomputed.",
                                     lambda: front.stats().num_preemptions, labels))
+        reg.register(_EngineCounter(PREFIX + "prefix_cache_queries", "Context tokens of admitted requests, looked up "
+                                    "in the prefix cache.", lambda: front.stats().prefix_cache_queries, labels))
+        reg.register(_EngineCounter(PREFIX + "prefix_cache_hits", "Context tokens found in the prefix cache (not "
+                                    "prefilled).", lambda: front.stats().prefix_cache_hits, labels))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests submitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_drafts = counter("spec_decode_num_drafts", "Speculative rounds (one draft verified each).")

@@ -49,12 +49,14 @@ class EngineStats:
     kv_cache_usage: float  # share of the page pool held by requests, 0..1
     num_preemptions: int
     taken: int = 0  # submits the engine has taken from its inbox, since it started
+    prefix_cache_queries: int = 0  # context tokens of admissions, and those found in the prefix cache
+    prefix_cache_hits: int = 0
 
     @classmethod
     def of(cls, core: ServingEngine, taken: int = 0) -> EngineStats:
         cache = core.cache
         return cls(core.n_running, core.n_waiting, cache.free_pages, cache.num_pages, cache.page_size, cache.usage,
-                   core.n_preemptions, taken)
+                   core.n_preemptions, taken, core.prefix_cache_queries, core.prefix_cache_hits)
 
 
 class RequestStream:
