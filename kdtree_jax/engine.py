@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,10 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from kdtree_jax import budget as budget_mod
+from kdtree_jax import constrain_device as cd
 from kdtree_jax import sampling
 from kdtree_jax.checkpoint_io import load_drafter_any, load_target_any, load_tokenizer_any
+from kdtree_jax.constrain import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary, TokenAutomaton
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
 from kdtree_jax.speculative import (
@@ -35,6 +38,7 @@ from kdtree_jax.speculative import (
     DecodeSpec,
     DecodeState,
     RequestRows,
+    choose_tokens,
     drafter_pass,
     is_stop_token,
     speculative_round,
@@ -48,11 +52,13 @@ from pallas_kernels.verify_attn import SM_COUNT
 # Device side: prefill and the round loop (pure functions of modules + state)
 # ---------------------------------------------------------------------------------------------------------------
 def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: jax.Array, keys: jax.Array,
-            params: RequestRows) -> DecodeState:
+            params: RequestRows, tables: cd.AutomatonTables | None = None,
+            start_state: jax.Array | None = None) -> DecodeState:
     """Fill the target (and drafter) caches from right-padded prompts and pick the first token.
 
     prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys, params: what each request asks
-    for. Chunks run through the verify path (absorbed MLA, causal mask, the verify_attn kernel) when the spec uses
+    for; tables + start_state [Bt]: each row's automaton start state (`cd.FREE_STATE`: unconstrained), which
+    constrains the first token. Chunks run through the verify path (absorbed MLA, causal mask, the verify_attn kernel) when the spec uses
     Pallas: a chunk at a traced start in plain MLA would expand every cache row through kv_b and materialise
     [Bt, H, chunk, S] scores (~17 GB per layer for K2.6 at batch 8 and 32k); the kernel streams the prefix instead.
     Without Pallas, plain MLA.
@@ -89,7 +95,10 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
     (cache, draft_cache, last), _ = jax.lax.scan(one_chunk, (cache, draft_cache, last0), jnp.arange(cap // chunk))
 
     first_keys = sampling.position_keys(jax.random.wrap_key_data(keys), (prompt_len - 1)[:, None])
-    first = sampling.choose(last[:, None, :], params.sampling, first_keys, spec.top_k_cap)[:, 0]
+    start = None if tables is None else start_state.astype(jnp.int32)
+    first = choose_tokens(last[:, None, :], params.sampling, first_keys, spec.top_k_cap, tables,
+                          None if start is None else start[:, None])[:, 0]
+    state_after = None if tables is None else cd.next_state(tables, start, first)
     tokens = jnp.zeros((bt, spec.capacity), jnp.int32).at[:, :cap].set(prompts)
     tokens = jax.vmap(lambda t, i, v: t.at[i].set(v))(tokens, prompt_len, first)
     is_stop = is_stop_token(first[:, None], params.stop_ids)[:, 0]
@@ -102,7 +111,9 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
     ids = jnp.zeros((bt, depth, k), jnp.int32)
     if drafter is not None:
         feat = jnp.zeros((bt, 1, drafter.cfg.feature_dim), cache.latent.dtype)
-        lp, ids, draft_cache = drafter_pass(spec, drafter, target, draft_cache, feat, jnp.zeros((bt,), jnp.int32), first)
+        first_allowed = None if tables is None else cd.allowed_mask(tables, state_after)
+        lp, ids, draft_cache = drafter_pass(spec, drafter, target, draft_cache, feat, jnp.zeros((bt,), jnp.int32), first,
+                                            first_allowed)
     return DecodeState(
         tokens=tokens,
         length=prompt_len.astype(jnp.int32),
@@ -117,22 +128,26 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
         params=params,
         round=jnp.int32(0),
         accept_len=jnp.zeros((bt, spec.max_rounds), jnp.int32),
+        constraint_state=state_after,
     )
 
 
-def decode_loop(spec: DecodeSpec, target, drafter, state: DecodeState, round_limit: jax.Array) -> DecodeState:
+def decode_loop(spec: DecodeSpec, target, drafter, state: DecodeState, round_limit: jax.Array,
+                tables: cd.AutomatonTables | None = None) -> DecodeState:
     """Rounds on the device until every request is done or `round_limit` rounds have run in total."""
 
     def cond(s: DecodeState):
         return (s.round < jnp.minimum(round_limit, spec.max_rounds)) & jnp.any(~s.done)
 
-    return jax.lax.while_loop(cond, functools.partial(speculative_round, spec, target, drafter), state)
+    body = functools.partial(speculative_round, spec, target, drafter, tables=tables)
+    return jax.lax.while_loop(cond, body, state)
 
 
-def generate_device(spec, target, drafter, prompts, prompt_len, keys, params) -> DecodeState:
+def generate_device(spec, target, drafter, prompts, prompt_len, keys, params, tables=None,
+                    start_state=None) -> DecodeState:
     """Prefill + every round: one compiled computation."""
-    state = prefill(spec, target, drafter, prompts, prompt_len, keys, params)
-    return decode_loop(spec, target, drafter, state, jnp.int32(spec.max_rounds))
+    state = prefill(spec, target, drafter, prompts, prompt_len, keys, params, tables, start_state)
+    return decode_loop(spec, target, drafter, state, jnp.int32(spec.max_rounds), tables)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,12 +203,15 @@ class DecodeOptions:
     budget: int | str = budget_mod.DEFAULT_BUDGET  # DDTree node budget B, or "auto"
     seed: int | Sequence[int] = 0  # one seed (request i draws from fold_in(seed, i)) or one per request
     chat: bool = False  # wrap each text prompt in the chat template as a user turn
+    # structured output: a ConstraintSpec or TokenAutomaton for every prompt, or a list of them (None: that prompt
+    # is free); the tables are data of the run (`constrain_device`), so no schema compiles a program
+    constraint: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
 class _PreparedRun:
     spec: DecodeSpec
-    inputs: tuple  # (prompts, prompt_len, keys, RequestRows) on the device
+    inputs: tuple  # (prompts, prompt_len, keys, RequestRows[, AutomatonTables, start states]) on the device
     budget_source: str
 
 
@@ -302,6 +320,8 @@ class Engine:
         else:
             self._drafter_graph, self._drafter_state = None, None
         self._compiled: dict = {}
+        self.constraint_caps = cd.TableCaps()  # device table shape of constrained runs (one compile per caps)
+        self._constraint_compiler: ConstraintCompiler | None = None
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -380,15 +400,19 @@ class Engine:
         """One of the three device programs of a batch generation for `spec` (cached)."""
         uses = spec.mode != "ar"
         if kind == "generate":
-            def fn(t_state, d_state, prompts, prompt_len, keys, params):
-                return generate_device(spec, *self.merged(t_state, d_state, uses), prompts, prompt_len, keys, params)
+            def fn(t_state, d_state, prompts, prompt_len, keys, params, *constraint):
+                return generate_device(spec, *self.merged(t_state, d_state, uses), prompts, prompt_len, keys, params,
+                                       *constraint)
         elif kind == "prefill":
-            def fn(t_state, d_state, prompts, prompt_len, keys, params):
-                return prefill(spec, *self.merged(t_state, d_state, uses), prompts, prompt_len, keys, params)
+            def fn(t_state, d_state, prompts, prompt_len, keys, params, *constraint):
+                return prefill(spec, *self.merged(t_state, d_state, uses), prompts, prompt_len, keys, params,
+                               *constraint)
         else:
-            def fn(t_state, d_state, state, round_limit):
-                return decode_loop(spec, *self.merged(t_state, d_state, uses), state, round_limit)
-        return self.compile(fn, args, (spec, kind), desc=f"{kind} ({spec.mode}, batch {spec.batch})",
+            def fn(t_state, d_state, state, round_limit, *tables):
+                return decode_loop(spec, *self.merged(t_state, d_state, uses), state, round_limit, *tables)
+        tables = [a for a in args if isinstance(a, cd.AutomatonTables)]
+        shapes = tuple(x.shape for x in jax.tree.leaves(tables))  # the caps: schemas are data
+        return self.compile(fn, args, (spec, kind, shapes) if shapes else (spec, kind), desc=f"{kind} ({spec.mode}, batch {spec.batch})",
                             donate=(2,) if kind == "rounds" else ())
 
     # ---- generate -----------------------------------------------------------------------------------------
@@ -396,7 +420,7 @@ class Engine:
                  **options) -> GenerationResult:
         """Generate for a batch of prompts (text or token ids; a bare string is one prompt); one compiled computation
         for all rounds. `options` are the fields of `DecodeOptions` (temperature, top_k, top_p, mode, budget, seed,
-        chat); budget "auto" is the measured best B for this device and batch size, or AR where the profile measured
+        chat, constraint); budget "auto" is the measured best B for this device and batch size, or AR where the profile measured
         AR faster (budget.py; `stats.mode` says what ran)."""
         run = self._prepare(prompts, DecodeOptions(max_new_tokens=max_new_tokens, **options))
         args = (*self.weights, *run.inputs)
@@ -423,7 +447,8 @@ class Engine:
         prefill_fn, compile_s = self._compile(spec, "prefill", *self.weights, *run.inputs)
         t0 = time.perf_counter()
         state = prefill_fn(*self.weights, *run.inputs)
-        rounds_fn, more = self._compile(spec, "rounds", *self.weights, state, jnp.int32(0))
+        tables = run.inputs[4:5]  # the constraint tables, if any
+        rounds_fn, more = self._compile(spec, "rounds", *self.weights, state, jnp.int32(0), *tables)
         compile_s += more
         t0 += more
         sent = np.zeros(spec.batch, np.int64)
@@ -432,7 +457,7 @@ class Engine:
             yield new
             if bool(jnp.all(state.done)) or int(state.round) >= spec.max_rounds:
                 break
-            state = rounds_fn(*self.weights, state, state.round + stream_every)
+            state = rounds_fn(*self.weights, state, state.round + stream_every, *tables)
         stream.result = self._result(spec, state, time.perf_counter() - t0, compile_s, run.budget_source)
 
     # ---- helpers ------------------------------------------------------------------------------------------
@@ -504,7 +529,40 @@ class Engine:
         stop = self.stop_ids
         rows = RequestRows.of([params] * len(ids), [max_new_tokens] * len(ids), [stop] * len(ids), len(stop))
         inputs = (jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(keys), jax.tree.map(jnp.asarray, rows))
-        return _PreparedRun(spec, inputs, source)
+        constraint = self.constraint_inputs(options.constraint, len(ids))
+        return _PreparedRun(spec, inputs + constraint, source)
+
+    def constraint_inputs(self, constraint, n: int) -> tuple:
+        """() without constraints, else (device tables padded to `constraint_caps`, start state [n] per prompt)."""
+        if constraint is None:
+            return ()
+        items = list(constraint) if isinstance(constraint, (list, tuple)) else [constraint] * n
+        if len(items) != n:
+            raise ValueError(f"constraint: got {len(items)} constraints for {n} prompts")
+        automata: list[TokenAutomaton | None] = []
+        for i, c in enumerate(items):
+            if c is None or isinstance(c, TokenAutomaton):
+                automata.append(c)
+            elif isinstance(c, ConstraintSpec):
+                automata.append(self.constraint_compiler().compile(c))
+            else:
+                raise ValueError(f"constraint {i} must be a ConstraintSpec, a TokenAutomaton or None, got "
+                                 f"{type(c).__name__}")
+        if all(a is None for a in automata):
+            return ()
+        distinct = list({id(a): a for a in automata if a is not None}.values())
+        tables, bases = cd.pack_tables(distinct, self.target.cfg.vocab_size, self.constraint_caps)
+        base_of = {id(a): b for a, b in zip(distinct, bases)}
+        start = np.array([cd.FREE_STATE if a is None else base_of[id(a)] for a in automata], np.int32)
+        return cd.to_device(tables), jnp.asarray(start)
+
+    def constraint_compiler(self) -> ConstraintCompiler:
+        """Compiles ConstraintSpecs over the tokenizer's vocabulary (made on first use)."""
+        if self._constraint_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("constraint: a ConstraintSpec needs a tokenizer; pass a TokenAutomaton instead")
+            self._constraint_compiler = ConstraintCompiler(ConstraintVocabulary.from_tokenizer(self.tokenizer))
+        return self._constraint_compiler
 
     def resolve_budget(self, budget: int | str, mode: str, batch: int) -> tuple[int, str]:
         """(B, source): an integer budget as given ("fixed"); "auto" -> the profile's choice for this batch size

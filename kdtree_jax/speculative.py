@@ -8,6 +8,7 @@ The drafter pass closes the round (instead of opening it) so that prefill can ha
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -15,11 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import cache_update, sampling
+from kdtree_jax import constrain_device as cd
 from kdtree_jax.drafter import DrafterCache, draft
 from kdtree_jax.model import LatentCache, forward_verify
 from pallas_kernels import verify_attn_mgpu
 from pallas_kernels.tree_accept import tree_accept
 from pallas_kernels.tree_build import Tree, topk_logprobs, tree_build
+from pallas_kernels.tree_build_masked import tree_build_masked
 
 MODES = ("ar", "chain", "ddtree")
 CACHE_ROW_ALIGN = verify_attn_mgpu.SEQ_ALIGN  # the wgmma verify kernel reads the cache by TMA in tiles of 8 rows
@@ -136,6 +139,9 @@ class DecodeState:
     params: RequestRows  # per-request decoding rule, token limit and stop ids
     round: jax.Array  # [] rounds run so far
     accept_len: jax.Array  # [Bt, max_rounds] acceptance length of each round (0 once finished)
+    # [Bt] int32 automaton state after the bonus (a global state of the round's `AutomatonTables`; FREE_STATE: no
+    # constraint); None: a program without constraints
+    constraint_state: jax.Array | None = None
 
     @property
     def bonus(self) -> jax.Array:
@@ -173,7 +179,31 @@ def chain_tree(draft_ids: jax.Array, bonus: jax.Array) -> Tree:
     )
 
 
-def make_tree(spec: DecodeSpec, state: DecodeState) -> Tree:
+def make_tree(spec: DecodeSpec, state: DecodeState, tables: cd.AutomatonTables | None = None
+              ) -> tuple[Tree, jax.Array | None]:
+    """The round's tree and, under constraints, each node's automaton state [Bt, N] (None without tables)."""
+    if tables is None:
+        return _unconstrained_tree(spec, state), None
+    root_state = state.constraint_state
+    if spec.mode == "ar":
+        return root_only_tree(state.bonus), root_state[:, None]
+    if spec.mode == "chain":
+        return constrained_chain(chain_tree(state.draft_ids, state.bonus), root_state, tables)
+    k = spec.tree_k
+
+    def masked(_):
+        return tree_build_masked(state.draft_lp[..., :k], state.draft_ids[..., :k], state.bonus, root_state,
+                                 budget=spec.budget, allowed=functools.partial(cd.allowed_bits, tables),
+                                 step=functools.partial(cd.next_state, tables))
+
+    def free(_):  # every row in the free state: the kernel's tree, whose nodes all stay free
+        return _unconstrained_tree(spec, state), jnp.full((state.bonus.shape[0], spec.n_slots), cd.FREE_STATE,
+                                                           jnp.int32)
+
+    return jax.lax.cond(cd.any_constrained(root_state), masked, free, None)
+
+
+def _unconstrained_tree(spec: DecodeSpec, state: DecodeState) -> Tree:
     if spec.mode == "ar":
         return root_only_tree(state.bonus)
     if spec.mode == "chain":
@@ -182,34 +212,71 @@ def make_tree(spec: DecodeSpec, state: DecodeState) -> Tree:
     return tree_build(state.draft_lp[..., :k], state.draft_ids[..., :k], state.bonus, budget=spec.budget)
 
 
-def drafter_pass(spec, drafter, target, draft_cache, ctx_hidden, n_ctx, bonus):
-    """Append the new context rows, draft the next block, keep its top-K per depth."""
+def constrained_chain(tree: Tree, root_state: jax.Array, tables: cd.AutomatonTables) -> tuple[Tree, jax.Array]:
+    """The chain cut before its first node that its parent's state does not allow -> (tree, node states)."""
+    states, valid, n_nodes = [root_state], jnp.ones_like(root_state, bool), jnp.zeros_like(tree.n_nodes)
+    for d in range(1, tree.tokens.shape[1]):
+        token = tree.tokens[:, d]
+        valid = valid & cd.allowed_bits(tables, states[-1], token)
+        states.append(jnp.where(valid, cd.next_state(tables, states[-1], token), states[-1]))
+        n_nodes = n_nodes + valid.astype(n_nodes.dtype)
+    return tree.replace(n_nodes=n_nodes), jnp.stack(states, axis=1)
+
+
+def choose_tokens(logits: jax.Array, rows: sampling.SamplingRows, keys: jax.Array, top_k_cap: int,
+                  tables: cd.AutomatonTables | None = None, node_states: jax.Array | None = None) -> jax.Array:
+    """`sampling.choose` over each slot's allowed tokens: the target's distribution restricted to what the slot's
+    state allows (greedy: the highest allowed logit, NaN as -inf, the lowest allowed id if all are -inf). Skipped
+    when every row is in the free state. logits [Bt, N, V], node_states [Bt, N] -> [Bt, N] int32."""
+    if tables is None:
+        return sampling.choose(logits, rows, keys, top_k_cap)
+
+    def masked(_):
+        x = cd.mask_logits(logits, tables, node_states)
+        pick = sampling.choose(x, rows, keys, top_k_cap)
+        dead = jnp.all(x == -jnp.inf, axis=-1)
+        return jnp.where(dead, cd.first_allowed_token(tables, node_states), pick)
+
+    return jax.lax.cond(cd.any_constrained(node_states), masked,
+                        lambda _: sampling.choose(logits, rows, keys, top_k_cap), None)
+
+
+def drafter_pass(spec, drafter, target, draft_cache, ctx_hidden, n_ctx, bonus, first_allowed=None):
+    """Append the new context rows, draft the next block, keep its top-K per depth. `first_allowed` [Bt, V] bool:
+    the tokens the root's state allows, the only candidates kept at depth 1 (deeper states depend on the node)."""
     logits, draft_cache = draft(
         drafter, draft_cache, ctx_hidden, n_ctx, bonus, target.embed_table(), target.lm_head_table(),
         mask_token_id=spec.mask_token_id,
     )
+    if first_allowed is not None and logits.shape[1] > 0:
+        logits = logits.at[:, 0].set(jnp.where(first_allowed, logits[:, 0], -jnp.inf))
     with jax.named_scope("topk"):
         lp, ids = topk_logprobs(logits, spec.top_k)
     return lp, ids, draft_cache
 
 
-def speculative_round(spec: DecodeSpec, target, drafter, state: DecodeState) -> DecodeState:
-    """One round for every request in the batch; finished requests are carried unchanged."""
+def speculative_round(spec: DecodeSpec, target, drafter, state: DecodeState,
+                      tables: cd.AutomatonTables | None = None) -> DecodeState:
+    """One round for every request in the batch; finished requests are carried unchanged. With `tables` each row
+    decodes under the automaton its `constraint_state` lies in."""
     with jax.named_scope("round/tree"):
-        tree = make_tree(spec, state)
-    new, out, acc = verify_and_commit(spec, target, state, tree)
+        tree, node_states = make_tree(spec, state, tables)
+    new, out, acc = verify_and_commit(spec, target, state, tree, tables, node_states)
     if spec.mode == "ar":
         return new
     with jax.named_scope("round/draft"):
         ctx = cache_update.gather_slots(out.hidden, acc.path)
         n_ctx = jnp.where(state.done, 0, acc.n_accepted)
-        lp, ids, draft_cache = drafter_pass(spec, drafter, target, state.draft_cache, ctx, n_ctx, new.bonus)
+        first = None if tables is None else cd.allowed_mask(tables, new.constraint_state)
+        lp, ids, draft_cache = drafter_pass(spec, drafter, target, state.draft_cache, ctx, n_ctx, new.bonus, first)
     return new.replace(draft_cache=draft_cache, draft_lp=lp, draft_ids=ids)
 
 
-def verify_and_commit(spec: DecodeSpec, target, state: DecodeState, tree: Tree):
+def verify_and_commit(spec: DecodeSpec, target, state: DecodeState, tree: Tree,
+                      tables: cd.AutomatonTables | None = None, node_states: jax.Array | None = None):
     """Verify `tree`, pick the target's tokens, walk, compact the cache and commit: the round up to the drafter.
-    Returns (state, the target's forward output, the walk)."""
+    With `tables`, each slot picks among its state's allowed tokens (`node_states` [Bt, N]) and the row's state
+    moves along the accepted path and the bonus. Returns (state, the target's forward output, the walk)."""
     with jax.named_scope("round/verify"):
         positions = state.length[:, None] + tree.depths
         out = forward_verify(
@@ -218,7 +285,7 @@ def verify_and_commit(spec: DecodeSpec, target, state: DecodeState, tree: Tree):
         )
     with jax.named_scope("round/sample"):
         keys = sampling.position_keys(jax.random.wrap_key_data(state.keys), positions)
-        choice = sampling.choose(out.logits, state.params.sampling, keys, spec.top_k_cap)
+        choice = choose_tokens(out.logits, state.params.sampling, keys, spec.top_k_cap, tables, node_states)
     with jax.named_scope("round/accept"):
         acc = tree_accept(choice, tree.tokens, tree.parents, tree.n_nodes, max_depth=spec.depth)
     with jax.named_scope("round/cache_update"):
@@ -226,6 +293,10 @@ def verify_and_commit(spec: DecodeSpec, target, state: DecodeState, tree: Tree):
                                                                       out.cache.page_table))
         emitted = cache_update.emitted_tokens(tree.tokens, acc.path, acc.n_accepted, acc.bonus)
         new = commit(state, emitted, acc.n_accepted, nonfinite_slots(out.logits, tree))
+        if tables is not None:
+            last = jnp.take_along_axis(acc.path, (acc.n_accepted - 1)[:, None], axis=1)  # deepest accepted slot
+            moved = cd.next_state(tables, jnp.take_along_axis(node_states, last, axis=1)[:, 0], acc.bonus)
+            new = new.replace(constraint_state=jnp.where(state.done, state.constraint_state, moved))
     return new.replace(cache=cache), out, acc
 
 

@@ -74,3 +74,59 @@ def topk_logprobs_ref(logits, k: int):
     logz = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
     order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
     return np.take_along_axis(x, order, -1) - logz, order.astype(np.int32)
+
+
+def build_one_masked(lp: np.ndarray, ids: np.ndarray, root: int, root_state: int, budget: int, is_allowed,
+                     next_state):
+    """`build_one` under a token automaton: a candidate enters the heap only if its parent's state allows its
+    token, and each node's state is next_state(parent state, token). Returns build_one's tuple + states [N]."""
+    lp = np.asarray(lp, np.float32)
+    depth_cap, k = lp.shape
+    n = 1 + budget
+    tokens = np.zeros(n, np.int32)
+    parents = np.full(n, -1, np.int32)
+    depths = np.zeros(n, np.int32)
+    states = np.full(n, root_state, np.int64)
+    tokens[0] = root
+
+    def allowed_ranks(state, depth):  # depth is 1-based
+        return [r for r in range(k) if is_allowed(state, int(ids[depth - 1, r]))]
+
+    heap = []
+
+    def push_first(parent, pscore, depth, after, path):
+        """The first allowed rank after `after` at `depth` for a child of slot `parent`."""
+        later = [r for r in allowed_ranks(int(states[parent]), depth) if r > after]
+        if later:
+            r = later[0]
+            s = np.float32(pscore + lp[depth - 1, r])
+            heapq.heappush(heap, (-float(s), path + (r,), depth, r, parent, pscore))
+
+    if budget > 0 and depth_cap > 0 and k > 0:
+        push_first(0, np.float32(0.0), 1, -1, ())
+    count = 0
+    while heap and count < budget:
+        neg, path, depth, rank, parent, pscore = heapq.heappop(heap)
+        score = np.float32(-neg)
+        count += 1
+        tokens[count] = ids[depth - 1, rank]
+        parents[count] = parent
+        depths[count] = depth
+        states[count] = next_state(int(states[parent]), int(tokens[count]))
+        push_first(parent, pscore, depth, rank, path[:-1])
+        if depth < depth_cap:
+            push_first(count, score, depth + 1, -1, path)
+    vis = np.eye(n, dtype=bool)
+    for i in range(1, count + 1):
+        vis[i] |= vis[parents[i]]
+    return tokens, parents, depths, count, vis, states
+
+
+def tree_build_masked_ref(lp, ids, root, root_state, *, budget: int, is_allowed, next_state):
+    """Batched `build_one_masked` -> (TreeNp, states [Bt, N]). is_allowed(state, token) -> bool and
+    next_state(state, token) -> int are the automaton's host lookups."""
+    lp, ids, root, root_state = (np.asarray(x) for x in (lp, ids, root, root_state))
+    outs = [build_one_masked(lp[b], ids[b], int(root[b]), int(root_state[b]), budget, is_allowed, next_state)
+            for b in range(lp.shape[0])]
+    tokens, parents, depths, n_nodes, vis, states = (np.stack(x) for x in zip(*outs))
+    return TreeNp(tokens, parents, depths, n_nodes.astype(np.int32), vis), states

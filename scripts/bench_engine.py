@@ -4,6 +4,9 @@ Every mode runs the same prompts in the same compile mode (one jitted generation
 excluded (each spec is compiled and run once before it is timed). Greedy outputs must be identical across modes.
 
     python scripts/bench_engine.py --out bench_engine.json --plot bench_engine.png
+
+`--json-schema` decodes every mode under a JSON schema (structured output; the speedup column is then constrained
+ddtree over constrained ar).
 """
 from __future__ import annotations
 
@@ -40,16 +43,16 @@ def load_prompts(path: str, tokenizer, n: int, prompt_tokens: int) -> list[list[
     return out
 
 
-def run_mode(engine, prompts, batch, mode, budget, max_new, repeats):
+def run_mode(engine, prompts, batch, mode, budget, max_new, repeats, constraint=None):
     """Compile + warm once, then time `repeats` passes over all prompts; returns stats and token ids."""
     batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    engine.generate(batches[0], max_new, mode=mode, budget=budget)  # compile + warm-up
+    engine.generate(batches[0], max_new, mode=mode, budget=budget, constraint=constraint)  # compile + warm-up
     walls, tokens, accept, ids = [], 0, [], []
     for rep in range(repeats):
         wall = 0.0
         for b in batches:
             t0 = time.perf_counter()
-            res = engine.generate(b, max_new, mode=mode, budget=budget)
+            res = engine.generate(b, max_new, mode=mode, budget=budget, constraint=constraint)
             wall += time.perf_counter() - t0
             if rep == 0:
                 tokens += res.stats.generated_tokens
@@ -99,7 +102,21 @@ def main() -> None:
     p.add_argument("--budgets", default="16,32,64,128,256")
     p.add_argument("--out", default=None, help="write all rows as JSON")
     p.add_argument("--plot", default=None, help="PNG: acceptance length and speedup vs budget")
+    p.add_argument("--json-schema", default=None,
+                   help="constrain every mode to this JSON schema (its text, or a path to a .json file)")
     args = p.parse_args()
+    constraint = None
+    if args.json_schema is not None:
+        from kdtree_jax.constrain import ConstraintSpec
+
+        text = args.json_schema
+        if os.path.isfile(text):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        try:
+            constraint = ConstraintSpec.json_schema(text)
+        except ValueError as e:
+            p.error(f"--json-schema: {e}")
 
     import jax
 
@@ -108,11 +125,11 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     rows = []
     for batch in map(int, args.batches.split(",")):
-        ar_row, ar_ids = run_mode(engine, prompts, batch, "ar", 0, args.max_new_tokens, args.repeats)
+        ar_row, ar_ids = run_mode(engine, prompts, batch, "ar", 0, args.max_new_tokens, args.repeats, constraint)
         rows.append(ar_row)
         plan = [("chain", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
         for mode, budget in plan:
-            row, ids = run_mode(engine, prompts, batch, mode, budget, args.max_new_tokens, args.repeats)
+            row, ids = run_mode(engine, prompts, batch, mode, budget, args.max_new_tokens, args.repeats, constraint)
             row["identical_to_ar"] = ids == ar_ids
             row.update(agreement(ids, ar_ids))
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar_row["tokens_per_s"]
@@ -122,7 +139,7 @@ def main() -> None:
                   f"({row['prompts_identical']}/{len(prompts)} prompts; others differ from token "
                   f"{row['first_difference_at']})", flush=True)
     print(f"\n### {device}, {args.dtype}, {args.n_prompts} prompts x {args.prompt_tokens} tokens, "
-          f"{args.max_new_tokens} new tokens, greedy\n")
+          f"{args.max_new_tokens} new tokens, greedy{', JSON schema' if constraint else ''}\n")
     print("| batch | mode | B | tokens/s | mean acceptance | speedup vs ar | identical to ar | prompts identical |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,0 +1,144 @@
+"""Token automata on the device: one table pytree that holds every constrained row's automaton, and the lookups a
+round needs (the allowed bits of a node's state, the next state, masked logits).
+
+Layout (`AutomatonTables`, padded to `STATES_CAP` states and `EXCEPTIONS_CAP` exceptions, so that any constraint
+that fits runs in the programs already compiled: the automaton is data, not a constant):
+- global state 0 is `FREE_STATE`: every token allowed, every token leads back to it. A row without a constraint
+  sits there, and a round with no row outside it skips the masking (`any_constrained`).
+- automaton i occupies the states [base_i, base_i + S_i) (its start state is base_i); states past the last one
+  are free states too.
+- `allowed [S, W] uint32`: bit t % 32 of word t // 32 is set iff token t may follow in that state.
+- `default_next [S] int32` and the exceptions `exc_keys [E]`, `exc_next [E]`: the next state of (s, t) is
+  exc_next[i] where exc_keys[i] == s * V + t, else default_next[s]. The keys ascend (automata are laid out in
+  state order, each state's exceptions by token), so the lookup is one binary search of fixed depth log2(E); pads
+  hold `KEY_PAD`, above every real key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax.constrain import WORD_BITS, ConstraintTooLarge, TokenAutomaton
+
+STATES_CAP = 1024  # global states (all rows' automata + the free state); a table of V / 8 bytes each
+EXCEPTIONS_CAP = 1 << 18  # global exception entries (tokens whose next state is not their state's default)
+FREE_STATE = 0
+KEY_PAD = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class TableCaps:
+    """The shape of the device tables; a program compiles once per caps."""
+
+    states: int = STATES_CAP
+    exceptions: int = EXCEPTIONS_CAP
+
+    def __post_init__(self):
+        if self.states < 2:
+            raise ValueError(f"constraint states cap must be >= 2 (the free state and one more), got {self.states}")
+        if self.exceptions < 1:
+            raise ValueError(f"constraint exceptions cap must be >= 1, got {self.exceptions}")
+
+
+@flax.struct.dataclass
+class AutomatonTables:
+    """Every row's automaton in one global state space (layout in the module docstring)."""
+
+    allowed: jax.Array  # [S, W] uint32 allowed-token bits per state
+    default_next: jax.Array  # [S] int32
+    exc_keys: jax.Array  # [E] int32 ascending state * V + token; KEY_PAD pads
+    exc_next: jax.Array  # [E] int32
+    vocab_size: int = flax.struct.field(pytree_node=False, default=0)
+
+
+def pack_tables(automata: Sequence[TokenAutomaton], vocab_size: int, caps: TableCaps = TableCaps()
+                ) -> tuple[AutomatonTables, list[int]]:
+    """Lay distinct automata out one after another behind the free state -> (numpy tables, start state of each).
+    A ConstraintTooLarge names the cap that is exceeded."""
+    words = -(-vocab_size // WORD_BITS)
+    if caps.states * vocab_size > KEY_PAD:
+        raise ValueError(f"constraint states cap {caps.states} x vocab {vocab_size} overflows the int32 exception keys")
+    for a in automata:
+        if a.vocab_size != vocab_size:
+            raise ValueError(f"constraint {a.spec.describe()} is over a vocabulary of {a.vocab_size} tokens; the "
+                             f"model has {vocab_size}")
+    n_states = 1 + sum(a.num_states for a in automata)
+    n_exc = sum(a.exc_tokens.size for a in automata)
+    if n_states > caps.states:
+        raise ConstraintTooLarge(f"constraint: {n_states} states in all (free state included) exceed the states cap "
+                                 f"of {caps.states} (kdtree_jax.constrain_device.STATES_CAP)")
+    if n_exc > caps.exceptions:
+        raise ConstraintTooLarge(f"constraint: {n_exc} transition exceptions in all exceed the exceptions cap of "
+                                 f"{caps.exceptions} (kdtree_jax.constrain_device.EXCEPTIONS_CAP)")
+    allowed = np.zeros((caps.states, words), np.uint32)
+    allowed[:] = np.uint32(0xFFFFFFFF)  # free states: every token (bits past V are never read)
+    default_next = np.full(caps.states, FREE_STATE, np.int32)
+    exc_keys = np.full(caps.exceptions, KEY_PAD, np.int32)
+    exc_next = np.zeros(caps.exceptions, np.int32)
+    bases, base, at = [], 1, 0
+    for a in automata:
+        s = a.num_states
+        allowed[base:base + s] = a.allowed
+        own = np.arange(base, base + s, dtype=np.int32)
+        default_next[base:base + s] = np.where(a.default_next >= 0, a.default_next + base, own)  # -1: no edges
+        owner = np.repeat(np.arange(s, dtype=np.int64), np.diff(a.exc_offsets))  # state of each exception
+        e = a.exc_tokens.size
+        exc_keys[at:at + e] = (owner + base) * vocab_size + a.exc_tokens
+        exc_next[at:at + e] = a.exc_next + base
+        bases.append(base)
+        base, at = base + s, at + e
+    return AutomatonTables(allowed, default_next, exc_keys, exc_next, vocab_size), bases
+
+
+def empty_tables(vocab_size: int, caps: TableCaps = TableCaps()) -> AutomatonTables:
+    """Tables with only free states: what a table of unconstrained rows holds before any constraint arrives."""
+    return pack_tables([], vocab_size, caps)[0]
+
+
+def to_device(tables: AutomatonTables) -> AutomatonTables:
+    return jax.tree.map(jnp.asarray, tables)
+
+
+# ---- lookups (jnp; any leading shape) -------------------------------------------------------------------------
+def allowed_bits(tables: AutomatonTables, states: jax.Array, tokens: jax.Array) -> jax.Array:
+    """bool, broadcast of states and tokens: token allowed in state."""
+    word = tables.allowed[states, tokens // WORD_BITS]
+    return ((word >> (tokens % WORD_BITS).astype(jnp.uint32)) & 1).astype(bool)
+
+
+def allowed_mask(tables: AutomatonTables, states: jax.Array) -> jax.Array:
+    """states [...] -> [..., V] bool."""
+    words = tables.allowed[states]  # [..., W]
+    bits = (words[..., None] >> jnp.arange(WORD_BITS, dtype=jnp.uint32)) & 1
+    return bits.reshape(*states.shape, -1)[..., :tables.vocab_size].astype(bool)
+
+
+def next_state(tables: AutomatonTables, states: jax.Array, tokens: jax.Array) -> jax.Array:
+    """int32, broadcast of states and tokens: the state after `token` (meaningful where it is allowed)."""
+    states, tokens = jnp.broadcast_arrays(states.astype(jnp.int32), tokens.astype(jnp.int32))
+    key = states * tables.vocab_size + tokens
+    keys = tables.exc_keys
+    i = jnp.searchsorted(keys, key, side="left", method="scan_unrolled")
+    i = jnp.minimum(i, keys.shape[0] - 1)
+    return jnp.where(keys[i] == key, tables.exc_next[i], tables.default_next[states]).astype(jnp.int32)
+
+
+def any_constrained(states: jax.Array) -> jax.Array:
+    """[] bool: some row is outside the free state (the masks then do something)."""
+    return jnp.any(states != FREE_STATE)
+
+
+def mask_logits(logits: jax.Array, tables: AutomatonTables, states: jax.Array) -> jax.Array:
+    """logits [..., V], states [...] -> logits with disallowed tokens (and NaN) at -inf."""
+    ok = allowed_mask(tables, states) & ~jnp.isnan(logits)
+    return jnp.where(ok, logits, -jnp.inf)
+
+
+def first_allowed_token(tables: AutomatonTables, states: jax.Array) -> jax.Array:
+    """[...] int32: the lowest allowed token id (the greedy pick when every allowed logit is -inf)."""
+    return jnp.argmax(allowed_mask(tables, states), axis=-1).astype(jnp.int32)
