@@ -1,6 +1,10 @@
 """Count whole-cache copies in the compiled decode loop (one DDTree round per iteration).
 
     python benchmarks/hlo_cache_copies.py [--mode ddtree] [--no-pallas]
+    python benchmarks/hlo_cache_copies.py --serving [--mode ddtree]
+
+With --serving it compiles the serving engine's step program instead (the shipped pair, 4 slots over a page pool)
+and lists every copy of an array shaped like either page pool (the latent's, the drafter's K/V).
 
 Compiles the engine's decode loop for a small random pair on the current backend and lists every `copy` of an
 array shaped like the latent cache [L, Bt, S, A], with the computation it sits in and the op that produced its
@@ -58,14 +62,46 @@ def cache_copies(mode: str, use_pallas: bool, batch: int = 3) -> list[tuple[str,
     return found
 
 
+def pool_copies(text: str, shapes) -> list[tuple[str, str]]:
+    """(computation, line) of every `copy` in compiled HLO `text` whose result has one of `shapes`."""
+    found, computation = [], ""
+    wanted = ["[" + ",".join(map(str, s)) + "]" for s in shapes]
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            computation = line.split(" ")[1] if line.startswith("ENTRY") else line.split(" ")[0]
+        if any(w in line for w in wanted) and re.search(r"\bcopy\(", line):
+            found.append((computation, line.strip()[:160]))
+    return found
+
+
+def serving_copies(mode: str) -> list[tuple[str, str]]:
+    """Pool copies in the serving engine's compiled step program (4 slots, the shipped pair)."""
+    from kdtree_jax.serving import ServeConfig, ServingEngine
+    from kdtree_jax.serving.programs import StepKind
+
+    ck = os.path.join(ROOT, "checkpoints", "kdtree-mini")
+    pair = Engine.load(os.path.join(ck, "target"), os.path.join(ck, "drafter"))
+    core = ServingEngine(pair, ServeConfig(max_slots=4, max_context=512, mode="ddtree", step_widths=(4,),
+                                           budget=16 if mode == "ddtree" else "ar", rounds_per_step=2))
+    kind = StepKind("ddtree", 16) if mode == "ddtree" else StepKind("ar")
+    table = core.runner.table
+    shapes = [table.cache.latent.shape, table.draft_cache.k.shape]
+    return pool_copies(core.runner._program("step", (kind, 4)).as_text(), shapes)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="ddtree", choices=("ar", "chain", "ddtree"))
     p.add_argument("--no-pallas", action="store_true")
+    p.add_argument("--serving", action="store_true", help="the serving engine's step program over its page pools")
     args = p.parse_args(argv)
-    found = cache_copies(args.mode, not args.no_pallas)
-    print(f"{len(found)} whole-cache copies in the compiled decode loop ({jax.default_backend()}, {args.mode}, "
-          f"pallas={not args.no_pallas})")
+    if args.serving:
+        found = serving_copies(args.mode)
+        print(f"{len(found)} whole-pool copies in the serving step program ({jax.default_backend()}, {args.mode})")
+    else:
+        found = cache_copies(args.mode, not args.no_pallas)
+        print(f"{len(found)} whole-cache copies in the compiled decode loop ({jax.default_backend()}, {args.mode}, "
+              f"pallas={not args.no_pallas})")
     for computation, line in found:
         print(f"  in {computation}: {line}")
     return found

@@ -48,6 +48,10 @@
 #   serving-http    the OpenAI server, one per config (ar, ddtree-16, auto), at concurrency 1-32; against $SERVING_JSON
 #                   (default $OUT/serving.json, the serving target's) for the HTTP layer's cost; the two targets
 #                   together take about 10 minutes on one H200 from a cold compilation cache
+#   serving-process  the OpenAI server with its engine in its own process (auto) at concurrency 8-32 against the
+#                   in-process engine on the same table, in one call: the HTTP + process boundary's cost
+#   multi-turn      the multi-turn trace (scripts/bench_serving.py --trace multi-turn): prefix hit rate and TTFT for
+#                   ar and ddtree, prefix caching off and on
 #
 # Run from anywhere on the GPU machine; PYTHONPATH is set to the repository here.
 set -uo pipefail
@@ -59,6 +63,7 @@ mkdir -p "$OUT"
 
 # one table for the in-process and HTTP runs: identical programs, so the compilation cache serves both
 SERVING_TABLE="--max-slots 16 --max-context 192 --min-prompt-bucket 64 --step-widths 1,4,8,16 --rounds-per-step 8"
+PROCESS_TABLE="--max-slots 32 --max-context 192 --min-prompt-bucket 64 --step-widths 8,16,32 --rounds-per-step 8"
 export KDTREE_COMPILATION_CACHE=${KDTREE_COMPILATION_CACHE:-$PWD/.xla-cache}
 
 serving_http() {
@@ -183,6 +188,12 @@ target() {
         --out "$OUT/serving.json" ;;
     serving-vs-base) serving_vs_base ;;
     serving-http) serving_http ;;
+    serving-process) "$PY" scripts/bench_serving.py --configs auto --concurrency 8,16,32 $PROCESS_TABLE \
+            --out "$OUT/serving_inprocess.json" &&
+        "$PY" scripts/bench_serving.py --serve "--mode ddtree --budget auto $PROCESS_TABLE" --concurrency 8,16,32 \
+            --label auto --extra-body '{"return_token_ids": true}' --compare "$OUT/serving_inprocess.json:auto" \
+            --out "$OUT/http_engine_process.json" ;;
+    multi-turn) "$PY" scripts/bench_serving.py --trace multi-turn --out "$OUT/multi_turn.json" ;;
     *) echo "unknown target: $1 (see the list at the top of $0)" >&2; return 2 ;;
     esac
 }
