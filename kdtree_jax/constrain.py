@@ -12,6 +12,13 @@ every token's bytes through the regex's DFA. The result is flattened into `Token
   exceptions are few where a dense `[S, V]` table would be 640 KiB a state at Kimi's V = 163,840.
 - `final [S] bool`; state 0 is the start. A stop token leaves the state unchanged.
 
+Special tokens never spell constrained text, except the ones a constraint names as `markers`: marker i is spelled by
+the control character chr(MARKER_CHAR_BASE + i) in the regex and in a vocabulary built for those markers, where the
+special token is that character and every ordinary token containing one of the marker characters is left out. So a
+marker matches only its special token, never ordinary text spelling the same characters, and JSON (whose strings
+and structure never hold raw control characters) loses no token to it. Kimi's tool-call section is a regex of this
+kind (`<|tool_call_begin|>` and the rest are special tokens around JSON arguments).
+
 States are capped (`MAX_STATES`, per compile) because each costs V / 8 bytes of mask; past the cap the compile
 fails with a `ConstraintTooLarge` that names the constraint. Compiled automata are cached by the constraint's text.
 """
@@ -35,6 +42,8 @@ JSON_WHITESPACE = r"[ ]?"  # between JSON tokens: one optional space keeps autom
 JSON_OBJECT_DEPTH = 2  # `json_object`: objects / arrays nest this deep in all (a regex has no stack; 3 compiles 40x slower)
 SPEC_PREVIEW_CHARS = 120  # how much of a constraint's text an error message quotes
 KINDS = ("regex", "json_schema", "json_object", "choice")
+MARKER_CHAR_BASE = 0x01  # marker i of a constraint is chr(MARKER_CHAR_BASE + i): control characters JSON never holds
+MAX_MARKERS = 8  # \x01..\x08
 # characters that have a meaning in outlines-core's (Rust) regex syntax, escaped in choice literals
 REGEX_META = set(r"\.+*?()|[]{}^$#&-~")
 
@@ -49,12 +58,20 @@ class ConstraintSpec:
 
     kind: str  # one of KINDS
     text: str  # regex pattern, schema JSON, "" for json_object, JSON list of choices
+    markers: tuple[str, ...] = ()  # special tokens the regex spells as `marker(i)` (module docstring)
 
     @classmethod
-    def regex(cls, pattern: str) -> ConstraintSpec:
+    def regex(cls, pattern: str, markers: Sequence[str] = ()) -> ConstraintSpec:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"regex: must be a non-empty string, got {pattern!r}")
-        return cls("regex", pattern)
+        if len(markers) > MAX_MARKERS or len(set(markers)) != len(markers):
+            raise ValueError(f"regex: at most {MAX_MARKERS} distinct markers, got {tuple(markers)!r}")
+        return cls("regex", pattern, tuple(markers))
+
+    @staticmethod
+    def marker(i: int) -> str:
+        """The regex that matches marker i (the special token `markers[i]`)."""
+        return f"\\x{{{MARKER_CHAR_BASE + i:02X}}}"
 
     @classmethod
     def json_schema(cls, schema: str | dict[str, Any]) -> ConstraintSpec:
@@ -152,33 +169,54 @@ def _json_object_regex(depth: int) -> str:
     return obj(value)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ConstraintVocabulary:
     """The model's vocabulary as outlines-core sees it: the bytes of every ordinary token (special tokens never
-    spell constrained text), plus the stop tokens a final state allows."""
+    spell constrained text unless a constraint names them as markers), plus the stop tokens a final state allows."""
 
     vocab_size: int
     stop_ids: tuple[int, ...]
     index_vocab: Vocabulary
+    by_bytes: dict[bytes, list[int]] = dataclasses.field(default_factory=dict, repr=False)
+    special_ids: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)  # marker name -> token id
+    _with_markers: dict = dataclasses.field(default_factory=dict, repr=False)  # markers -> Vocabulary
 
     @classmethod
-    def from_token_bytes(cls, token_bytes: Sequence[bytes], vocab_size: int, stop_ids: Sequence[int]
-                         ) -> ConstraintVocabulary:
+    def from_token_bytes(cls, token_bytes: Sequence[bytes], vocab_size: int, stop_ids: Sequence[int],
+                         special_ids: dict[str, int] | None = None) -> ConstraintVocabulary:
         """`token_bytes[i]` spells token i (ids past len(token_bytes) are special); stop ids lie in
-        [len(token_bytes), vocab_size)."""
+        [len(token_bytes), vocab_size); `special_ids`: the special tokens a constraint may name as markers."""
         if not stop_ids or not all(len(token_bytes) <= s < vocab_size for s in stop_ids):
             raise ValueError(f"stop_ids {tuple(stop_ids)} must be special ids in [{len(token_bytes)}, {vocab_size})")
         by_bytes: dict[bytes, list[int]] = {}
         for i, b in enumerate(token_bytes):
             if b:
                 by_bytes.setdefault(b, []).append(i)
-        return cls(vocab_size, tuple(sorted(stop_ids)), Vocabulary(min(stop_ids), by_bytes))
+        specials = {k: v for k, v in (special_ids or {}).items() if v not in stop_ids}
+        return cls(vocab_size, tuple(sorted(stop_ids)), Vocabulary(min(stop_ids), by_bytes), by_bytes, specials)
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> ConstraintVocabulary:
-        """From a `KimiTokenizer`: ordinary tokens below its special base, its chat stop ids."""
+        """From a `KimiTokenizer`: ordinary tokens below its special base, its chat stop ids, its special tokens."""
         return cls.from_token_bytes([tokenizer.token_bytes(i) for i in range(tokenizer.special_base)],
-                                    tokenizer.vocab_size, tokenizer.stop_token_ids)
+                                    tokenizer.vocab_size, tokenizer.stop_token_ids, dict(tokenizer.special_tokens))
+
+    def for_markers(self, markers: tuple[str, ...]) -> Vocabulary:
+        """The index vocabulary in which marker i is the special token markers[i], spelled chr(MARKER_CHAR_BASE + i),
+        and no ordinary token holds a marker character."""
+        if not markers:
+            return self.index_vocab
+        if markers not in self._with_markers:
+            missing = [m for m in markers if m not in self.special_ids]
+            if missing:
+                raise ValueError(f"markers {missing} are not special tokens of this vocabulary (stop tokens cannot "
+                                 f"be markers)")
+            chars = {MARKER_CHAR_BASE + i for i in range(len(markers))}
+            by_bytes = {b: ids for b, ids in self.by_bytes.items() if not chars.intersection(b)}
+            for i, m in enumerate(markers):
+                by_bytes[bytes([MARKER_CHAR_BASE + i])] = [self.special_ids[m]]
+            self._with_markers[markers] = Vocabulary(min(self.stop_ids), by_bytes)
+        return self._with_markers[markers]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -233,8 +271,9 @@ def compile_constraint(spec: ConstraintSpec, vocab: ConstraintVocabulary, max_st
                        ) -> TokenAutomaton:
     """Build the token automaton of `spec` over `vocab`; ValueError (naming the constraint) when the pattern is
     invalid, matches nothing, or needs more than `max_states` states."""
+    pattern = spec.to_regex()  # its ValueError names the constraint already
     try:
-        index = Index(anchored_regex(spec.to_regex()), vocab.index_vocab)
+        index = Index(anchored_regex(pattern), vocab.for_markers(spec.markers))
     except ValueError as e:
         raise ValueError(f"{spec.kind}: cannot be compiled ({e}): {spec.describe()}") from e
     transitions = index.get_transitions()
@@ -309,12 +348,12 @@ class ConstraintCompiler:
     def __init__(self, vocab: ConstraintVocabulary, max_states: int = MAX_STATES,
                  cache_entries: int = CACHE_ENTRIES):
         self.vocab, self.max_states, self.cache_entries = vocab, max_states, cache_entries
-        self._cache: collections.OrderedDict[tuple[str, str], TokenAutomaton] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple, TokenAutomaton] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def compile(self, spec: ConstraintSpec) -> TokenAutomaton:
-        key = (spec.kind, spec.text)
+        key = (spec.kind, spec.text, spec.markers)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)

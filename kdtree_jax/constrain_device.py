@@ -5,8 +5,9 @@ Layout (`AutomatonTables`, padded to `STATES_CAP` states and `EXCEPTIONS_CAP` ex
 that fits runs in the programs already compiled: the automaton is data, not a constant):
 - global state 0 is `FREE_STATE`: every token allowed, every token leads back to it. A row without a constraint
   sits there, and a round with no row outside it skips the masking (`any_constrained`).
-- automaton i occupies the states [base_i, base_i + S_i) (its start state is base_i); states past the last one
-  are free states too.
+- automaton i occupies the states [base_i, base_i + S_i) (its start state is base_i); states no automaton occupies
+  are free states too. `pack_tables` lays automata out back to back; the serving engine's `TableLayout` keeps a
+  live automaton where it is while requests come and go, so the states its rows hold stay valid.
 - `allowed [S, W] uint32`: bit t % 32 of word t // 32 is set iff token t may follow in that state.
 - `default_next [S] int32` and the exceptions `exc_keys [E]`, `exc_next [E]`: the next state of (s, t) is
   exc_next[i] where exc_keys[i] == s * V + t, else default_next[s]. The keys ascend (automata are laid out in
@@ -60,6 +61,14 @@ def pack_tables(automata: Sequence[TokenAutomaton], vocab_size: int, caps: Table
                 ) -> tuple[AutomatonTables, list[int]]:
     """Lay distinct automata out one after another behind the free state -> (numpy tables, start state of each).
     A ConstraintTooLarge names the cap that is exceeded."""
+    bases = list(np.cumsum([1] + [a.num_states for a in automata])[:-1])
+    return pack_tables_at(automata, [int(b) for b in bases], vocab_size, caps), [int(b) for b in bases]
+
+
+def pack_tables_at(automata: Sequence[TokenAutomaton], bases: Sequence[int], vocab_size: int,
+                   caps: TableCaps = TableCaps()) -> AutomatonTables:
+    """Numpy tables with automaton i at states [bases[i], bases[i] + S_i) (ranges disjoint, past the free state);
+    every other state is free. A ConstraintTooLarge names the cap that is exceeded."""
     words = -(-vocab_size // WORD_BITS)
     if caps.states * vocab_size > KEY_PAD:
         raise ValueError(f"constraint states cap {caps.states} x vocab {vocab_size} overflows the int32 exception keys")
@@ -67,10 +76,10 @@ def pack_tables(automata: Sequence[TokenAutomaton], vocab_size: int, caps: Table
         if a.vocab_size != vocab_size:
             raise ValueError(f"constraint {a.spec.describe()} is over a vocabulary of {a.vocab_size} tokens; the "
                              f"model has {vocab_size}")
-    n_states = 1 + sum(a.num_states for a in automata)
+    end = max((b + a.num_states for a, b in zip(automata, bases)), default=1)
     n_exc = sum(a.exc_tokens.size for a in automata)
-    if n_states > caps.states:
-        raise ConstraintTooLarge(f"constraint: {n_states} states in all (free state included) exceed the states cap "
+    if end > caps.states:
+        raise ConstraintTooLarge(f"constraint: {end} states in all (free state included) exceed the states cap "
                                  f"of {caps.states} (kdtree_jax.constrain_device.STATES_CAP)")
     if n_exc > caps.exceptions:
         raise ConstraintTooLarge(f"constraint: {n_exc} transition exceptions in all exceed the exceptions cap of "
@@ -80,8 +89,10 @@ def pack_tables(automata: Sequence[TokenAutomaton], vocab_size: int, caps: Table
     default_next = np.full(caps.states, FREE_STATE, np.int32)
     exc_keys = np.full(caps.exceptions, KEY_PAD, np.int32)
     exc_next = np.zeros(caps.exceptions, np.int32)
-    bases, base, at = [], 1, 0
-    for a in automata:
+    at = 0
+    for a, base in sorted(zip(automata, bases), key=lambda ab: ab[1]):  # keys ascend with the base
+        if base <= FREE_STATE:
+            raise ValueError(f"automaton base {base} overlaps the free state")
         s = a.num_states
         allowed[base:base + s] = a.allowed
         own = np.arange(base, base + s, dtype=np.int32)
@@ -90,9 +101,67 @@ def pack_tables(automata: Sequence[TokenAutomaton], vocab_size: int, caps: Table
         e = a.exc_tokens.size
         exc_keys[at:at + e] = (owner + base) * vocab_size + a.exc_tokens
         exc_next[at:at + e] = a.exc_next + base
-        bases.append(base)
-        base, at = base + s, at + e
-    return AutomatonTables(allowed, default_next, exc_keys, exc_next, vocab_size), bases
+        at += e
+    return AutomatonTables(allowed, default_next, exc_keys, exc_next, vocab_size)
+
+
+class TableLayout:
+    """The host's view of the device tables while requests come and go: each live automaton keeps its states
+    (rows decoding under it hold global states) until no request uses it; a new one takes the first free range
+    that fits (first fit). `tables()` packs what is placed."""
+
+    def __init__(self, vocab_size: int, caps: TableCaps = TableCaps()):
+        self.vocab_size, self.caps = vocab_size, caps
+        self._placed: dict = {}  # key -> [automaton, base, users]
+        self.version = 0  # bumped whenever a placement changes what `tables()` returns
+
+    def fits_alone(self, automaton: TokenAutomaton) -> str | None:
+        """Why `automaton` can never be placed (over a cap by itself), or None."""
+        if 1 + automaton.num_states > self.caps.states:
+            return (f"{automaton.spec.describe()}: the automaton has {automaton.num_states} states; the device "
+                    f"tables hold {self.caps.states - 1} (constraint states cap)")
+        if automaton.exc_tokens.size > self.caps.exceptions:
+            return (f"{automaton.spec.describe()}: the automaton has {automaton.exc_tokens.size} transition "
+                    f"exceptions; the device tables hold {self.caps.exceptions} (constraint exceptions cap)")
+        return None
+
+    def place(self, key, automaton: TokenAutomaton) -> int:
+        """One more user of `automaton` -> its base state. ConstraintTooLarge when the live automata leave no room."""
+        if key in self._placed:
+            self._placed[key][2] += 1
+            return self._placed[key][1]
+        exc = sum(p[0].exc_tokens.size for p in self._placed.values()) + automaton.exc_tokens.size
+        if exc > self.caps.exceptions:
+            raise ConstraintTooLarge(f"constraint: the live constraints need {exc} transition exceptions, over the "
+                                     f"cap of {self.caps.exceptions}")
+        base, need = 1, automaton.num_states
+        for a, b, _ in sorted(self._placed.values(), key=lambda p: p[1]):
+            if b - base >= need:
+                break
+            base = b + a.num_states
+        if base + need > self.caps.states:
+            raise ConstraintTooLarge(f"constraint: no room for {automaton.spec.describe()} ({need} states) beside "
+                                     f"the live constraints' {sum(p[0].num_states for p in self._placed.values())} "
+                                     f"in the states cap of {self.caps.states}")
+        self._placed[key] = [automaton, base, 1]
+        self.version += 1
+        return base
+
+    def release(self, key) -> None:
+        """One user fewer; an automaton without users frees its states (the tables keep them until reused)."""
+        p = self._placed.get(key)
+        if p is not None:
+            p[2] -= 1
+            if p[2] <= 0:
+                del self._placed[key]
+
+    @property
+    def live(self) -> int:
+        return len(self._placed)
+
+    def tables(self) -> AutomatonTables:
+        placed = list(self._placed.values())
+        return pack_tables_at([p[0] for p in placed], [p[1] for p in placed], self.vocab_size, self.caps)
 
 
 def empty_tables(vocab_size: int, caps: TableCaps = TableCaps()) -> AutomatonTables:
@@ -101,7 +170,8 @@ def empty_tables(vocab_size: int, caps: TableCaps = TableCaps()) -> AutomatonTab
 
 
 def to_device(tables: AutomatonTables) -> AutomatonTables:
-    return jax.tree.map(jnp.asarray, tables)
+    """A plain transfer (`jnp.asarray` would trace and compile a staging program per shape)."""
+    return jax.device_put(tables)
 
 
 # ---- lookups (jnp; any leading shape) -------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from kdtree_jax.cli import (
 )
 from kdtree_jax.engine import Engine
 from kdtree_jax.server import ServerSettings, build_app
+from kdtree_jax.server.app import REASONING_PARSERS, TOOL_CALL_PARSERS
 from kdtree_jax.serving import (
     AsyncServingEngine,
     ServeConfig,
@@ -157,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the serving engine (scheduler, device loop, checkpoint) in a process of its own, apart "
                         "from HTTP and (de)tokenizing; --no-engine-process: in a thread of the server's process")
+    t = p.add_argument_group("agent API")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto' (the default when a request declares tools): the model decides "
+                        "whether to call them; needs --tool-call-parser")
+    t.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="parse the model's tool-call sections into OpenAI tool_calls (finish_reason 'tool_calls')")
+    t.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="move the model's <think> text into reasoning_content (and its own stream deltas)")
     h.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled")
     h.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level")
@@ -216,6 +225,8 @@ def _check_args(args) -> None:
         args.served_model_name = [os.path.basename(DEFAULT_DIR) if shipped else args.checkpoint]
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser (kimi_k2)")
 
 
 def load(args):
@@ -231,7 +242,9 @@ def load(args):
         core = load_core(args)
         front, tokenizer = AsyncServingEngine(core), core.engine.tokenizer
     settings = ServerSettings(model_names=tuple(args.served_model_name), shutdown_timeout=args.shutdown_timeout,
-                              root=os.path.abspath(args.checkpoint), api_key=args.api_key)
+                              root=os.path.abspath(args.checkpoint), api_key=args.api_key,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     return front, tokenizer, settings
 
 

@@ -182,8 +182,10 @@ def test_no_disallowed_node_enters_the_tree(synth, rng):
     logits = rng.standard_normal((bt, depth, v)).astype(np.float32) * 3
     # bias toward the alphabet's one-byte tokens so that some drafted tokens are allowed
     logits[..., : len(ALPHABET)] += 2.5
-    lp, ids = (np.asarray(x) for x in jax.lax.top_k(jax.nn.log_softmax(logits), k))
     root_state = rng.integers(0, auto.num_states, bt) + base
+    for b, state in enumerate(root_state):  # and one allowed token on top at depth 1, so no tree is only its root
+        logits[b, 0, rng.choice(np.flatnonzero(auto.allowed_tokens(int(state - base))))] += 20
+    lp, ids = (np.asarray(x) for x in jax.lax.top_k(jax.nn.log_softmax(logits), k))
     root = rng.integers(0, v, bt)
     build = jax.jit(functools.partial(tree_build_masked, budget=budget, allowed=functools.partial(cd.allowed_bits, dev),
                                       step=functools.partial(cd.next_state, dev)))

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kdtree_jax import config
+from kdtree_jax.constrain import ConstraintSpec
 from kdtree_jax.engine import Engine
 from kdtree_jax.serving import (
     AsyncServingEngine,
@@ -432,9 +433,18 @@ def test_sampling_keeps_the_targets_distribution(rng):
 
 
 # ---- compiled once -----------------------------------------------------------------------------------------------
+CONSTRAINTS = (  # schemas and patterns are data of the programs: none of them compiles anything
+    ConstraintSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+    ConstraintSpec.json_schema({"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}),
+    ConstraintSpec.regex(r"[a-z]+( [a-z]+)*\."),
+    ConstraintSpec.choice(["yes", "no", "maybe"]),
+)
+
+
 def test_nothing_compiles_after_warm_up(served, expected):
-    """Every step program, cancels, then 24 requests with mixed decoding rules, seeds, stop ids, token limits and
-    prompt lengths (every bucket) joining at different steps: no trace and no compile after warm-up."""
+    """Every step program, cancels, then 24 requests with mixed decoding rules, seeds, stop ids, token limits,
+    prompt lengths (every bucket) and constraints (four schemas and patterns, laid out in the tables as they come and
+    go) joining at different steps: no trace and no compile after warm-up, and every constrained token allowed."""
     prompts, full = expected
     rng = np.random.default_rng(3)
     vocab = served.engine.target.cfg.vocab_size
@@ -446,7 +456,8 @@ def test_nothing_compiles_after_warm_up(served, expected):
                                temperature=float(rng.choice([0, 0.5, 1.7])),
                                top_k=int(rng.integers(0, 9)), top_p=float(rng.choice([1.0, 0.8, 0.3])),
                                seed=int(rng.integers(1 << 32)),
-                               stop_token_ids=tuple(int(t) for t in rng.integers(0, vocab, size=rng.integers(0, 4))))
+                               stop_token_ids=tuple(int(t) for t in rng.integers(0, vocab, size=rng.integers(0, 4))),
+                               constraint=CONSTRAINTS[i % len(CONSTRAINTS)] if i % 3 == 0 else None)
         schedule.setdefault(int(rng.integers(0, 10)), []).append((prompt, params))
     with COMPILES.count() as events:
         ramp = []  # 1, 2, then 3 active slots: every step program runs, then every slot is cancelled
@@ -461,6 +472,15 @@ def test_nothing_compiles_after_warm_up(served, expected):
     assert set(ramp) == set(served.kinds)
     assert len(results) == 24 and {r.finish_reason for r, *_ in results.values()} <= {"stop", "length"}
     assert {served.bucket_for(len(p)) for _, p, _ in results.values()} == set(served.buckets)
+    constrained = [(r, p.constraint) for r, _, p in results.values() if p.constraint is not None]
+    assert {c for _, c in constrained} == set(CONSTRAINTS)
+    compiler = served.engine.constraint_compiler()
+    for rec, spec in constrained:  # every token was allowed where it was drawn
+        automaton, state = compiler.compile(spec), 0
+        for t in rec.token_ids:
+            assert automaton.is_allowed(state, t), (spec, rec.token_ids)
+            state = automaton.next_state(state, t)
+    assert served.layout.live == 0
 
 
 # ---- pages and slots ---------------------------------------------------------------------------------------------

@@ -7,6 +7,14 @@ the status it calls for: 400 naming the field, 401 without the API key (where on
 unknown model or path, 503 while the queue is full, the server is shutting down or the engine has died (then
 /health is 503 too, saying why, and requests in flight end with that error). A request whose client goes away is
 cancelled at once, which frees its slot.
+
+Kimi's agent API on /v1/chat/completions, as vLLM serves it with `--tool-call-parser kimi_k2 --reasoning-parser
+kimi_k2`: `tools` reach the chat template; with tool_choice "auto" (needs --enable-auto-tool-choice) the output is
+parsed into OpenAI `tool_calls` (finish_reason "tool_calls"), streamed as OpenAI streams them; "required" or a named
+function constrains the output to a tool-call section whose arguments follow the tool's parameter schema; "none"
+leaves the output as text. The reasoning parser moves `<think>` text to `reasoning_content` (its own stream deltas).
+`response_format` (json_object, json_schema) and vLLM's `structured_outputs` constrain completions and chats; a
+constraint is compiled before the request is queued, so one that cannot be compiled is a 400 naming its field.
 """
 from __future__ import annotations
 
@@ -15,7 +23,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +38,10 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from jinja2.exceptions import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kdtree_jax import constrain_device as cd
+from kdtree_jax.constrain import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
+from kdtree_jax.server import constraints
+from kdtree_jax.server.chat_output import ChatOutputParser, parse_chat_output
 from kdtree_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from kdtree_jax.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -38,7 +52,9 @@ from kdtree_jax.server.protocol import (
     error_body,
     param_path,
 )
+from kdtree_jax.server.reasoning import THINK_BEGIN, THINK_END
 from kdtree_jax.server.text import TextStream
+from kdtree_jax.server.tool_calls import MARKERS as TOOL_MARKERS
 from kdtree_jax.serving import EngineClosedError, QueueFullError, RequestError, RequestParams, RequestStream
 from kdtree_jax.serving.frontend import EngineDeadError, ServingFront
 
@@ -51,6 +67,12 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 SSE_DONE = format_sse_event(data_str="[DONE]")
 ENGINE_DEAD = "engine_dead"  # the error code, and /health's status, once the engine has died
+TOOL_CALL_PARSERS = ("kimi_k2",)  # --tool-call-parser choices
+REASONING_PARSERS = ("kimi_k2",)  # --reasoning-parser choices
+TOOL_CHOICES = ("none", "auto", "required")
+# template variables the request's own fields set: chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+CHAT_FIELD_RE = re.compile(r"^(messages|tools)(\[\d+\]|\.\w+)*")  # the field a ChatInputError starts with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +94,40 @@ class ServerSettings:
     shutdown_timeout: float = 10.0  # seconds running requests get to finish at shutdown before they are cancelled
     root: str | None = None  # the checkpoint served, as /v1/models shows it
     api_key: str | None = None  # set: every /v1/* request must carry `Authorization: Bearer <api_key>`
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (the model decides whether to call)
+    tool_call_parser: str | None = None  # "kimi_k2": tool-call sections -> OpenAI tool_calls
+    reasoning_parser: str | None = None  # "kimi_k2": <think> text -> reasoning_content
+
+    def __post_init__(self):
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPlan:
+    """How one chat request's output is constrained and read."""
+
+    constraint: ConstraintSpec | None = None
+    constraint_field: str | None = None  # the request field the constraint came from
+    tools: bool = False  # parse tool-call sections into tool_calls
+    reasoning: bool = False  # parse <think> into reasoning_content
+    starts_in_reasoning: bool = False  # the prompt ends inside <think>
+
+    @property
+    def parses(self) -> bool:
+        return self.tools or self.reasoning
+
+    def parser(self) -> ChatOutputParser:
+        return ChatOutputParser(reasoning=self.reasoning, tools=self.tools,
+                                starts_in_reasoning=self.starts_in_reasoning)
 
 
 class Job:
@@ -86,6 +138,7 @@ class Job:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.stream, self.text, self.prompt_ids, self.arrival = stream, text, prompt_ids, arrival
+        self.plan = ChatPlan()  # a chat request's output parsing (none for completions)
         self._server = server
         self.record = None  # the engine's RequestRecord once the request ended
         self._closed = False
@@ -174,6 +227,12 @@ class OpenAIServer:
         self.max_context = front.config.max_context
         self.metrics = ServerMetrics(front, settings.model_name)
         self.hidden_ids = frozenset(tokenizer.special_tokens.values())
+        specials = tokenizer.special_tokens
+        self.tool_marker_ids = frozenset(specials[m] for m in TOOL_MARKERS if m in specials)
+        self.think_ids = frozenset(specials[m] for m in (THINK_BEGIN, THINK_END) if m in specials)
+        self.table_layout = cd.TableLayout(tokenizer.vocab_size, front.config.constraint_caps)
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self.max_token_chars = _longest_token(tokenizer)
         self.closing = False
         self._tasks: set[asyncio.Task] = set()
@@ -211,15 +270,103 @@ class OpenAIServer:
                            code="context_length_exceeded")
         return await run_in_threadpool(self.tokenizer.encode, text, special)
 
-    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ChatPlan]:
+        """The rendered prompt's ids and how the output is constrained and read."""
         messages = [m.as_template_message() for m in body.messages]
+        kwargs = dict(body.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the request's own field",
+                           param="chat_template_kwargs")
+        if body.tools:
+            kwargs["tools"] = body.tools
         try:
-            text = await run_in_threadpool(self.tokenizer.apply_chat_template, messages)
+            text = await run_in_threadpool(self.tokenizer.apply_chat_template, messages, True, **kwargs)
         except TemplateError as e:
-            raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
-        return await self.encode_text(text, "messages", special=True)
+            m = CHAT_FIELD_RE.match(str(e))
+            field = m.group(0) if m else ("chat_template_kwargs" if body.chat_template_kwargs else "messages")
+            raise ApiError(400, f"the chat template refused the request: {e}", param=field) from None
+        plan = self.chat_plan(body, starts_in_reasoning=text.endswith(THINK_BEGIN))
+        return await self.encode_text(text, "messages", special=True), plan
 
-    def start(self, ids: list[int], body, endpoint: Endpoint, arrival: float) -> Job:
+    def chat_plan(self, body: ChatCompletionRequest, starts_in_reasoning: bool) -> ChatPlan:
+        """tool_choice, response_format and structured_outputs -> the output's constraint and parsers; 400 names
+        the field that is wrong."""
+        tools = constraints.declared_tools(body.tools or [])
+        choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+        if isinstance(choice, str) and choice not in TOOL_CHOICES:
+            raise ApiError(400, f"tool_choice: must be one of {TOOL_CHOICES} or a named function, got {choice!r}",
+                           param="tool_choice")
+        try:
+            name = constraints.named_tool(choice)
+        except ValueError as e:
+            raise ApiError(400, f"tool_choice: {e}", param="tool_choice") from None
+        forced = name is not None or choice == "required"
+        if forced and not tools:
+            raise ApiError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
+        if name is not None and name not in tools:
+            raise ApiError(400, f"tool_choice: function {name!r} is not among the declared tools "
+                                f"{sorted(tools)}", param="tool_choice")
+        if choice == "auto" and tools and not self.settings.enable_auto_tool_choice:
+            raise ApiError(400, 'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
+                                "--tool-call-parser", param="tool_choice")
+        spec, field = self.output_constraint(body)
+        if forced:
+            if spec is not None:
+                raise ApiError(400, f"{field}: cannot be combined with tool_choice {choice!r}", param=field)
+            try:
+                spec = constraints.tool_call_spec(tools, name, body.parallel_tool_calls)
+            except ValueError as e:
+                tool = str(e).split(":", 1)[0]
+                k = list(tools).index(tool)
+                field = f"tools[{k}].function.parameters"
+                raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", param=field) from None
+            field = "tool_choice"
+        if spec is not None and starts_in_reasoning:
+            spec = constraints.after_reasoning(spec, self.tokenizer.special_tokens)
+        return ChatPlan(spec, field, tools=bool(tools) and (forced or choice == "auto"),
+                        reasoning=self.settings.reasoning_parser is not None, starts_in_reasoning=starts_in_reasoning)
+
+    @staticmethod
+    def output_constraint(body) -> tuple[ConstraintSpec | None, str | None]:
+        """`response_format` or `structured_outputs` (not both) -> (spec, field)."""
+        given = [f for f in ("response_format", "structured_outputs") if getattr(body, f) is not None]
+        if len(given) > 1:
+            raise ApiError(400, "structured_outputs: cannot be combined with response_format",
+                           param="structured_outputs")
+        read = {"response_format": constraints.response_format_spec,
+                "structured_outputs": constraints.structured_outputs_spec}
+        for field in given:
+            try:
+                spec = read[field](getattr(body, field))
+            except ValueError as e:
+                raise ApiError(400, f"{field}.{e}", param=field) from None
+            return spec, field
+        return None, None
+
+    def compiler(self) -> ConstraintCompiler:
+        """The engine's own compiler where it runs in this process (one cache), else one over the tokenizer."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                core = getattr(self.front, "core", None)
+                self._compiler = (core.engine.constraint_compiler() if core is not None
+                                  else ConstraintCompiler(ConstraintVocabulary.from_tokenizer(self.tokenizer)))
+            return self._compiler
+
+    async def check_constraint(self, spec: ConstraintSpec | None, field: str | None) -> None:
+        """Compile the constraint off the event loop (the engine's compile is then a cache hit where it shares
+        the compiler); 400 naming `field` where it does not compile or can never fit the device tables."""
+        if spec is None:
+            return
+        try:
+            automaton = await run_in_threadpool(lambda: self.compiler().compile(spec))
+        except ValueError as e:
+            raise ApiError(400, f"{field}: {e}", param=field) from None
+        problem = self.table_layout.fits_alone(automaton)
+        if problem is not None:
+            raise ApiError(400, f"{field}: {problem}", param=field)
+
+    def start(self, ids: list[int], body, endpoint: Endpoint, arrival: float, plan: ChatPlan = ChatPlan()) -> Job:
         """Submit to the engine; refusals raise ApiError before any response has started."""
         limit, limit_field = body.token_limit
         self._check_length(len(ids), limit, limit_field, endpoint.prompt_field)
@@ -228,12 +375,12 @@ class OpenAIServer:
         params = RequestParams(
             max_new_tokens=max_new, temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=max(body.top_k, 0), top_p=body.top_p, seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
-        fields = {"prompt": endpoint.prompt_field, "max_new_tokens": limit_field}
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, constraint=plan.constraint)
+        fields = {"prompt": endpoint.prompt_field, "max_new_tokens": limit_field, "constraint": plan.constraint_field}
         try:
             stream = self.front.submit(ids, params)
         except RequestError as e:
-            field = fields.get(e.field, e.field)
+            field = fields.get(e.field) or e.field
             raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", param=field) from None
         except QueueFullError as e:
             raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
@@ -243,8 +390,15 @@ class OpenAIServer:
         except EngineClosedError:
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down") from None
         self.metrics.prompt_tokens.inc(len(ids))
-        text = TextStream(self.tokenizer, body.stop or (), self.hidden_ids)
-        return Job(self, stream, text, ids, arrival, endpoint.id_prefix)
+        hidden = self.hidden_ids
+        if plan.tools:  # the parser reads the section's markers
+            hidden = hidden - self.tool_marker_ids
+        if plan.reasoning:
+            hidden = hidden - self.think_ids
+        text = TextStream(self.tokenizer, body.stop or (), hidden)
+        job = Job(self, stream, text, ids, arrival, endpoint.id_prefix)
+        job.plan = plan
+        return job
 
     def _check_length(self, n: int, limit: int | None, limit_field: str, prompt_field: str) -> None:
         if n >= self.max_context:
@@ -278,8 +432,13 @@ class OpenAIServer:
                 "spec_decode": job.spec_decode()}
 
     def chat_completion(self, job: Job, text: str, body: ChatCompletionRequest) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": job.finish_reason, "stop_reason": job.stop_reason}
+        message, finish = {"role": "assistant", "content": text}, job.finish_reason
+        p = job.plan
+        if p.parses:
+            message, finish = parse_chat_output(text, finish, reasoning=p.reasoning, tools=p.tools,
+                                                starts_in_reasoning=p.starts_in_reasoning)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
+                  "stop_reason": job.stop_reason}
         out = {**self.head(job, "chat.completion"), "choices": [choice], "usage": job.usage(),
                "spec_decode": job.spec_decode()}
         if body.return_token_ids:
@@ -308,10 +467,23 @@ class OpenAIServer:
             return {**self.head(job, "chat.completion.chunk"), "choices": [choice]}
 
         yield _sse(chunk({"role": "assistant", "content": ""}, []))
+        parser = job.plan.parser() if job.plan.parses else None
         async for piece, ids in job.pieces():
-            if piece or (ids and body.return_token_ids):
-                yield _sse(chunk({"content": piece}, ids))
-        async for event in self._stream_end(job, body, chunk({}, [], job.finish_reason), "chat.completion.chunk"):
+            if parser is None:
+                if piece or (ids and body.return_token_ids):
+                    yield _sse(chunk({"content": piece}, ids))
+                continue
+            deltas = parser.feed(piece) if piece else []
+            if not deltas and ids and body.return_token_ids:
+                deltas = [{}]
+            for i, d in enumerate(deltas):
+                yield _sse(chunk(d, ids if i == 0 else []))
+        finish = job.finish_reason
+        if parser is not None:
+            for d in parser.finish():
+                yield _sse(chunk(d, []))
+            finish = parser.finish_reason(finish)
+        async for event in self._stream_end(job, body, chunk({}, [], finish), "chat.completion.chunk"):
             yield event
 
     async def _stream_end(self, job: Job, body, last: dict, obj: str) -> AsyncIterator[bytes]:
@@ -418,15 +590,18 @@ def build_app(front: ServingFront, tokenizer, settings: ServerSettings) -> FastA
         server.check_model(body.model)
         prompt = body.prompt if body.prompt is not None else ""
         ids = list(prompt) if isinstance(prompt, list) else await server.encode_text(prompt, "prompt", special=True)
-        job = server.start(ids, body, COMPLETIONS, arrival)
+        spec, field = server.output_constraint(body)
+        await server.check_constraint(spec, field)
+        job = server.start(ids, body, COMPLETIONS, arrival, ChatPlan(spec, field))
         return await respond(job, body, request, server.completion_events, server.completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         server.check_model(body.model)
-        ids = await server.chat_prompt(body)
-        job = server.start(ids, body, CHAT, arrival)
+        ids, plan = await server.chat_prompt(body)
+        await server.check_constraint(plan.constraint, plan.constraint_field)
+        job = server.start(ids, body, CHAT, arrival, plan)
         return await respond(job, body, request, server.chat_events, server.chat_completion)
 
     @app.get("/v1/models")

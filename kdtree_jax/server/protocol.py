@@ -2,8 +2,9 @@
 
 Types are strict, as OpenAI's own API is: "max_tokens": "16" or "temperature": true is a 400, not a silent
 conversion. Fields this server does not know are ignored, as vLLM ignores them (clients send vendor extras); known
-OpenAI fields it does not implement (n > 1, logprobs, penalties, tools, ...) are accepted only at their "off" value,
-so a request is never answered as if they had been applied.
+OpenAI fields it does not implement (n > 1, logprobs, penalties, ...) are accepted only at their "off" value, so a
+request is never answered as if they had been applied. Tools, tool choice, response formats and vLLM's
+`structured_outputs` are checked in depth by the app (`server/constraints.py`), which names the field at fault.
 """
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ class _SamplingRequest(_Strict):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    response_format: Any = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: Any = None  # vLLM: {"json" | "regex" | "choice" | "json_object": ...}
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -152,12 +155,19 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: list[TextPart]
+    content: list[TextPart] | None = Field(None, validate_default=True)  # None: only an assistant turn (tool calls)
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant turn's calls (OpenAI's shape; the template checks them)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, where the template keeps it
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_as_part(cls, v):
+    def _text_as_part(cls, v, info):
+        if v is None:
+            if info.data.get("role") != "assistant":
+                raise ValueError("Field required (only an assistant message may leave it out)")
+            return v
         if isinstance(v, str):
             return [{"type": "text", "text": v}]
         if not isinstance(v, list):
@@ -167,24 +177,26 @@ class ChatMessage(_Strict):
     def as_template_message(self) -> dict:
         """The message as the chat template reads it (a developer turn is a system turn)."""
         msg = {"role": "system" if self.role == "developer" else self.role,
-               "content": "".join(p.text for p in self.content)}
-        if self.name is not None:
-            msg["name"] = self.name
+               "content": "".join(p.text for p in self.content or ())}
+        for field in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+            if getattr(self, field) is not None:
+                msg[field] = getattr(self, field)
         return msg
 
 
 class ChatCompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.UNSUPPORTED, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-        "response_format": (None, {"type": "text"}),
+        **_SamplingRequest.UNSUPPORTED, "logprobs": (None, False), "top_logprobs": (None, 0),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: Any = None
     top_logprobs: Any = None
-    tools: Any = None
-    response_format: Any = None
+    tools: list[Any] | None = None  # [{type: "function", function: {name, description?, parameters?}}]
+    tool_choice: Any = None  # "none" | "auto" | "required" | {type: "function", function: {name}}; default auto
+    parallel_tool_calls: bool = True  # a forced tool choice may make several calls
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more template variables (e.g. thinking)
 
     @property
     def token_limit(self) -> tuple[int | None, str]:

@@ -16,6 +16,13 @@ On a mesh whose data axis has G > 1 devices the slots and the pages split into G
 shard (`scheduler.py`, `cache_manager.py`): slot, page and program row counts are multiples of G, and a program's
 rows are laid out group by group so that each shard computes its own requests over its own pages.
 
+A request may carry a constraint (`RequestParams.constraint`: a regex, JSON schema, choice, or a tool-call section).
+It is compiled to a token automaton on a worker thread (`ConstraintCompiler`, cached by the constraint's text) while
+the request waits outside the scheduler, so a new schema never stalls the running streams. At its last prefill chunk
+its automaton is placed in the device's constraint tables (`constrain_device.TableLayout`: a live automaton keeps
+its states, a new one takes a free range and the tables are uploaded again) and its row starts at the automaton's
+start state, advanced over any tokens it had generated before a preemption; its record frees the placement.
+
 `kdtree_jax/serving/frontend.py` puts an async front on it.
 """
 from __future__ import annotations
@@ -32,7 +39,9 @@ import numpy as np
 from jax._src import xla_bridge
 
 from kdtree_jax import budget as budget_mod
+from kdtree_jax import constrain_device as cd
 from kdtree_jax import sampling
+from kdtree_jax.constrain import ConstraintSpec, TokenAutomaton
 from kdtree_jax.engine import ContextTooLongError, Engine
 from kdtree_jax.serving import programs
 from kdtree_jax.serving.cache_manager import CacheManager
@@ -121,6 +130,14 @@ class ServeConfig:
     # full pages of committed rows are indexed by their tokens and shared by later requests with the same prefix
     # (`serving/prefix_cache.py`); off: every request computes its whole context
     enable_prefix_caching: bool = True
+    # the device's constraint tables: global automaton states (the free state included; V / 8 bytes each) and
+    # transition exceptions, shared by every constrained request running at once
+    constraint_states: int = cd.STATES_CAP
+    constraint_exceptions: int = cd.EXCEPTIONS_CAP
+
+    @property
+    def constraint_caps(self) -> cd.TableCaps:
+        return cd.TableCaps(self.constraint_states, self.constraint_exceptions)
 
     def __post_init__(self):
         for name in ("max_slots", "max_context", "rounds_per_step", "max_stop_ids", "min_prompt_bucket",
@@ -146,6 +163,7 @@ class ServeConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.top_k_cap < 0 or self.max_queue < 0:
             raise ValueError(f"top_k_cap and max_queue must be >= 0, got {self.top_k_cap}, {self.max_queue}")
+        self.constraint_caps  # noqa: B018  (TableCaps checks the caps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +177,7 @@ class RequestParams:
     seed: int | None = None  # None: drawn from the engine's own generator
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's stop ids
     ignore_eos: bool = False  # do not stop at the model's own stop ids
+    constraint: ConstraintSpec | None = None  # the output must match it (structured output, forced tool calls)
 
 
 class RequestError(ValueError):
@@ -299,11 +318,18 @@ class ServingEngine:
         self.scheduler = Scheduler(self.cache, max_slots=config.max_slots, chunk_tokens=self.chunk_tokens,
                                    buckets=self.buckets, prefill_sizes=self.prefill_sizes, row_slack=self.row_slack,
                                    max_rows=self.capacity)
+        self.layout = cd.TableLayout(cfg.vocab_size, config.constraint_caps)
         self.runner = ModelRunner(
             engine, uses_drafter=self.uses_drafter, new_table=self._new_table, prefill_specs=self.prefill_specs,
             step_specs=self.specs, rounds=config.rounds_per_step, page_table_width=self.pages_per_request,
             max_slots=config.max_slots, overlap=config.overlap, groups=self.groups,
-            rows_for=lambda n: _rows([RequestParams()] * n, [self.stop_ids] * n, config.max_stop_ids))
+            rows_for=lambda n: _rows([RequestParams()] * n, [self.stop_ids] * n, config.max_stop_ids),
+            constraint_tables=self.layout.tables())
+        self._tables_version = self.layout.version
+        self._compiler_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdtree-constraint")
+        self._compiling: list[tuple[Request, concurrent.futures.Future]] = []  # waiting for their automaton
+        self._automata: dict = {}  # rid -> TokenAutomaton of a constrained request in the scheduler
+        self._placed: set = set()  # rids whose automaton is placed in the tables
         self._rng = np.random.default_rng()
         self._next_id = 0
         self._in_flight: _InFlight | None = None
@@ -479,6 +505,8 @@ class ServingEngine:
         if len(stop) > cfg.max_stop_ids:
             raise RequestError("stop_token_ids", f"{len(stop)} stop ids (the model's included) exceed the table's "
                                                  f"{cfg.max_stop_ids}")
+        if params.constraint is not None and not isinstance(params.constraint, ConstraintSpec):
+            raise RequestError("constraint", f"must be a ConstraintSpec, got {type(params.constraint).__name__}")
         seed = params.seed
         if seed is None:
             seed = int(self._rng.integers(SEED_LIMIT))
@@ -497,8 +525,36 @@ class ServingEngine:
         ids, stop, seed = self.check(prompt, params)
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
-        self.scheduler.add(Request(rid, ids, params, stop, seed, time.perf_counter()))
+        request = Request(rid, ids, params, stop, seed, time.perf_counter())
+        if params.constraint is None:
+            self.scheduler.add(request)
+        else:
+            compiler = self.engine.constraint_compiler()
+            self._compiling.append((request, self._compiler_thread.submit(compiler.compile, params.constraint)))
         return rid
+
+    def _take_compiled(self, wait: bool) -> list[RequestRecord]:
+        """Queue the constrained requests whose automaton is ready (waiting for the first one when `wait`); a
+        constraint that does not compile, or can never fit the tables, ends its request with "error"."""
+        if wait and self._compiling:
+            concurrent.futures.wait([f for _, f in self._compiling], return_when=concurrent.futures.FIRST_COMPLETED)
+        records, pending = [], []
+        for r, future in self._compiling:
+            if not future.done():
+                pending.append((r, future))
+                continue
+            try:
+                automaton = future.result()
+                problem = self.layout.fits_alone(automaton)
+            except ValueError as e:
+                automaton, problem = None, str(e)
+            if problem is not None:
+                records.append(self._record(r, "error", error=f"constraint: {problem}"))
+                continue
+            self._automata[r.rid] = automaton
+            self.scheduler.add(r)
+        self._compiling = pending
+        return records
 
     def cancel(self, request_id: int) -> RequestRecord | None:
         """Drop a waiting, prefilling or running request; its pages and slot are free for the next step. Returns
@@ -507,6 +563,11 @@ class ServingEngine:
         for i, rec in enumerate(self._faults):
             if rec.request_id == request_id:
                 return self._faults.pop(i)
+        for i, (r, future) in enumerate(self._compiling):
+            if r.rid == request_id:
+                del self._compiling[i]
+                future.cancel()
+                return self._record(r, "cancelled")
         slots = self.scheduler.slots
         slot = next((i for i, r in enumerate(slots) if r is not None and r.rid == request_id), None)
         r = self.scheduler.remove(request_id)
@@ -520,10 +581,11 @@ class ServingEngine:
         """Refuse new requests and cancel every waiting, prefilling and running one."""
         self._closed = True
         s = self.scheduler
-        ids = [r.rid for r in s.waiting] + [r.rid for r in s.prefilling] + [r.rid for r in s.running]
+        ids = self.waiting_ids() + [r.rid for r in s.prefilling] + [r.rid for r in s.running]
         records = [rec for rec in map(self.cancel, ids) if rec is not None]
         self._in_flight = None  # every request it ran has ended
         self.runner.shutdown()  # idle: cancel settled its last step
+        self._compiler_thread.shutdown(wait=False)
         return records
 
     @property
@@ -537,7 +599,8 @@ class ServingEngine:
 
     @property
     def n_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests queued, those whose constraint is still compiling included."""
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     @property
     def n_preemptions(self) -> int:
@@ -555,13 +618,14 @@ class ServingEngine:
     @property
     def has_work(self) -> bool:
         s = self.scheduler
-        return bool(s.waiting) or bool(s.prefilling) or s.n_running > 0 or self._in_flight is not None
+        return (bool(s.waiting) or bool(s.prefilling) or s.n_running > 0 or self._in_flight is not None
+                or bool(self._compiling))
 
     def running_ids(self) -> list[int]:
         return [r.rid for r in self.scheduler.prefilling] + [r.rid for r in self.scheduler.running]
 
     def waiting_ids(self) -> list[int]:
-        return [r.rid for r in self.scheduler.waiting]
+        return [r.rid for r, _ in self._compiling] + [r.rid for r in self.scheduler.waiting]
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> StepReport:
@@ -571,6 +635,8 @@ class ServingEngine:
         while this one runs."""
         events = self._settle()
         s = self.scheduler
+        idle = not (s.waiting or s.prefilling or s.n_running or self._in_flight is not None)
+        events += self._take_compiled(wait=idle)  # nothing else to do: wait for a constraint rather than spin
         ahead = self.config.rounds_per_step * (self.depth + 1) * (2 if self._in_flight is not None else 1)
         plan, preempted = s.plan_prefill(ahead)
         self._release(preempted)
@@ -659,6 +725,7 @@ class ServingEngine:
         rows = [pad if ch is None else ch for ch in plan.rows]  # a page-table row of UNOWNED
         row_reqs = [ch.request for ch in rows]
         self.prefill_calls[n] = self.prefill_calls.get(n, 0) + 1
+        start_state, refused = self._start_states(rows)
         try:
             out = self.runner.prefill(
                 bucket, self.cache.page_table([r.rid for r in row_reqs]),
@@ -668,7 +735,7 @@ class ServingEngine:
                 np.array([len(r.prompt) for r in row_reqs], np.int32),
                 np.array([len(r.tokens) for r in row_reqs], np.int32),
                 np.array([r.seed for r in row_reqs], np.uint32),
-                _rows([r.params for r in row_reqs], [r.stop_ids for r in row_reqs], c.max_stop_ids))
+                _rows([r.params for r in row_reqs], [r.stop_ids for r in row_reqs], c.max_stop_ids), start_state)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             failed = [r for r in reqs if r in self.scheduler.prefilling]
@@ -683,6 +750,11 @@ class ServingEngine:
             if not ch.last:
                 self.scheduler.prefilled(ch, running=False)
                 continue
+            if r.rid in refused:  # its row ran unconstrained: it never decodes
+                self.scheduler.prefilled(ch, running=False)
+                self.runner.release(ch.slot)
+                events.append(self._record(r, "error", error=f"constraint: {refused[r.rid]}"))
+                continue
             if r.first_token_time is None:
                 r.first_token_time = now
             if finish != FINISH_NONFINITE:
@@ -694,6 +766,31 @@ class ServingEngine:
             else:
                 events.append(self._record(r, FINISH_REASONS[finish]))
         return events, admitted
+
+    def _start_states(self, rows: list[Chunk]) -> tuple[np.ndarray, dict]:
+        """Each row's automaton state after its context (`cd.FREE_STATE` where unconstrained or not a last chunk),
+        placing the automata of requests that start decoding; uploads the tables when a placement changed them.
+        Returns (states, {rid: why} of requests whose automaton found no room)."""
+        states = np.full(len(rows), cd.FREE_STATE, np.int32)
+        refused = {}
+        for i, ch in enumerate(rows):
+            r = ch.request
+            automaton = self._automata.get(r.rid)
+            if automaton is None or not ch.last:
+                continue
+            try:
+                base = self.layout.place(_constraint_key(automaton), automaton)
+            except cd.ConstraintTooLarge as e:
+                refused[r.rid] = str(e)
+                continue
+            if r.rid in self._placed:  # placed at an earlier admission (then preempted)
+                self.layout.release(_constraint_key(automaton))
+            self._placed.add(r.rid)
+            states[i] = base + _walk(automaton, r.tokens)
+        if self.layout.version != self._tables_version:
+            self.runner.set_tables(self.layout.tables())
+            self._tables_version = self.layout.version
+        return states, refused
 
     def _fail_all(self, error: Exception) -> list[RequestRecord]:
         """A program raised: its donated table is gone, and so is any step queued after it. Every prefilling and
@@ -708,12 +805,29 @@ class ServingEngine:
 
     def _record(self, r: Request, reason: str, error: str | None = None) -> RequestRecord:
         r.ended = True
+        automaton = self._automata.pop(r.rid, None)
+        if r.rid in self._placed:
+            self._placed.discard(r.rid)
+            self.layout.release(_constraint_key(automaton))
         return RequestRecord(request_id=r.rid, token_ids=list(r.tokens), finish_reason=reason,
                              prompt_tokens=len(r.prompt), accept_lengths=list(r.accept_lengths),
                              num_draft_tokens=r.num_draft_tokens, error=error, num_preemptions=r.num_preemptions,
                              cached_tokens=r.cached_tokens,
                              submit_time=r.submit_time, first_token_time=r.first_token_time,
                              finish_time=time.perf_counter())
+
+
+def _constraint_key(automaton: TokenAutomaton) -> tuple:
+    spec = automaton.spec
+    return spec.kind, spec.text, spec.markers
+
+
+def _walk(automaton: TokenAutomaton, tokens: Sequence[int]) -> int:
+    """The automaton's local state after `tokens` (a resumed request's generated tokens) from its start."""
+    state = 0
+    for t in tokens:
+        state = automaton.next_state(state, int(t))
+    return state
 
 
 def _emitted_lengths(accept: list[int], n_new: int) -> list[int]:

@@ -21,6 +21,12 @@ reads their sorted prefix) and the host grows each request's pages to the larges
 AR step on a table with a drafter keeps the drafter's context whole: it collects the target features of the k
 tokens it commits and ends with one drafter pass over them, so the next tree step finds the same drafter state it
 would have after k rounds of its own (docs/DESIGN.md, "Serving").
+
+Constraints. Every prefill and step program takes the constraint tables (`constrain_device.AutomatonTables`, one
+global state space padded to fixed caps, no slot axis) as an argument, and each row holds its automaton state in
+`constraint_state` (`FREE_STATE`: unconstrained). The host lays the live requests' automata out in the tables and
+hands a prefill each request's start state, so a schema is data: nothing compiles for it, and a round whose rows
+are all free skips the masks.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax import cache_update, paged, sampling
+from kdtree_jax import constrain_device as cd
 from kdtree_jax.drafter import DrafterCache
 from kdtree_jax.model import LatentCache, forward_verify
 from kdtree_jax.speculative import (
@@ -41,6 +48,7 @@ from kdtree_jax.speculative import (
     DecodeSpec,
     DecodeState,
     RequestRows,
+    choose_tokens,
     drafter_pass,
     is_stop_token,
     root_only_tree,
@@ -87,6 +95,7 @@ def empty_table(target, drafter, *, slots: int, capacity: int, n_pages: int, pag
         params=params,
         round=jnp.int32(0),
         accept_len=zeros((slots, rounds)),
+        constraint_state=jnp.full((slots,), cd.FREE_STATE, jnp.int32),
     )
 
 
@@ -102,14 +111,17 @@ def with_pages(table: DecodeState, page_table: jax.Array) -> DecodeState:
                          draft_cache=None if dc is None else dc.replace(page_table=page_table))
 
 
-def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, page_rows: jax.Array, tokens: jax.Array,
-                  slots: jax.Array, start: jax.Array, n_valid: jax.Array, prompt_len: jax.Array, n_prev: jax.Array,
-                  seeds: jax.Array, params: RequestRows):
+def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.AutomatonTables,
+                  page_rows: jax.Array, tokens: jax.Array, slots: jax.Array, start: jax.Array, n_valid: jax.Array,
+                  prompt_len: jax.Array, n_prev: jax.Array, seeds: jax.Array, params: RequestRows,
+                  start_state: jax.Array):
     """One chunk of n requests' contexts: tokens [n, T] at positions start[i] + t, the first n_valid[i] real,
     written into request i's pages page_rows[i] ([n, W]); the drafter's context takes the chunk's features.
 
     A request's context is its prompt, or for a request resumed after preemption its prompt and the n_prev tokens
-    it had generated (prompt_len stays its own prompt's length). Where slots[i] is a slot (< the table's rows), this
+    it had generated (prompt_len stays its own prompt's length); start_state[i] is its automaton state after that
+    context (`cd.FREE_STATE` without a constraint), which the first token obeys. Where slots[i] is a slot (< the
+    table's rows), this
     chunk ends the context: the target's next token is drawn with the key of its position (as every later token
     is), and row slots[i] starts running with it as its bonus. A chunk that does not end its context has no row
     (slots[i] out of range): its writes to the table's rows are dropped.
@@ -125,7 +137,9 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, page_ro
     last_logits = jnp.take_along_axis(out.logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     keys = jax.random.key_data(jax.vmap(jax.random.key)(seeds))
     first_keys = sampling.position_keys(jax.random.wrap_key_data(keys), (start + n_valid - 1)[:, None])
-    first = sampling.choose(last_logits[:, None, :], params.sampling, first_keys, spec.top_k_cap)[:, 0]
+    first = choose_tokens(last_logits[:, None, :], params.sampling, first_keys, spec.top_k_cap, tables,
+                          start_state[:, None])[:, 0]
+    state_after = cd.next_state(tables, start_state, first)
     context = start + n_valid
     nonfinite = ~jnp.all(jnp.isfinite(last_logits), axis=-1)
     finish = jnp.where(nonfinite, FINISH_NONFINITE, jnp.where(
@@ -140,7 +154,8 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, page_ro
     ids = jnp.zeros((n, *table.draft_ids.shape[1:]), jnp.int32)
     if draft_cache is not None:  # the chunk's context rows; where this chunk ends the context, the next block too
         mine = draft_cache.replace(length=start, page_table=rows)
-        lp, ids, mine = drafter_pass(spec, drafter, target, mine, out.hidden, n_valid, first)
+        lp, ids, mine = drafter_pass(spec, drafter, target, mine, out.hidden, n_valid, first,
+                                     cd.allowed_mask(tables, state_after))
         draft_cache = draft_cache.replace(k=mine.k, v=mine.v, length=put(draft_cache.length, mine.length))
 
     token_rows = jnp.concatenate([tokens, jnp.zeros((n, 1), jnp.int32)], axis=1)
@@ -159,6 +174,7 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, page_ro
         keys=put(table.keys, keys),
         params=jax.tree.map(put, table.params, params),
         accept_len=put(table.accept_len, jnp.zeros((n, table.accept_len.shape[1]), jnp.int32)),
+        constraint_state=put(table.constraint_state, state_after),
     )
     return table, jnp.stack([first, finish], axis=1)
 
@@ -216,12 +232,14 @@ def move(table: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
 
 
 def release(table: DecodeState, slot: jax.Array) -> DecodeState:
-    """Mark row `slot` finished, so that rounds carry it unchanged until another request is prefilled there."""
-    return table.replace(finish=table.finish.at[slot].set(FINISH_LENGTH))
+    """Mark row `slot` finished and unconstrained, so that rounds carry it unchanged (and skip the masks for it)
+    until another request is prefilled there."""
+    return table.replace(finish=table.finish.at[slot].set(FINISH_LENGTH),
+                         constraint_state=table.constraint_state.at[slot].set(cd.FREE_STATE))
 
 
-def step(spec: DecodeSpec, target, drafter, table: DecodeState, page_table: jax.Array, rounds: int,
-         groups: int = 1):
+def step(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.AutomatonTables, page_table: jax.Array,
+         rounds: int, groups: int = 1):
     """Up to `rounds` rounds for the first `spec.batch / groups` slots of each of the `groups` data groups (fewer
     rounds once all of them are done) over the host's page table [slots, W]; the other rows are not touched.
 
@@ -229,11 +247,11 @@ def step(spec: DecodeSpec, target, drafter, table: DecodeState, page_table: jax.
     slot, group by group, the tokens committed this step, its finish code, each round's acceptance length (0: did
     not run) and the tokens themselves (L = the most tokens one round commits)."""
     table = with_pages(table, page_table)
-    part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch, groups), rounds)
+    part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch, groups), tables, rounds)
     return put_rows(table, part, 0, groups), packed
 
 
-def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):
+def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.AutomatonTables, rounds: int):
     before = table.n_generated
     state = table.replace(round=jnp.int32(0), accept_len=jnp.zeros_like(table.accept_len))
 
@@ -241,9 +259,10 @@ def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):
         return (s.round < rounds) & jnp.any(~s.done)
 
     if spec.mode == "ar" and drafter is not None:
-        state = _ar_rounds_keeping_the_draft(spec, target, drafter, state, more, rounds)
+        state = _ar_rounds_keeping_the_draft(spec, target, drafter, state, tables, more, rounds)
     else:
-        state = jax.lax.while_loop(more, functools.partial(speculative_round, spec, target, drafter), state)
+        state = jax.lax.while_loop(more, functools.partial(speculative_round, spec, target, drafter, tables=tables),
+                                   state)
     width = rounds * (spec.depth + 1)
     first = state.prompt_len + before  # the first token this step committed
     index = jnp.clip(first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], 0, state.tokens.shape[1] - 1)
@@ -253,7 +272,8 @@ def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, rounds: int):
     return state, packed
 
 
-def _ar_rounds_keeping_the_draft(spec, target, drafter, state: DecodeState, more, rounds: int) -> DecodeState:
+def _ar_rounds_keeping_the_draft(spec, target, drafter, state: DecodeState, tables: cd.AutomatonTables, more,
+                                 rounds: int) -> DecodeState:
     """AR rounds that collect each committed token's target features, then one drafter pass over all of them: the
     drafter context ends as it would after the same tokens committed by tree rounds, and its top-K lists are fresh."""
     slots = state.tokens.shape[0]
@@ -263,11 +283,12 @@ def _ar_rounds_keeping_the_draft(spec, target, drafter, state: DecodeState, more
     def body(carry):
         s, feats, count = carry
         running = ~s.done
-        new, out, _ = verify_and_commit(spec, target, s, root_only_tree(s.bonus))
+        new, out, _ = verify_and_commit(spec, target, s, root_only_tree(s.bonus), tables, s.constraint_state[:, None])
         at = jnp.where(running, count, rounds)  # rows of finished slots land out of range: dropped
         feats = feats.at[jnp.arange(slots), at].set(out.hidden[:, 0].astype(feats.dtype), mode="drop")
         return new, feats, count + running.astype(jnp.int32)
 
     state, feats, count = jax.lax.while_loop(lambda c: more(c[0]), body, (state, feats, count))
-    lp, ids, draft_cache = drafter_pass(spec, drafter, target, state.draft_cache, feats, count, state.bonus)
+    lp, ids, draft_cache = drafter_pass(spec, drafter, target, state.draft_cache, feats, count, state.bonus,
+                                        cd.allowed_mask(tables, state.constraint_state))
     return state.replace(draft_cache=draft_cache, draft_lp=lp, draft_ids=ids)

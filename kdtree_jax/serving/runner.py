@@ -1,6 +1,8 @@
 """The serving runner: the device table and the fixed set of compiled programs that change it.
 
-It holds the table (`programs.empty_table`: slot rows over the page pools), compiles each program once per shape
+It holds the table (`programs.empty_table`: slot rows over the page pools) and the constraint tables (every live
+automaton, `constrain_device.AutomatonTables`: an argument of every prefill and step program, replaced when the
+host lays out a new automaton), compiles each program once per shape
 key (prefill chunks per (bucket, rows), steps per (step kind, width), move, release) and runs them. Every program
 donates the table; a step can run on a one-thread executor while the host reads the previous step's tokens
 (`overlap`), and `settle` takes the table back before anything else touches it. Nothing here decides what runs: the
@@ -14,8 +16,9 @@ import itertools
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
+from kdtree_jax import constrain_device as cd
 from kdtree_jax import sharding
 from kdtree_jax.serving import programs
 from kdtree_jax.speculative import DecodeSpec, RequestRows
@@ -27,7 +30,8 @@ class ModelRunner:
     """The device half of the serving engine: one table, its programs, and the device thread."""
 
     def __init__(self, engine, *, uses_drafter: bool, new_table, prefill_specs: dict, step_specs: dict,
-                 rounds: int, page_table_width: int, max_slots: int, rows_for, overlap: bool, groups: int = 1):
+                 rounds: int, page_table_width: int, max_slots: int, rows_for, overlap: bool, groups: int = 1,
+                 constraint_tables: cd.AutomatonTables):
         self.engine = engine
         self.uses_drafter = uses_drafter
         self._new_table = new_table
@@ -44,6 +48,7 @@ class ModelRunner:
         self.mesh = engine.mesh
         self.shardings = None
         self.table = self._placed(new_table())
+        self.tables = self._placed_tables(constraint_tables)
         # the weights as one flat list: a plain list of arrays is the cheapest argument to pass on every call
         t, d = engine.weights
         self._weight_leaves, self._weight_def = jax.tree.flatten((t, d if uses_drafter else None))
@@ -57,6 +62,16 @@ class ModelRunner:
         if self.shardings is None:
             self.shardings = table_shardings(table, self.mesh)
         return jax.device_put(table, self.shardings)
+
+    def _placed_tables(self, tables: cd.AutomatonTables) -> cd.AutomatonTables:
+        """Constraint tables on the device, replicated over the mesh (every row may read any automaton)."""
+        if self.mesh is None:
+            return cd.to_device(tables)
+        return jax.device_put(tables, NamedSharding(self.mesh, PartitionSpec()))
+
+    def set_tables(self, tables: cd.AutomatonTables) -> None:
+        """Replace the constraint tables (numpy); a step already queued keeps the ones it was given."""
+        self.tables = self._placed_tables(tables)
 
     def _pinned(self, out):
         """A program's (table, ...) result with the table held to its layout, so no program leaves it replicated."""
@@ -78,21 +93,23 @@ class ModelRunner:
         if name == "prefill":
             spec, (bucket, n) = self.prefill_specs[key], key
 
-            def fn(w, table, page_rows, tokens, slots, start, n_valid, prompt_len, n_prev, seeds, rows):
-                return self._pinned(programs.prefill_chunk(spec, *self._modules(w), table, page_rows, tokens, slots,
-                                                           start, n_valid, prompt_len, n_prev, seeds, rows))
+            def fn(w, table, tables, page_rows, tokens, slots, start, n_valid, prompt_len, n_prev, seeds, rows,
+                   start_state):
+                return self._pinned(programs.prefill_chunk(spec, *self._modules(w), table, tables, page_rows, tokens,
+                                                           slots, start, n_valid, prompt_len, n_prev, seeds, rows,
+                                                           start_state))
 
             ints = np.zeros((n,), np.int32)
-            args = (pages[:n], np.zeros((n, bucket), np.int32), ints, ints, ints + 1, ints, ints,
-                    np.zeros((n,), np.uint32), self._rows_for(n))
+            args = (self.tables, pages[:n], np.zeros((n, bucket), np.int32), ints, ints, ints + 1, ints, ints,
+                    np.zeros((n,), np.uint32), self._rows_for(n), ints)
             desc = f"prefill {bucket} x{n}"
         elif name == "step":
             spec, rounds, groups = self.step_specs[key], self.rounds, self.groups
 
-            def fn(w, table, page_table):
-                return self._pinned(programs.step(spec, *self._modules(w), table, page_table, rounds, groups))
+            def fn(w, table, tables, page_table):
+                return self._pinned(programs.step(spec, *self._modules(w), table, tables, page_table, rounds, groups))
 
-            args = (pages,)
+            args = (self.tables, pages)
             desc = f"step {key[0].name} x{key[1]}"
         elif name == "move":
             def fn(w, table, src, dst):
@@ -126,17 +143,18 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------------------------
     def prefill(self, bucket: int, page_rows: np.ndarray, tokens: np.ndarray, slots: np.ndarray, start: np.ndarray,
                 n_valid: np.ndarray, prompt_len: np.ndarray, n_prev: np.ndarray, seeds: np.ndarray,
-                rows: RequestRows) -> np.ndarray:
-        """One chunk program over len(slots) requests; returns [n, 2] (first token, finish) from the device."""
+                rows: RequestRows, start_state: np.ndarray) -> np.ndarray:
+        """One chunk program over len(slots) requests (start_state: each one's automaton state after its context);
+        returns [n, 2] (first token, finish) from the device."""
         program = self._program("prefill", (bucket, len(slots)))
-        self.table, out = program(self._weight_leaves, self.table, page_rows, tokens, slots, start, n_valid,
-                                  prompt_len, n_prev, seeds, rows)
+        self.table, out = program(self._weight_leaves, self.table, self.tables, page_rows, tokens, slots, start,
+                                  n_valid, prompt_len, n_prev, seeds, rows, start_state)
         return np.asarray(jax.device_get(out))
 
     def queue_step(self, key, page_table: np.ndarray) -> concurrent.futures.Future:
         """Start a step (k rounds over the first width / groups slots of each data group); the table is the step's
         until `settle`."""
-        run = functools.partial(self._program("step", key), self._weight_leaves, self.table, page_table)
+        run = functools.partial(self._program("step", key), self._weight_leaves, self.table, self.tables, page_table)
         self.table = None
         return self._device.submit(run) if self._device is not None else _run_now(run)
 
