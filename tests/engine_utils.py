@@ -1,6 +1,8 @@
 """Small random target + drafter pairs for engine tests (numpy-drawn weights: no per-op compiles on CPU)."""
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 
 import jax
@@ -101,3 +103,29 @@ def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> tuple[float, float
     keep = f_exp > 0
     chi2, p = stats.chisquare(f_obs[keep], f_exp[keep] * f_obs[keep].sum() / f_exp[keep].sum())
     return float(chi2), float(p)
+
+
+COMPILE_EVENTS = (jax._src.dispatch.JAXPR_TRACE_EVENT, jax._src.dispatch.BACKEND_COMPILE_EVENT)
+
+
+class CompileCounter:
+    """Counts jit traces and backend compiles while `counting`. JAX's monitoring listeners cannot be removed, so a
+    test module registers one for the module."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.counting = False
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, name, *_args, **_kw):
+        if self.counting and name in COMPILE_EVENTS:
+            self.events.append(name)
+
+    @contextlib.contextmanager
+    def count(self):
+        self.events.clear()
+        self.counting = True
+        try:
+            yield self.events
+        finally:
+            self.counting = False

@@ -5,7 +5,6 @@ outputs stay inside the language (and parse and validate where they end), schema
 sampling draws from the masked target distribution."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
-from engine_utils import chi_square_p, drafter_config, nucleus_probs, random_drafter, random_pair
+from engine_utils import CompileCounter, chi_square_p, drafter_config, nucleus_probs, random_drafter, random_pair
 
 from kdtree_jax import config
 from kdtree_jax import constrain_device as cd
@@ -30,7 +29,6 @@ from pallas_kernels.tree_build_masked import tree_build_masked
 from pallas_kernels.tree_build_ref import tree_build_masked_ref
 
 SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "kdtree-mini")
-COMPILE_EVENTS = (jax._src.dispatch.JAXPR_TRACE_EVENT, jax._src.dispatch.BACKEND_COMPILE_EVENT)
 ALPHABET = list('{}":,abc0123456789 truefals')  # every character the regexes below spell, as one-byte tokens
 REGEX_OBJECT = r'\{"[a-c]{1,5}":([0-9]{1,3}|true|false)(,"[a-c]{1,5}":([0-9]{1,3}|true|false)){0,2}\}'
 REGEX_LIST = r'(true|false|[0-9]{1,2})( ?, ?(true|false|[0-9]{1,2})){0,4}'
@@ -270,29 +268,7 @@ def test_constrained_ddtree_and_chain_equal_constrained_ar(synth):
         assert _in_language(synth["toks"], auto, ar.token_ids[row], pattern)
 
 
-class _CompileCounter:
-    """Counts jit traces and backend compiles while `counting` (JAX's listeners cannot be removed: one per module)."""
-
-    def __init__(self):
-        self.events: list[str] = []
-        self.counting = False
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, name, *_args, **_kw):
-        if self.counting and name in COMPILE_EVENTS:
-            self.events.append(name)
-
-    @contextlib.contextmanager
-    def count(self):
-        self.events.clear()
-        self.counting = True
-        try:
-            yield self.events
-        finally:
-            self.counting = False
-
-
-COMPILES = _CompileCounter()
+COMPILES = CompileCounter()
 
 
 def test_schemas_are_data_no_recompile(synth):

@@ -17,7 +17,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from engine_utils import chi_square_p, drafter_config, exact_pair_distribution, random_drafter
+from engine_utils import CompileCounter, chi_square_p, drafter_config, exact_pair_distribution, random_drafter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,34 +47,10 @@ PROMPT_LENS = (5, 20, 40, 70)  # one chunk, one, two and three chunks of CHUNK
 CHUNK = 32  # max_num_batched_tokens: prompt tokens prefilled per step
 PAGE = 16
 SWITCHING = {1: 8, 2: "ar", 3: 4}  # a budget per count of active slots: trees of two sizes and plain AR
-COMPILE_EVENTS = (jax._src.dispatch.JAXPR_TRACE_EVENT, jax._src.dispatch.BACKEND_COMPILE_EVENT)
 MIN_ACCEPTANCE = 1.5  # mean tokens per DDTree round the shipped pair must reach here (it reaches 2.5-5)
 
 
-class _CompileCounter:
-    """Counts jit traces and backend compiles while `counting`; JAX's monitoring listeners cannot be removed, so
-    one is registered for the module."""
-
-    def __init__(self):
-        self.events: list[str] = []
-        self.counting = False
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, name, *_args, **_kw):
-        if self.counting and name in COMPILE_EVENTS:
-            self.events.append(name)
-
-    @contextlib.contextmanager
-    def count(self):
-        self.events.clear()
-        self.counting = True
-        try:
-            yield self.events
-        finally:
-            self.counting = False
-
-
-COMPILES = _CompileCounter()
+COMPILES = CompileCounter()
 
 
 @pytest.fixture(scope="module")
