@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[test]"
-python -m pytest -q -m "not gpu and not slow" "$@"
+# Two workers (pytest-xdist), each test file whole on one of them so its module fixtures compile once: one XLA
+# compile keeps about one core busy, and compiling is most of the suite's time.
+python -m pytest -q -m "not gpu and not slow" -n 2 --dist loadfile "$@"

@@ -39,7 +39,9 @@ from kdtree_jax.serving import AsyncServingEngine, ServeConfig, ServingEngine
 
 MODEL = "kdtree-mini"
 MODE = "ddtree"
-SERVE = {"max_slots": 4, "max_context": 256, "rounds_per_step": 4, "max_queue": 16}
+# prefill programs: buckets 32..256 of 1 or 2 rows (8, not the default 15: each is seconds of compiling on a CPU)
+SERVE = {"max_slots": 4, "max_context": 256, "rounds_per_step": 4, "max_queue": 16, "prefill_batch": 2,
+         "min_prompt_bucket": 32}
 REF_TOKENS = 24  # greedy reference length; shorter requests compare with its prefix
 PROMPTS = ("def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport sys\n\n",
            "def quicksort(xs):\n    ")
