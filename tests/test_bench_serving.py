@@ -150,7 +150,7 @@ def test_tiny_inprocess_run_on_the_shipped_pair(tmp_path):
     mod = _module()
     out = tmp_path / "serving.json"
     mod.main(["--num-prompts", "3", "--prompt-tokens", "16", "--max-new-tokens", "8", "--concurrency", "1,2",
-              "--num-requests", "3", "--repeats", "2", "--configs", "ar,ddtree", "--out", str(out)])
+              "--num-requests", "3", "--repeats", "2", "--configs", "ar,ddtree", "--prefill-batch", "1", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["config"], r["concurrency"]) for r in rows] == [("ar", 1), ("ar", 2), ("ddtree", 1), ("ddtree", 2)]
@@ -242,7 +242,7 @@ def test_tiny_traces_on_the_shipped_pair_report_what_their_steps_did(tmp_path):
                        "--pool-slots", "2", "--paged-slots", "8", "--mixed-batched-tokens", "64",
                        "--streams", "2", "--stream-prompt-tokens", "16", "--stream-new-tokens", "64",
                        "--long-prompt-tokens", "96", "--long-new-tokens", "8", "--chunk-tokens", "32",
-                       "--join-after-steps", "2", "--rounds-per-step", "2", "--out", str(out)])
+                       "--join-after-steps", "2", "--rounds-per-step", "2", "--prefill-batch", "1", "--out", str(out)])
     assert json.loads(out.read_text())["traces"].keys() == {"mixed", "long-join"}
     # each engine: its warm-up pass, then the trace
     (_, paged), (_, table), (_, chunked), (_, one_chunk) = zip(captured[0::2], captured[1::2])
@@ -302,3 +302,37 @@ def test_markdown_table_has_ttft_and_tpot_percentile_columns(rng):
             col = header.index(f"{name} {q}")
             assert cells[0][col] == f"{stats[metric][q]:.2f}"
             assert cells[1][col] == ("-" if metric == "tpot_ms" else f"{stats[metric][q]:.2f}")
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(600)
+def test_tiny_multi_turn_trace_hits_every_earlier_page_with_or_without_speculation(tmp_path):
+    """Every later turn finds its conversation's earlier context in the cache, all of its full pages but the page
+    of the last reply token (not yet written when the reply ended), for ddtree exactly as for ar; caching off finds
+    nothing; ddtree's rounds really accept several tokens."""
+    mod = _module()
+    page, turns = 16, 3
+    out = tmp_path / "multi_turn.json"
+    result = mod.main(["--trace", "multi-turn", "--trace-context", "256", "--trace-page-size", str(page),
+                       "--conversations", "2", "--turns", str(turns), "--system-prompt-tokens", "64",
+                       "--user-tokens", "12", "--reply-tokens", "20", "--shared-tokens", "64",
+                       "--rounds-per-step", "2", "--prefill-batch", "1", "--min-prompt-bucket", "64",
+                       "--out", str(out)])
+    assert json.loads(out.read_text())["traces"].keys() == {"multi-turn"}
+    runs = result["traces"]["multi-turn"]["runs"]
+    turn_hits = {}
+    for mode in ("ar", "ddtree"):
+        on, off = runs[f"{mode}_cached"], runs[f"{mode}_uncached"]
+        for r in (on, off):
+            assert r["requests"] == r["completed"] == 2 * turns, r
+            assert all(q["tokens"] == 20 for q in r["per_request"])
+        assert off["hit_rate"] == 0 and all(q["cached_tokens"] == 0 for q in off["per_request"])
+        later = [q for q in on["per_request"] if q["turn"] > 0]
+        assert len(later) == 2 * (turns - 1)
+        for q in later:  # the previous turn's rows: its whole context but the last reply token
+            assert q["cached_tokens"] == (q["shared_tokens"] - 1) // page * page, q
+        turn_hits[mode] = sorted((q["conversation"], q["turn"], q["cached_tokens"]) for q in on["per_request"])
+        want = sum(q["cached_tokens"] for q in later) / sum(q["prompt_tokens"] for q in later)
+        assert on["hit_rate_from_turn_2"] == pytest.approx(want)
+    assert turn_hits["ddtree"] == turn_hits["ar"]
+    assert runs["ddtree_cached"]["mean_acceptance_length"] > 1.5
