@@ -32,6 +32,8 @@
 #                   (as loaded) and tile-major (as the engine stores them) side by side (bench_kimi_layer.py)
 #   prefix-ttft-k26  time to first token of a 32k-token prefix + 64-token message at K2.6 width (3 layers) in the
 #                   serving engine: cold, prefix-cache hit, and caching off, 3 repeats (benchmarks/prefix_ttft_k26.py)
+#   serving-k26     the serving engine at K2.6 width (3 layers + a 1-layer drafter): ar and ddtree-16 step times at
+#                   concurrency 1-64, tokens/s projected with the shipped pair's tau (benchmarks/serving_k26.py)
 #   k26-round       one K2.6-width round part by part, from a profiler trace (benchmarks/profile_round.py)
 #   round           one round of the shipped pair part by part (benchmarks/bench_round.py)
 #   mesh            K2.6-width layers on 2 GPUs vs one, same tokens, ms per round (nvidia-h200-x2)
@@ -175,6 +177,7 @@ target() {
         "$PY" benchmarks/bench_kimi_layer.py --steps 8 32 --batches 8 --nodes 17 --skip-prefill \
         --expert-layouts row-major tile-major --budget-s 60 --out "$OUT/k26_verify_b8_layouts.json" ;;
     prefix-ttft-k26) "$PY" benchmarks/prefix_ttft_k26.py --out "$OUT/prefix_ttft_k26.json" ;;
+    serving-k26) "$PY" benchmarks/serving_k26.py --out "$OUT/serving_k26.json" ;;
     k26-round) "$PY" benchmarks/profile_round.py --batch 1 --budgets 16 --ar --out "$OUT/k26_round" ;;
     round) "$PY" benchmarks/bench_round.py --time-limit 200 --out "$OUT/round.json" ;;
     mesh) "$PY" benchmarks/bench_mesh_scaling.py --layers 4 --batch 1 --modes ar ddtree --meshes 1x1x2 \
