@@ -41,12 +41,12 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
 from bench_int4_moe import is_oom, short_error  # noqa: E402
 from bench_kimi_layer import ENGINE_LAYOUT, build_model, random_module, weight_bytes  # noqa: E402
 from bench_util import finish_on_sigterm, write_results  # noqa: E402
+from flax import nnx  # noqa: E402
 from profile_round import drafter_config  # noqa: E402
+
 from kdtree_jax import budget as budget_mod  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.drafter import DFlashDrafter  # noqa: E402

@@ -57,7 +57,7 @@ from kdtree_jax.serving import (
     enable_compilation_cache,
     enable_loop_graphs,
 )
-from kdtree_jax.serving.engine_process import EngineProcessClient
+from kdtree_jax.serving.engine_process import DEFAULT_STEP_TIMEOUT_S, EngineProcessClient
 from kdtree_jax.sharding import parse_mesh
 
 log = logging.getLogger("kdtree_jax.serve")
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the serving engine (scheduler, device loop, checkpoint) in a process of its own, apart "
                         "from HTTP and (de)tokenizing; --no-engine-process: in a thread of the server's process")
+    h.add_argument("--engine-step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S, metavar="SECONDS",
+                   help="with --engine-process: an engine process that sends nothing for this long while requests "
+                        "are open is hung; the server kills it and answers 503 (0: never; default %(default)g)")
     t = p.add_argument_group("agent API")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto' (the default when a request declares tools): the model decides "
@@ -207,6 +210,8 @@ def _check_args(args) -> None:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.engine_step_timeout < 0:
+        raise UsageError(f"--engine-step-timeout must be >= 0, got {args.engine_step_timeout}")
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if not 0 <= args.port < 1 << 16:
@@ -236,7 +241,8 @@ def load(args):
         tokenizer = load_tokenizer_any(args.checkpoint)
         if tokenizer is None:
             raise UsageError(f"--checkpoint {args.checkpoint} has no tokenizer files; the OpenAI server needs them")
-        front = EngineProcessClient(functools.partial(engine_process_core, args))
+        front = EngineProcessClient(functools.partial(engine_process_core, args),
+                                    step_timeout_s=args.engine_step_timeout or None)
         front.launch()
     else:
         core = load_core(args)

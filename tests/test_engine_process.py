@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import httpx
 import openai
@@ -42,9 +43,10 @@ from test_server import (  # noqa: F401  (engine, reference: fixtures)
 
 from kdtree_jax import serve
 from kdtree_jax.budget import DEFAULT_BUDGET
+from kdtree_jax.cli import UsageError
 from kdtree_jax.server import build_app
-from kdtree_jax.serving import AsyncServingEngine, RequestParams, ServeConfig
-from kdtree_jax.serving.engine_process import EngineProcessClient
+from kdtree_jax.serving import AsyncServingEngine, RequestParams, RequestRecord, ServeConfig, StepReport, TokenDelta
+from kdtree_jax.serving.engine_process import DEFAULT_STEP_TIMEOUT_S, EngineProcessClient
 from kdtree_jax.serving.frontend import EngineDeadError
 
 DEATH_DEADLINE_S = 10.0  # a killed engine: requests in flight end and new ones are refused within this
@@ -211,6 +213,84 @@ def test_killed_engine_process_fails_requests_at_once_and_health_is_503(referenc
         err = r.json()["error"]
         assert r.status_code == 503 and set(err) == {"message", "type", "param", "code"}
         assert err["message"] == f"{DEATH_MESSAGE} (SIGKILL)" and err["type"] == "server_error"
+
+
+class HangingCore:
+    """A `ServingEngine` stand-in for the engine process (no model): each request is answered with one token in one
+    step, except a prompt starting with HANG, whose step never returns."""
+
+    HANG = 7
+    config = ServeConfig(max_slots=2, max_context=128)
+    stop_ids = ()
+    engine = types.SimpleNamespace(target=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=16)))
+    cache = types.SimpleNamespace(free_pages=1, num_pages=1, page_size=16, usage=0.0)
+    n_running = n_waiting = n_preemptions = prefix_cache_queries = prefix_cache_hits = 0
+
+    def __init__(self):
+        self.queued: list[tuple[int, list[int]]] = []
+
+    def submit(self, prompt, params, request_id):
+        self.queued.append((request_id, list(prompt)))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queued)
+
+    def cancel(self, request_id):
+        return None
+
+    def shutdown(self):
+        return []
+
+    def step(self) -> StepReport:
+        rid, prompt = self.queued.pop(0)
+        while prompt[0] == self.HANG:
+            time.sleep(60)
+        record = RequestRecord(request_id=rid, token_ids=[1], finish_reason="length", prompt_tokens=len(prompt),
+                               accept_lengths=[], num_draft_tokens=0)
+        return StepReport(events=[TokenDelta(rid, [1], time.perf_counter()), record], kind=None, active=1,
+                          admitted=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_engine_process_is_killed_and_its_requests_fail_after_the_step_timeout():
+    """An engine process that lives but never finishes a step: with a request open, the server hears nothing for
+    the step timeout, kills it and ends the request with the reason; a later submit is refused with it. Idle time
+    longer than the timeout is not a hang: a request after it is answered."""
+    timeout = 2.0
+
+    async def main():
+        front = EngineProcessClient(HangingCore, step_timeout_s=timeout)
+        await asyncio.get_running_loop().run_in_executor(None, front.launch)
+        try:
+            await front.start()
+            await asyncio.sleep(timeout + 1.0)  # idle, past the timeout
+            fine = await asyncio.wait_for(front.submit([1, 2], RequestParams()).result(), timeout)
+            t0 = time.monotonic()
+            hung = await asyncio.wait_for(front.submit([HangingCore.HANG], RequestParams()).result(), 4 * timeout)
+            waited = time.monotonic() - t0
+            await asyncio.get_running_loop().run_in_executor(None, front.process.join, 5.0)
+            with pytest.raises(EngineDeadError, match="hung"):
+                front.submit([1], RequestParams())
+            return fine, hung, waited, front.process.exitcode
+        finally:
+            front.close()
+
+    fine, hung, waited, exitcode = asyncio.run(main())
+    assert fine.finish_reason == "length" and fine.token_ids == [1]
+    assert hung.finish_reason == "error" and "engine process hung (no step for 2 s), killed" in hung.error
+    assert timeout <= waited < timeout + 3.0 and exitcode == -signal.SIGKILL
+
+
+def test_the_step_timeout_flag_reaches_the_client_and_zero_turns_it_off():
+    args = serve.build_parser().parse_args(["--engine-step-timeout", "0"])
+    serve._check_args(args)
+    assert args.engine_step_timeout == 0
+    assert serve.build_parser().parse_args([]).engine_step_timeout == DEFAULT_STEP_TIMEOUT_S
+    with pytest.raises(UsageError, match="--engine-step-timeout"):
+        serve._check_args(serve.build_parser().parse_args(["--engine-step-timeout", "-1"]))
+    with pytest.raises(ValueError, match="step_timeout_s"):
+        EngineProcessClient(HangingCore, step_timeout_s=0)
 
 
 class _FailingCore:

@@ -12,6 +12,9 @@ The engine process ignores SIGINT and SIGTERM (a terminal's Ctrl-C and systemd r
 server drains it and sends "shutdown". If the server goes away, the engine sees its inbox end and stops. If the
 engine process ends otherwise (killed, crashed, a device error it did not survive), the server's reader sees its
 pipe end at once: every open request ends with "engine process exited with code N", and so does every later submit.
+An engine process that lives but stops answering (a device hang, a deadlock) is found by time, as vLLM's
+VLLM_ENGINE_ITERATION_TIMEOUT_S finds it: while requests are open, no message for `step_timeout_s` seconds since the
+last message or submit means hung; the server kills it and fails the open requests the same way.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 import types
 from collections.abc import Callable, Sequence
 
@@ -52,6 +56,11 @@ INHERITED_JAX_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_
 STARTUP_POLL_S = 0.5  # how often the server looks whether a starting engine process is still alive
 EXIT_WAIT_S = 5.0  # for the exit code of an engine process whose pipe ended, and for one asked to stop
 KILL_WAIT_S = 5.0  # after SIGKILL, for the process to be reaped
+# while requests are open, an engine silent this long is hung: a step is milliseconds on a GPU and well under a second
+# for the shipped pair on a CPU, and every program is compiled before the port opens; a constraint's automaton, the
+# one thing compiled while serving, takes seconds
+DEFAULT_STEP_TIMEOUT_S = 120.0
+WATCH_POLL_S = 0.5  # how often the reader, with no message, looks whether the engine is hung
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +197,11 @@ class EngineProcessClient(ServingFront):
     process calls to load the checkpoint and return a warmed-up `ServingEngine`."""
 
     def __init__(self, build: Callable[[], ServingEngine], *, jax_options: dict | None = None,
-                 name: str = "kdtree-engine"):
+                 name: str = "kdtree-engine", step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S):
         super().__init__()
+        if step_timeout_s is not None and step_timeout_s <= 0:
+            raise ValueError(f"step_timeout_s must be > 0 or None, got {step_timeout_s!r}")
+        self.step_timeout_s = step_timeout_s  # None: never declared hung
         ctx = multiprocessing.get_context("spawn")
         self._in_recv, self._in_send = ctx.Pipe(duplex=False)
         self._out_recv, self._out_send = ctx.Pipe(duplex=False)
@@ -202,6 +214,7 @@ class EngineProcessClient(ServingFront):
         self._stats: EngineStats | None = None
         self._limits: _RequestLimits | None = None
         self._sent = 0  # submits posted to the engine
+        self._last_heard = time.monotonic()  # the last message from the engine, or submit to it
 
     @property
     def pid(self) -> int | None:
@@ -256,6 +269,8 @@ class EngineProcessClient(ServingFront):
     def _post(self, msg: tuple) -> None:
         if msg[0] == "submit":
             self._sent += 1
+            if len(self._streams) == 1:  # this one (submit registers it first): the silence so far was idleness
+                self._last_heard = time.monotonic()
         self._outbox.put(msg)
 
     async def shutdown(self, timeout: float | None = None) -> None:
@@ -312,18 +327,38 @@ class EngineProcessClient(ServingFront):
                 return
 
     def _read(self) -> None:
-        """Hand each step's message to the event loop; report the engine's death when its pipe ends."""
+        """Hand each step's message to the event loop; report the engine's death when its pipe ends, and kill it
+        (then report the same) when it is hung."""
         while True:
             try:
+                if not self._out_recv.poll(WATCH_POLL_S):
+                    if self._hung():
+                        log.error("engine process %d sent nothing for %.0f s with %d requests open; killing it",
+                                  self.process.pid, self.step_timeout_s, len(self._streams))
+                        self.process.kill()
+                        self.process.join(KILL_WAIT_S)
+                        self._end(f"engine process hung (no step for {self.step_timeout_s:g} s), killed")
+                        return
+                    continue
                 msg = self._out_recv.recv()
             except (EOFError, OSError):
                 self.process.join(EXIT_WAIT_S)
-                self._loop.call_soon_threadsafe(self._fail, exit_message(self.process.exitcode))
-                self._outbox.put(("shutdown",))  # the writer finds the pipe broken and stops
+                self._end(exit_message(self.process.exitcode))
                 return
+            self._last_heard = time.monotonic()
             self._loop.call_soon_threadsafe(self._on_step, msg)
             if msg.closed:
                 return
+
+    def _hung(self) -> bool:
+        """Requests are open and the engine has said nothing for step_timeout_s (read off the event loop's thread:
+        a stale view only delays the verdict by a poll)."""
+        return (self.step_timeout_s is not None and bool(self._streams)
+                and time.monotonic() - self._last_heard > self.step_timeout_s)
+
+    def _end(self, message: str) -> None:
+        self._loop.call_soon_threadsafe(self._fail, message)
+        self._outbox.put(("shutdown",))  # the writer finds the pipe broken and stops
 
     def _on_step(self, msg: StepMessage) -> None:
         self._stats = msg.stats
