@@ -1,17 +1,11 @@
 """bench_engine's per-prompt agreement with ar: counts and first-difference positions on fresh random token lists."""
-import importlib.util
-import os
 
 import numpy as np
-
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_engine.py")
+from script_loader import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("_bench_engine", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/bench_engine.py")
 
 
 def test_agreement_counts_prompts_and_finds_first_difference():

@@ -2,21 +2,15 @@
 (programs walking several tiles through one wrapping ring of stages, and idle programs), every mode lowers for an
 abstract H200 at K2.6 widths, and a shape it cannot tile is refused by name."""
 import functools
-import importlib.util
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+from script_loader import load_script
 
 from pallas_kernels._pallas import lower_for_h200
 
-_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, _DIR)
-_spec = importlib.util.spec_from_file_location("_bench_int4_tma", os.path.join(_DIR, "bench_int4_tma.py"))
-tma = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tma)
+tma = load_script("benchmarks/bench_int4_tma.py")
 
 
 @pytest.mark.parametrize("experts,n,k,rows,tk,stages,programs", [

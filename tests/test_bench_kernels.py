@@ -1,24 +1,15 @@
 """bench_kernels' paged mode: the shuffled page pool holds the cache's rows where the table says, the side-by-side
 table and its 5% verdict, and one tiny interpreted run with both layouts (CPU)."""
-import importlib.util
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from script_loader import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_bench_kernels", os.path.join(_BENCHMARKS, "bench_kernels.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    sys.path.insert(0, _BENCHMARKS)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_kernels.py")
 
 
 bench_kernels = _load()

@@ -1,20 +1,15 @@
 """The mesh-scaling benchmark (1 to 8 GPUs) on simulated CPU devices: the sharded generations give the one-device
 tokens, ddtree gives ar's tokens on each layout, and every row is timed."""
-import importlib.util
 import math
-import os
 
 import pytest
-
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_mesh_scaling.py")
+from script_loader import load_script
 
 
 @pytest.mark.heavy
 @pytest.mark.multidevice
 def test_sharded_generations_match_one_device(tmp_path):
-    spec = importlib.util.spec_from_file_location("_bench_mesh_scaling", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/bench_mesh_scaling.py")
     out = tmp_path / "rows.json"
     rows = mod.main(["--layers", "2", "--meshes", "1x2x4", "--modes", "ar", "ddtree", "--prompt-len", "12",
                      "--max-new-tokens", "8", "--short-tokens", "3", "--budget", "4", "--batch", "2",

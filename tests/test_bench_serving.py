@@ -1,25 +1,16 @@
 """bench_serving: its latency metrics on hand-made timestamps, its load driver and HTTP chunk reading on fakes, and
 a tiny in-process run on the shipped pair (ar and ddtree at concurrency 1 and 2)."""
 import asyncio
-import importlib.util
 import json
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
-
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+from script_loader import load_script
 
 
 def _module():
-    sys.path.insert(0, SCRIPTS)  # bench_serving imports bench_engine from its own directory
-    spec = importlib.util.spec_from_file_location("_bench_serving", os.path.join(SCRIPTS, "bench_serving.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/bench_serving.py")
 
 
 def _request(mod, send, times, counts, ok=True):

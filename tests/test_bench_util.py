@@ -1,6 +1,5 @@
 """The benchmark timing helper really runs the kernel once per argument set, and times something positive; a run
 stopped by SIGTERM still writes what it finished."""
-import importlib.util
 import os
 import signal
 import subprocess
@@ -9,11 +8,10 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from script_loader import load_script
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_util.py")
-_spec = importlib.util.spec_from_file_location("_bench_util", _PATH)
-bench_util = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_util)
+bench_util = load_script("benchmarks/bench_util.py")
 
 
 def test_back_to_back_runs_every_set(rng):

@@ -12,6 +12,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from script_loader import load_script
 
 from kdtree_jax import budget as budget_mod
 from kdtree_jax.budget import BatchProfile, BudgetPoint, BudgetProfile, ProfileError, ProfileKey
@@ -484,12 +485,7 @@ def test_profile_script_smoke_run_writes_a_loadable_profile(tmp_path):
 
 
 def _profile_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_profile_budget", os.path.join(REPO, "scripts", "profile_budget.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/profile_budget.py")
 
 
 def test_scoring_a_profile_records_its_source_and_scores_fresh_timings(rng, tmp_path):

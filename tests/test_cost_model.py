@@ -1,24 +1,18 @@
 """The verify cost model of benchmarks/bench_kimi_layer.py: non-negative coefficients, minimax relative error, and the
 leave-one-out check, on synthetic measurements with known coefficients (fresh random shapes every run)."""
 import dataclasses
-import importlib.util
-import os
-import sys
 import types
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from script_loader import load_script
 
 from kdtree_jax.config import kimi_k2_6
 from kdtree_jax.quant import quant_int4
 from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_kimi_layer.py")
-_spec = importlib.util.spec_from_file_location("_bench_kimi_layer", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # its dataclasses look their module up
-_spec.loader.exec_module(bench)
+bench = load_script("benchmarks/bench_kimi_layer.py")
 
 CFG = dataclasses.replace(kimi_k2_6(), num_hidden_layers=2)
 TRUE = {"intercept": 1.4e-3, "attn_roofline": 1.7, "expert_bytes": 8.5e-13, "tokens": 5e-6}

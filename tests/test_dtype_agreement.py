@@ -1,18 +1,15 @@
 """dtype_agreement's float32 logits line up with the engine: greedy AR picks their argmax at every position."""
-import importlib.util
 import os
 
 import numpy as np
+from script_loader import load_script
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PATH = os.path.join(_REPO, "benchmarks", "dtype_agreement.py")
 _PAIR = os.path.join(_REPO, "checkpoints", "kdtree-mini")
 
 
 def test_next_token_logits_argmax_is_the_engines_greedy_token():
-    spec = importlib.util.spec_from_file_location("_dtype_agreement", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/dtype_agreement.py")
     engine = mod.Engine.load(os.path.join(_PAIR, "target"), None, dtype="float32")
     prompts = mod.load_prompts(os.path.join(_PAIR, "heldout_prompts.jsonl"), engine.tokenizer, 3, 64)
     rng = np.random.default_rng()

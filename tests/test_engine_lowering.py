@@ -1,16 +1,15 @@
 """The engine's whole generation program (prefill + every round in one jit) lowers for an abstract H200 with the
 three round kernels compiled through Triton, in each mode and dtype. The per-kernel lowering tests see each kernel
 alone at hand-picked shapes; this sees them at the shapes and inside the control flow the engine gives them."""
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
 import pytest
+from engine_utils import drafter_config, random_drafter
 from flax import nnx
+from script_loader import load_script
 
 import pallas_kernels._pallas as pallas_mod
-from engine_utils import drafter_config, random_drafter
 from kdtree_jax import config, sampling
 from kdtree_jax.engine import Engine, generate_device
 from kdtree_jax.speculative import RequestRows
@@ -72,9 +71,5 @@ def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
 def test_decode_loop_never_copies_the_cache(use_pallas):
     """No `copy` of the whole latent cache in the compiled decode loop: each would read and write the entire cache
     every round (the vmapped writes and a write unordered with the attention's reads once made 7 to 9)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(root, "benchmarks", "hlo_cache_copies.py")
-    spec = importlib.util.spec_from_file_location("_hlo_cache_copies", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/hlo_cache_copies.py")
     assert mod.cache_copies("ddtree", use_pallas) == []

@@ -1,22 +1,13 @@
 """eval_pair's engine table: every prompt at every batch size (batch 1 included), each mode against ar."""
-import importlib.util
-import os
-import sys
 
 import numpy as np
 import pytest
 from engine_utils import random_pair
-
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+from script_loader import load_script
 
 
 def _module():
-    sys.path.insert(0, SCRIPTS)  # eval_pair imports bench_engine from its own directory
-    spec = importlib.util.spec_from_file_location("_eval_pair", os.path.join(SCRIPTS, "eval_pair.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/eval_pair.py")
 
 
 @pytest.mark.heavy

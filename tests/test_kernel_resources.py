@@ -5,7 +5,6 @@ verify_attn found the shared-memory overflow the hard way (346 KiB asked, 227 Ki
 Spills are bounded, not forbidden: on the H200 the bf16 verify_attn tiles on 4 warps (up to 280 B of stack per
 thread at B = 256) ran 1.6-2.2x faster than spill-free 8-warp tiles (BENCHMARKS.md §3). A default that spills more
 than SPILL_LIMIT is a change to measure on the GPU before it lands."""
-import importlib.util
 import os
 import sys
 
@@ -17,15 +16,14 @@ pytest.importorskip("triton", reason="the sm_90 compile needs the triton package
 _BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, _BENCHMARKS)  # triton_report lives next to kernel_resources, its command-line user
 
-from pallas_kernels.verify_attn import DEFAULTS, MIN_DOT  # noqa: E402
+from script_loader import load_script
 from triton_report import SHARED_LIMIT, KernelResources, mma_loop, opcode_counts, parse_sass, report  # noqa: E402
+
+from pallas_kernels.verify_attn import DEFAULTS, MIN_DOT  # noqa: E402
 
 SPILL_LIMIT = 512  # stack bytes per thread
 
-_PATH = os.path.join(_BENCHMARKS, "kernel_resources.py")
-_spec = importlib.util.spec_from_file_location("_kernel_resources", _PATH)
-cases = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cases)
+cases = load_script("benchmarks/kernel_resources.py")
 
 ENGINE_SIZES = {
     "verify_attn bf16 AR batch 64": lambda: cases.verify_case(64, 1, 8192, jnp.bfloat16),

@@ -1,25 +1,17 @@
 """prefix_ttft_k26 --tiny on the CPU: the hit request finds the prefix's full pages, draws the tokens of the same
 prompt computed cold, and the results file holds what the GPU run reports."""
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
+from script_loader import load_script
 
-_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 PAGE = 16
 PREFIX = 250  # not a whole number of pages: the hit stops at the last full page, 240
 SUFFIX = 16
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_prefix_ttft_k26", os.path.join(_BENCHMARKS, "prefix_ttft_k26.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    sys.path.insert(0, _BENCHMARKS)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/prefix_ttft_k26.py")
 
 
 @pytest.mark.timeout(300)

@@ -2,24 +2,15 @@
 and bench_kimi_layer's step parts), the per-step slope (bench_kimi_layer) and kernel time per call from trace events
 (bench_kernels), on synthetic traces with fresh random durations."""
 import dataclasses
-import importlib.util
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
-
-_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from script_loader import load_script
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_{name}", os.path.join(_BENCHMARKS, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    sys.path.insert(0, _BENCHMARKS)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{name}.py")
 
 
 profile_round = _load("profile_round")

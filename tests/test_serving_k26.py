@@ -1,24 +1,15 @@
 """serving_k26: its projection and crossover on hand-made rows, and a --tiny run on the CPU whose rows hold what the
 GPU run reports (ar commits one token a round; the trees' tau comes from the profile file)."""
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
+from script_loader import load_script
 
 from kdtree_jax import budget as budget_mod
 
-_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_serving_k26", os.path.join(_BENCHMARKS, "serving_k26.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    sys.path.insert(0, _BENCHMARKS)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/serving_k26.py")
 
 
 def _row(config, budget, c, step_s):

@@ -11,6 +11,7 @@ import sysconfig
 
 import pytest
 import regex
+from script_loader import load_script
 
 from kdtree_jax import tokenizer as tk
 from kdtree_jax.tokenizer import KIMI_PAT_STR, KIMI_SPECIAL_OFFSETS, KimiTokenizer, TokenizerFileError
@@ -23,11 +24,7 @@ MINI_BASE = 3840
 
 
 def _load_script(name: str):
-    path = os.path.join(REPO, "scripts", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"scripts/{name}.py", f"_script_{name}")
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from script_loader import load_script
 
 from kdtree_jax import train as T
 from kdtree_jax.config import tiny
@@ -38,11 +37,7 @@ WORDS = ("def", "return", "self", "import", "class", "value", "for", "in", "if",
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"kdtree_scripts_{name}", os.path.join(ROOT, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"scripts/{name}.py", f"kdtree_scripts_{name}")
 
 
 def _write_corpus(path: str, rng: np.random.Generator) -> None:
