@@ -45,7 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_util import copy_ceiling, finish_on_sigterm, per_call_s, write_results  # noqa: E402
+from bench_util import copy_ceiling, finish_on_sigterm, is_oom, per_call_s, short_error, write_results  # noqa: E402
 from pallas_kernels import int4_moe  # noqa: E402
 from pallas_kernels.int4_moe import (DOWN_LAUNCH, GATE_UP_LAUNCH, UNPACK_BF16X2, UNPACK_F32,  # noqa: E402
                                      UNPACK_MODES, Launch, bf16_gather_ffn, bf16_ragged_dot_ffn,
@@ -141,15 +141,6 @@ CPU_UNPACK_NOTE = "CPU: bf16x2 runs its jnp stand-in in the Pallas interpreter, 
 
 
 # ---- timing helpers (also used by bench_kimi_layer.py) -----------------------------------------------------------
-def short_error(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
-
-
-def is_oom(e: Exception) -> bool:
-    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
-
-
 def cycling(fn, sets):
     """A no-argument callable that runs fn on the next input set each call."""
     state = {"i": 0}

@@ -64,8 +64,16 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import kdtree_jax.moe as moe_mod  # noqa: E402
-from bench_int4_moe import cycling, is_oom, short_error  # noqa: E402
-from bench_util import copy_ceiling, finish_on_sigterm, matmul_peak, median_s, write_results  # noqa: E402
+from bench_int4_moe import cycling  # noqa: E402
+from bench_util import (  # noqa: E402
+    copy_ceiling,
+    finish_on_sigterm,
+    is_oom,
+    matmul_peak,
+    median_s,
+    short_error,
+    write_results,
+)
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.layers import rms_norm  # noqa: E402
 from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402

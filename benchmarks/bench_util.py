@@ -1,7 +1,9 @@
 """Helpers shared by the benchmark scripts: synchronised medians, per-call device time with the host's dispatch
-cost amortised, the two measured ceilings, and the provenance every results file records (`write_results`)."""
+cost amortised, the two measured ceilings, the provenance every results file records (`write_results`), and a run
+that writes its results file whatever happens (`recorded_run`)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -13,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -157,3 +160,34 @@ def write_results(path: str, result) -> dict:
     with open(path, "w") as f:
         json.dump(stamped, f, indent=1)
     return stamped
+
+
+def short_error(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+
+
+def is_oom(e: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+
+
+@contextlib.contextmanager
+def recorded_run(benchmark: str, result: dict, out: str | None, shrink: str):
+    """The body of a benchmark's run, `run.stage` saying what it is doing: `result` gains its wall time and is
+    written to `out` at the end whatever happens (SIGTERM included, with `finish_on_sigterm`); running out of device
+    memory is recorded (error, stage, oom), reported with the flags that shrink the run (`shrink`) and sets
+    `run.status` to 1; any other exception is recorded and raised."""
+    run = types.SimpleNamespace(stage="starting", status=0, t0=time.perf_counter())
+    try:
+        yield run
+    except Exception as e:
+        result.update(error=short_error(e), error_stage=run.stage, oom=is_oom(e))
+        if not is_oom(e):
+            raise
+        print(f"{benchmark}: out of device memory during {run.stage}: {short_error(e)}\n  lower {shrink}",
+              file=sys.stderr)
+        run.status = 1
+    finally:
+        result["wall_s"] = time.perf_counter() - run.t0
+        if out:
+            write_results(out, result)

@@ -47,9 +47,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_int4_moe import is_oom, short_error  # noqa: E402
 from bench_kimi_layer import ENGINE_LAYOUT, build_model, weight_bytes  # noqa: E402
-from bench_util import finish_on_sigterm, write_results  # noqa: E402
+from bench_util import finish_on_sigterm, recorded_run  # noqa: E402
 from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.engine import Engine  # noqa: E402
 from kdtree_jax.serving import RequestParams, RequestRecord, ServeConfig, ServingEngine  # noqa: E402
@@ -228,31 +227,33 @@ def main(argv=None) -> int:
                               kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim),
                   prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens, repeats=args.repeats,
                   max_new_tokens=args.max_new_tokens, rows=[])
-    stage, t0, status = "building the model", time.perf_counter(), 0
-    try:
+    shrink = (f"--layers ({args.layers}), --max-num-batched-tokens ({args.max_num_batched_tokens}) or "
+              f"--prefix-tokens ({args.prefix_tokens})")
+    with recorded_run("prefix_ttft_k26", result, args.out, shrink) as run:
+        run.stage = "building the model"
         graphdef, state = build_model(cfg, dtype)
         result["weight_bytes"] = weight_bytes(state)
         engine = Engine(nnx.merge(graphdef, state), None, None, use_pallas=not on_cpu)
-        stage = "building the serving engine"
+        run.stage = "building the serving engine"
         core = ServingEngine(engine, serve_config(args))
         result["serve"] = dict(dataclasses.asdict(core.config), page_bytes=core.page_bytes,
                                pool_bytes=core.num_pages * core.page_bytes)
-        result["build_s"] = time.perf_counter() - t0
+        result["build_s"] = time.perf_counter() - run.t0
         print(f"{device}: {core.capacity_summary()}; weights {sum(result['weight_bytes'].values()) / 1e9:.1f} GB, "
               f"built in {result['build_s']:.0f} s", flush=True)
         rng = np.random.default_rng(args.seed)
-        stage = "the warm-up repeat (compiles)"
+        run.stage = "the warm-up repeat (compiles)"
         t1 = time.perf_counter()
         warm = one_repeat(core, rng, args, cfg.vocab_size)
         result["warmup"] = dict(wall_s=time.perf_counter() - t1, compile_s=dict(core.warmup_s),
                                 ttft_s={c: r["ttft_s"] for c, r in warm.items()})
         print(f"warm-up {result['warmup']['wall_s']:.0f} s; compiled {result['warmup']['compile_s']}", flush=True)
         for i in range(args.repeats):
-            if i and time.perf_counter() - t0 > args.budget_s:
+            if i and time.perf_counter() - run.t0 > args.budget_s:
                 result["stopped_early"] = f"--budget-s {args.budget_s} reached after {i} repeats"
                 print(result["stopped_early"], flush=True)
                 break
-            stage = f"repeat {i}"
+            run.stage = f"repeat {i}"
             for case, row in one_repeat(core, rng, args, cfg.vocab_size).items():
                 result["rows"].append(dict(repeat=i, case=case, **row))
                 print(f"repeat {i} {case}: TTFT {1e3 * row['ttft_s']:.1f} ms, cached {row['cached_tokens']}, "
@@ -264,20 +265,8 @@ def main(argv=None) -> int:
         s = result["summary"]
         if not (s.get("hits_found_prefix") and s.get("cold_and_off_found_nothing") and s.get("hit_tokens_equal_off")):
             print("prefix_ttft_k26: a check failed (see summary)", file=sys.stderr)
-            status = 1
-    except Exception as e:
-        result.update(error=short_error(e), error_stage=stage, oom=is_oom(e))
-        if not is_oom(e):
-            raise
-        print(f"prefix_ttft_k26: out of device memory during {stage}: {short_error(e)}\n"
-              f"  lower --layers ({args.layers}), --max-num-batched-tokens ({args.max_num_batched_tokens}) or "
-              f"--prefix-tokens ({args.prefix_tokens})", file=sys.stderr)
-        status = 1
-    finally:
-        result["wall_s"] = time.perf_counter() - t0
-        if args.out:
-            write_results(args.out, result)
-    return status
+            run.status = 1
+    return run.status
 
 
 if __name__ == "__main__":

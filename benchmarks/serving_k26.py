@@ -41,9 +41,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_int4_moe import is_oom, short_error  # noqa: E402
 from bench_kimi_layer import ENGINE_LAYOUT, build_model, random_module, weight_bytes  # noqa: E402
-from bench_util import finish_on_sigterm, write_results  # noqa: E402
+from bench_util import finish_on_sigterm, recorded_run  # noqa: E402
 from flax import nnx  # noqa: E402
 from profile_round import drafter_config  # noqa: E402
 
@@ -249,27 +248,29 @@ def main(argv=None) -> int:
                   expert_format="int4", expert_layout=ENGINE_LAYOUT, prompt_tokens=args.prompt_tokens,
                   rounds_per_step=args.rounds_per_step, steps=args.steps, concurrency=list(args.concurrency),
                   tau_profile=args.tau_profile, tau_profile_device=profile.device_kind, rows=[], compile_s={})
-    stage, t0, status = "building the models", time.perf_counter(), 0
-    try:
+    shrink = (f"--layers ({args.layers}), the largest --concurrency ({max(args.concurrency)}) or "
+              f"--prompt-tokens ({args.prompt_tokens})")
+    with recorded_run("serving_k26", result, args.out, shrink) as run:
+        run.stage = "building the models"
         engine, result["weight_bytes"] = build_engine(args, cfg, dtype, on_cpu)
         block = engine.drafter.cfg.block_size
         max_context = args.prompt_tokens + new_tokens_cap(args, block)
         result["max_context"] = max_context
-        print(f"{device}: built in {time.perf_counter() - t0:.0f} s; max_context {max_context}", flush=True)
+        print(f"{device}: built in {time.perf_counter() - run.t0:.0f} s; max_context {max_context}", flush=True)
         rng = np.random.default_rng(args.seed)
         for mode, budget in configs(args):
             name = config_name(mode, budget)
-            stage = f"{name}: compiling"
+            run.stage = f"{name}: compiling"
             core = ServingEngine(engine, serve_config(args, mode, budget, max_context))
             try:
                 result["compile_s"][name] = core.warm_up()
                 print(f"{name}: {core.capacity_summary()}; compiled in "
                       f"{sum(result['compile_s'][name].values()):.0f} s", flush=True)
                 for c in args.concurrency:
-                    if time.perf_counter() - t0 > args.budget_s:
+                    if time.perf_counter() - run.t0 > args.budget_s:
                         result.setdefault("skipped", []).append(f"{name} c={c}: --budget-s {args.budget_s} reached")
                         continue
-                    stage = f"{name} at concurrency {c}"
+                    run.stage = f"{name} at concurrency {c}"
                     row = dict(config=name, mode=mode, budget=budget, **run_concurrency(core, rng, args,
                                                                                         cfg.vocab_size, c))
                     result["rows"].append(row)
@@ -279,19 +280,7 @@ def main(argv=None) -> int:
                 core.shutdown()
         result["summary"] = project(result["rows"], profile, args.rounds_per_step)
         print(markdown(result), flush=True)
-    except Exception as e:
-        result.update(error=short_error(e), error_stage=stage, oom=is_oom(e))
-        if not is_oom(e):
-            raise
-        print(f"serving_k26: out of device memory during {stage}: {short_error(e)}\n"
-              f"  lower --layers ({args.layers}), the largest --concurrency ({max(args.concurrency)}) or "
-              f"--prompt-tokens ({args.prompt_tokens})", file=sys.stderr)
-        status = 1
-    finally:
-        result["wall_s"] = time.perf_counter() - t0
-        if args.out:
-            write_results(args.out, result)
-    return status
+    return run.status
 
 
 if __name__ == "__main__":
