@@ -348,12 +348,12 @@ class ConstraintCompiler:
     def __init__(self, vocab: ConstraintVocabulary, max_states: int = MAX_STATES,
                  cache_entries: int = CACHE_ENTRIES):
         self.vocab, self.max_states, self.cache_entries = vocab, max_states, cache_entries
-        self._cache: collections.OrderedDict[tuple, TokenAutomaton] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[ConstraintSpec, TokenAutomaton] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def compile(self, spec: ConstraintSpec) -> TokenAutomaton:
-        key = (spec.kind, spec.text, spec.markers)
+        key = spec  # frozen: kind, text and markers are its value
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)

@@ -779,12 +779,12 @@ class ServingEngine:
             if automaton is None or not ch.last:
                 continue
             try:
-                base = self.layout.place(_constraint_key(automaton), automaton)
+                base = self.layout.place(automaton.spec, automaton)
             except cd.ConstraintTooLarge as e:
                 refused[r.rid] = str(e)
                 continue
             if r.rid in self._placed:  # placed at an earlier admission (then preempted)
-                self.layout.release(_constraint_key(automaton))
+                self.layout.release(automaton.spec)
             self._placed.add(r.rid)
             states[i] = base + _walk(automaton, r.tokens)
         if self.layout.version != self._tables_version:
@@ -808,18 +808,13 @@ class ServingEngine:
         automaton = self._automata.pop(r.rid, None)
         if r.rid in self._placed:
             self._placed.discard(r.rid)
-            self.layout.release(_constraint_key(automaton))
+            self.layout.release(automaton.spec)
         return RequestRecord(request_id=r.rid, token_ids=list(r.tokens), finish_reason=reason,
                              prompt_tokens=len(r.prompt), accept_lengths=list(r.accept_lengths),
                              num_draft_tokens=r.num_draft_tokens, error=error, num_preemptions=r.num_preemptions,
                              cached_tokens=r.cached_tokens,
                              submit_time=r.submit_time, first_token_time=r.first_token_time,
                              finish_time=time.perf_counter())
-
-
-def _constraint_key(automaton: TokenAutomaton) -> tuple:
-    spec = automaton.spec
-    return spec.kind, spec.text, spec.markers
 
 
 def _walk(automaton: TokenAutomaton, tokens: Sequence[int]) -> int:
