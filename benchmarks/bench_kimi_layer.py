@@ -405,7 +405,7 @@ class Runner:
             t_c = time.perf_counter()
             jitted = make_verify(self.graphdef, cfg, mode, not self.args.no_pallas_attn, self.interpret,
                                  self.attn_backend, base.get("expert_pool"), self.args.int4_unpack)
-            cache = LatentCache(latent=jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, bt, capacity,
+            cache = LatentCache.from_stacked(jax.random.normal(jax.random.key(3), (cfg.num_hidden_layers, bt, capacity,
                                                                              cfg.latent_dim), self.dtype))
             mask = ancestor_mask(rng, bt, n)
             depth = mask.sum(-1) - 1  # [bt, n]

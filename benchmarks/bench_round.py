@@ -112,13 +112,14 @@ def adapt_state(state: DecodeState, wide: DecodeSpec, spec: DecodeSpec) -> Decod
     if bad or spec.capacity > wide.capacity or spec.top_k > wide.top_k or (spec.mode != "ar" and wide.mode == "ar"):
         raise ValueError(f"adapt_state: spec {spec} is not contained in the prefilled spec {wide} (fields {bad})")
     cap, k = spec.capacity, spec.top_k
-    state = state.replace(tokens=state.tokens[:, :cap], cache=LatentCache(latent=state.cache.latent[:, :, :cap]))
+    state = state.replace(tokens=state.tokens[:, :cap], cache=LatentCache(latent=tuple(x[:, :cap] for x in state.cache.latent)))
     if spec.mode == "ar":
         shape = (spec.batch, max(spec.depth, 1), k)
         return state.replace(draft_cache=None, draft_lp=jnp.zeros(shape, jnp.float32),
                              draft_ids=jnp.zeros(shape, jnp.int32))
     dc = state.draft_cache
-    return state.replace(draft_cache=DrafterCache(k=dc.k[:, :, :, :cap], v=dc.v[:, :, :, :cap], length=dc.length),
+    return state.replace(draft_cache=DrafterCache(k=tuple(x[:, :, :cap] for x in dc.k), v=tuple(x[:, :, :cap] for x in dc.v),
+                                                         length=dc.length),
                          draft_lp=state.draft_lp[:, :, :k], draft_ids=state.draft_ids[:, :, :k])
 
 

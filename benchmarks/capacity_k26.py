@@ -5,7 +5,7 @@
                                       [--rounds-per-step 8] [--json benchmarks/results/capacity_k26.json]
 
 Every byte count is measured from the code's own shapes with `jax.eval_shape` (nothing allocated):
-  - the caches: `LatentCache.pool` (kdtree_jax/model.py, bf16 latent [L, n_pages, P, 576]) and `DrafterCache.pool`
+  - the caches: `LatentCache.pool` (kdtree_jax/model.py, bf16 latent, L arrays of [n_pages, P, 576]) and `DrafterCache.pool`
     (kdtree_jax/drafter.py, k and v [Ld, n_pages, Hk, P, Dh] in the drafter's compute dtype) of the K2.6-DFlash
     drafter (6 Qwen3 layers, 8 KV heads of 128, 5 sliding + 1 full; every layer's rows are kept in the pool), per
     page and per token; a page holds both caches' rows for its P positions (kdtree_jax/paged.py);
@@ -74,8 +74,8 @@ def k26_drafter_config() -> DrafterConfig:
     return DrafterConfig.from_hf_dict(K26_DRAFTER_HF, source="capacity_k26 K2.6-DFlash drafter")
 
 
-def _nbytes(x) -> int:
-    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+def _nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 # ---- caches ------------------------------------------------------------------------------------------------------
@@ -113,12 +113,12 @@ def page_bytes_per_gpu(cfg: ModelConfig, dcfg: DrafterConfig | None, page_size: 
     data, replicated over tensor x expert), one device's shard. The drafter's k / v follow the latent's pages."""
     d = mesh.shape["data"]
     lat, dc = abstract_pools(cfg, dcfg, d, page_size, cache_dtype, draft_dtype)
-    shard = sh.latent_cache_sharding(mesh, lat.latent.shape).shard_shape(lat.latent.shape)
-    total = math.prod(shard) * jnp.dtype(lat.latent.dtype).itemsize
+    total = sum(math.prod(sh.latent_cache_sharding(mesh, x.shape).shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                for x in lat.latent)
     if dc is not None:
-        spec = sh.logical_spec((None, "batch", None, None, None), dc.k.shape, mesh, name="DrafterCache.k")
-        kshard = jax.sharding.NamedSharding(mesh, spec).shard_shape(dc.k.shape)
-        total += 2 * math.prod(kshard) * jnp.dtype(dc.k.dtype).itemsize
+        for x in (*dc.k, *dc.v):
+            spec = sh.logical_spec(("batch", None, None, None), x.shape, mesh, name="DrafterCache.k")
+            total += math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
     return total
 
 

@@ -1,13 +1,14 @@
 """Count whole-cache copies in the compiled decode loop (one DDTree round per iteration).
 
     python benchmarks/hlo_cache_copies.py [--mode ddtree] [--no-pallas]
-    python benchmarks/hlo_cache_copies.py --serving [--mode ddtree]
+    python benchmarks/hlo_cache_copies.py --serving [--mode ddtree] [--budget 16] [--steps-only] [--dump DIR]
 
-With --serving it compiles the serving engine's step program instead (the shipped pair, 4 slots over a page pool)
-and lists every copy of an array shaped like either page pool (the latent's, the drafter's K/V).
+With --serving it compiles every serving program (the shipped pair, 4 slots) at two pool sizes instead and lists
+every `copy` whose size scales with the number of pages (present at the larger pool, absent at the smaller), with
+each program's temp bytes at both sizes: a program that keeps a pool-sized copy grows with the pool.
 
-Compiles the engine's decode loop for a small random pair on the current backend and lists every `copy` of an
-array shaped like the latent cache [L, Bt, S, A], with the computation it sits in and the op that produced its
+Without it, compiles the engine's decode loop for a small random pair on the current backend and lists every
+`copy` of an array shaped like one layer of the latent cache [Bt, S, A], with the computation it sits in and the op that produced its
 operand. A copy inside the loop body is a full read + write of the cache every round. On the GPU machine this
 inspects the real (GPU) compile; on a CPU it shows the CPU compile, whose copy insertion differs, and with Pallas on
 the interpreter's own loop copies its operands.
@@ -50,7 +51,7 @@ def cache_copies(mode: str, use_pallas: bool, batch: int = 3) -> list[tuple[str,
     prompts = jnp.ones((batch, spec.prompt_cap), jnp.int32)
     lens, keys = jnp.full((batch,), 12, jnp.int32), jnp.zeros((batch, 2), jnp.uint32)
     state = jax.jit(lambda ts, ds: prefill(spec, nnx.merge(tg, ts), merged(ds), prompts, lens, keys, rows))(ts, ds)
-    shape = "[" + ",".join(map(str, state.cache.latent.shape)) + "]"
+    shape = "[" + ",".join(map(str, state.cache.latent[0].shape)) + "]"
     text = jax.jit(lambda ts, ds, s: decode_loop(spec, nnx.merge(tg, ts), merged(ds), s, jnp.int32(4)),
                    donate_argnums=(2,)).lower(ts, ds, state).compile().as_text()
     found, computation = [], ""
@@ -62,42 +63,91 @@ def cache_copies(mode: str, use_pallas: bool, batch: int = 3) -> list[tuple[str,
     return found
 
 
-def pool_copies(text: str, shapes) -> list[tuple[str, str]]:
-    """(computation, line) of every `copy` in compiled HLO `text` whose result has one of `shapes`."""
-    found, computation = [], ""
-    wanted = ["[" + ",".join(map(str, s)) + "]" for s in shapes]
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\]\S* copy\(")
+
+
+def copies(text: str) -> list[tuple[int, str]]:
+    """(bytes, line) of every `copy` instruction in compiled HLO `text`."""
+    out = []
     for line in text.splitlines():
-        if line and not line.startswith(" ") and "{" in line:
-            computation = line.split(" ")[1] if line.startswith("ENTRY") else line.split(" ")[0]
-        if any(w in line for w in wanted) and re.search(r"\bcopy\(", line):
-            found.append((computation, line.strip()[:160]))
+        m = _COPY.search(line)
+        if m and m.group(1) in _DTYPE_BYTES:
+            dims = [int(d) for d in m.group(2).split(",") if d]
+            n = _DTYPE_BYTES[m.group(1)]
+            for d in dims:
+                n *= d
+            out.append((n, line.strip()[:160]))
+    return out
+
+
+def scaling_copies(small: str, large: str) -> list[tuple[int, str]]:
+    """The copies of HLO `large` (the larger pool) whose size the HLO `small` (same program, smaller pool) has no
+    copy of: those whose size follows the number of pages."""
+    sizes: dict[int, int] = {}
+    for n, _ in copies(small):
+        sizes[n] = sizes.get(n, 0) + 1
+    found = []
+    for n, line in copies(large):
+        if sizes.get(n, 0):
+            sizes[n] -= 1
+        else:
+            found.append((n, line))
     return found
 
 
-def serving_copies(mode: str) -> list[tuple[str, str]]:
-    """Pool copies in the serving engine's compiled step program (4 slots, the shipped pair)."""
+def serving_programs(mode: str, n_pages: int, budget: int = 16, steps_only: bool = False) -> dict:
+    """Every compiled serving program (4 slots, the shipped pair) over a pool of n_pages pages of 64 rows (only the
+    steps with `steps_only`)."""
     from kdtree_jax.serving import ServeConfig, ServingEngine
-    from kdtree_jax.serving.programs import StepKind
 
     ck = os.path.join(ROOT, "checkpoints", "kdtree-mini")
     pair = Engine.load(os.path.join(ck, "target"), os.path.join(ck, "drafter"))
-    core = ServingEngine(pair, ServeConfig(max_slots=4, max_context=512, mode="ddtree", step_widths=(4,),
-                                           budget=16 if mode == "ddtree" else "ar", rounds_per_step=2))
-    kind = StepKind("ddtree", 16) if mode == "ddtree" else StepKind("ar")
-    table = core.runner.table
-    shapes = [table.cache.latent.shape, table.draft_cache.k.shape]
-    return pool_copies(core.runner._program("step", (kind, 4)).as_text(), shapes)
+    engine = pair if mode != "ar" else Engine(pair.target, None, pair.tokenizer)
+    core = ServingEngine(engine, ServeConfig(max_slots=4, max_context=512, mode=mode, step_widths=(4,), budget=budget,
+                                             rounds_per_step=2, num_pages=n_pages, page_size=64))
+    if steps_only:
+        for key in core.runner.step_specs:
+            core.runner._program("step", key)
+    else:
+        core.warm_up()
+    return dict(core.runner._programs)
+
+
+def serving_copies(mode: str, pools=(1024, 4096), budget: int = 16, dump: str | None = None,
+                   steps_only: bool = False) -> list[tuple[str, str]]:
+    """(program, line) of each copy that scales with the pool, over every serving program; prints temp bytes and
+    writes each program's compiled HLO at the larger pool under `dump`."""
+    small, large = (serving_programs(mode, n, budget, steps_only) for n in pools)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for key, program in large.items():
+            name = re.sub(r"[^\w.-]+", "_", str(key))
+            with open(os.path.join(dump, f"{mode}_{name}.hlo.txt"), "w") as f:
+                f.write(program.as_text())
+    found = []
+    for key in small:
+        temps = [p[key].memory_analysis().temp_size_in_bytes / 2**20 for p in (small, large)]
+        print(f"  {key}: temp {temps[0]:.1f} MiB at {pools[0]} pages, {temps[1]:.1f} MiB at {pools[1]}")
+        found += [(str(key), line) for _, line in scaling_copies(small[key].as_text(), large[key].as_text())]
+    return found
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="ddtree", choices=("ar", "chain", "ddtree"))
     p.add_argument("--no-pallas", action="store_true")
-    p.add_argument("--serving", action="store_true", help="the serving engine's step program over its page pools")
+    p.add_argument("--serving", action="store_true", help="every serving program, at two pool sizes")
+    p.add_argument("--budget", type=int, default=16, help="--serving: the ddtree steps' tree budget")
+    p.add_argument("--steps-only", action="store_true", help="--serving: compile only the step programs")
+    p.add_argument("--dump", help="--serving: write each program's compiled HLO (larger pool) in this folder")
     args = p.parse_args(argv)
     if args.serving:
-        found = serving_copies(args.mode)
-        print(f"{len(found)} whole-pool copies in the serving step program ({jax.default_backend()}, {args.mode})")
+        found = serving_copies(args.mode, budget=args.budget, dump=args.dump,
+                               steps_only=args.steps_only)
+        print(f"{len(found)} copies that scale with the pool in the serving programs ({jax.default_backend()}, "
+              f"{args.mode})")
     else:
         found = cache_copies(args.mode, not args.no_pallas)
         print(f"{len(found)} whole-cache copies in the compiled decode loop ({jax.default_backend()}, {args.mode}, "

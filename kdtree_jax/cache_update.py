@@ -11,31 +11,28 @@ import jax.numpy as jnp
 from kdtree_jax import paged
 
 
-def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array, *, layer: int | None = None) -> jax.Array:
-    """Per-request `buffer[b, start[b] : start[b] + R] = rows[b]`.  buffer: [Bt, S, ...] (or [L, Bt, S, ...] with
-    `layer`: that layer's rows), rows: [Bt, R, ...].
+def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """Per-request `buffer[b, start[b] : start[b] + R] = rows[b]`.  buffer: [Bt, S, ...], rows: [Bt, R, ...].
 
     One scatter with explicit (request, row) indices: a vmapped dynamic_update_slice becomes a scatter wrapped in
     transposes, which XLA materialises as copies of the whole buffer. Rows past S are dropped (never shifted back
     over earlier rows, as a clamped dynamic_update_slice would)."""
-    index = _rows_after(start, rows.shape[1])
-    index = index if layer is None else (layer, *index)
-    return buffer.at[index].set(rows.astype(buffer.dtype), mode="drop")
+    return buffer.at[_rows_after(start, rows.shape[1])].set(rows.astype(buffer.dtype), mode="drop")
 
 
-def write_cache_rows(latent: jax.Array, page_table: jax.Array | None, rows: jax.Array, start: jax.Array, *,
-                     layer: int) -> jax.Array:
-    """`write_rows` into layer `layer` of a latent cache, contiguous [L, Bt, S, A] or a page pool [L, n_pages, P, A]
-    addressed by page_table [Bt, W]; rows outside what a request owns are dropped."""
+def write_cache_rows(layer_cache: jax.Array, page_table: jax.Array | None, rows: jax.Array,
+                     start: jax.Array) -> jax.Array:
+    """`write_rows` into one layer's latent cache, contiguous [Bt, S, A] or a page pool [n_pages, P, A] addressed by
+    page_table [Bt, W]; rows outside what a request owns are dropped."""
     if page_table is None:
-        return write_rows(latent, rows, start, layer=layer)
-    page, offset = _locate(latent, page_table, _rows_after(start, rows.shape[1])[1])
-    return latent.at[layer, page, offset].set(rows.astype(latent.dtype), mode="drop")
+        return write_rows(layer_cache, rows, start)
+    page, offset = _locate(layer_cache, page_table, _rows_after(start, rows.shape[1])[1])
+    return layer_cache.at[page, offset].set(rows.astype(layer_cache.dtype), mode="drop")
 
 
 def _locate(pool: jax.Array, page_table: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(page, offset) of logical rows [Bt, R] in a pool [L, n_pages, P, ...]."""
-    return paged.locate(page_table, rows, pool.shape[2], pool.shape[1])
+    """(page, offset) of logical rows [Bt, R] in one layer's pool [n_pages, P, ...]."""
+    return paged.locate(page_table, rows, pool.shape[1], pool.shape[0])
 
 
 def _rows_after(start: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
@@ -43,21 +40,31 @@ def _rows_after(start: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
     return jnp.arange(start.shape[0])[:, None], start[:, None] + jnp.arange(r, dtype=start.dtype)[None, :]
 
 
-def compact_latents(latent: jax.Array, start: jax.Array, src_slot: jax.Array,
-                    page_table: jax.Array | None = None) -> jax.Array:
+def compact_latents(latent: tuple[jax.Array, ...], start: jax.Array, src_slot: jax.Array,
+                    page_table: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Row start+j takes row start+src_slot[j] in every layer.
 
-    latent: [n_layers, Bt, S, A] (or a page pool [n_layers, n_pages, P, A] with page_table [Bt, W]: the accepted
+    latent: one array per layer, [Bt, S, A] (or a page pool [n_pages, P, A] with page_table [Bt, W]: the accepted
     path moves within the request's own pages), start: [Bt], src_slot: [Bt, P] (identity past the accepted length).
+    Each layer is gathered before it is written, and no layer's write touches another's buffer.
     """
     rows = start[:, None] + src_slot  # [Bt, P]
-    if page_table is not None:
-        src_page, src_off = _locate(latent, page_table, rows)
-        gathered = latent[:, jnp.minimum(src_page, latent.shape[1] - 1), src_off]  # [n_layers, Bt, P, A]
-        dst_page, dst_off = _locate(latent, page_table, _rows_after(start, src_slot.shape[1])[1])
-        return latent.at[:, dst_page, dst_off].set(gathered, mode="drop")
-    gathered = jnp.take_along_axis(latent, rows[None, :, :, None], axis=2)  # [n_layers, Bt, P, A]
-    return latent.at[(slice(None), *_rows_after(start, src_slot.shape[1]))].set(gathered, mode="drop")
+    dst = _rows_after(start, src_slot.shape[1])
+    if page_table is None:
+        src, dst_index = (lambda x: jnp.take_along_axis(x, rows[:, :, None], axis=1)), dst
+    else:
+        src_page, src_off = _locate(latent[0], page_table, rows)
+        src_page = jnp.minimum(src_page, latent[0].shape[0] - 1)
+        src, dst_index = (lambda x: x[src_page, src_off]), _locate(latent[0], page_table, dst[1])
+    return tuple(_move(x, src(x), dst_index) for x in latent)
+
+
+def _move(x: jax.Array, moved: jax.Array, dst_index) -> jax.Array:
+    """`x.at[dst_index].set(moved)` where `moved` was read from x itself. The barrier keeps the read a gather of its
+    own: fused into the scatter, it would read the buffer the scatter writes, and XLA's GPU compile then gives the
+    scatter a new buffer, a copy of the whole layer's cache (tpu-inference orders an aliased write the same way)."""
+    x, moved = jax.lax.optimization_barrier((x, moved))
+    return x.at[dst_index].set(moved, mode="drop")
 
 
 def emitted_tokens(tree_tokens: jax.Array, path: jax.Array, n_accepted: jax.Array, bonus: jax.Array) -> jax.Array:

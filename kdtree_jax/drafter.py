@@ -224,25 +224,33 @@ def _run_layers(drafter: DFlashDrafter, x: jax.Array, q_pos: jax.Array, block_vi
 # ---- inference: context cache + one block ---------------------------------------------------------------------
 @flax.struct.dataclass
 class DrafterCache:
-    """The drafter's context K/V. Contiguous: [n_layers, Bt, Hk, S, Dh]. Paged: a pool [n_layers, n_pages, Hk, P, Dh]
-    addressed by the target cache's page table, so one request's pages hold both caches' rows for its positions."""
+    """The drafter's context K/V, one array per layer (as `LatentCache`: no layer's write shares a buffer with
+    another's reads). Contiguous: k[l] is [Bt, Hk, S, Dh]. Paged: k[l] is a pool [n_pages, Hk, P, Dh] addressed by
+    the target cache's page table, so one request's pages hold both caches' rows for its positions."""
 
-    k: jax.Array  # context keys after k_norm and rope; row = position
-    v: jax.Array  # context values
+    k: tuple[jax.Array, ...]  # context keys after k_norm and rope; row = position
+    v: tuple[jax.Array, ...]  # context values
     length: jax.Array  # [Bt] int32 committed context rows (= committed tokens, bonus excluded)
     page_table: jax.Array | None = None  # [Bt, W] int32 (paged), -1 where the request owns no page
 
     @classmethod
     def zeros(cls, cfg: DrafterConfig, batch: int, capacity: int, dtype: Any = jnp.bfloat16) -> "DrafterCache":
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
+        shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        return cls(k=_layers(cfg, shape, dtype), v=_layers(cfg, shape, dtype), length=jnp.zeros((batch,), jnp.int32))
 
     @classmethod
     def pool(cls, cfg: DrafterConfig, n_pages: int, page_size: int, page_table: jax.Array,
              dtype: Any = jnp.bfloat16) -> "DrafterCache":
-        shape = (cfg.num_hidden_layers, n_pages, cfg.num_key_value_heads, page_size, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        shape = (n_pages, cfg.num_key_value_heads, page_size, cfg.head_dim)
+        return cls(k=_layers(cfg, shape, dtype), v=_layers(cfg, shape, dtype),
                    length=jnp.zeros((page_table.shape[0],), jnp.int32), page_table=page_table)
+
+    @classmethod
+    def from_stacked(cls, k: jax.Array, v: jax.Array, length: jax.Array,
+                     page_table: jax.Array | None = None) -> "DrafterCache":
+        """From [n_layers, ...] K and V arrays (layer l = k[l])."""
+        return cls(k=tuple(k[i] for i in range(k.shape[0])), v=tuple(v[i] for i in range(v.shape[0])),
+                   length=length, page_table=page_table)
 
     @property
     def paged(self) -> bool:
@@ -251,11 +259,15 @@ class DrafterCache:
     @property
     def capacity(self) -> int:
         """Rows one request can hold."""
-        return self.page_table.shape[1] * self.k.shape[3] if self.paged else self.k.shape[3]
+        return self.page_table.shape[1] * self.k[0].shape[2] if self.paged else self.k[0].shape[2]
 
     def locate(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(page, offset) of logical rows [Bt, R] (paged only); rows a request does not own give an out-of-range page."""
-        return paged.locate(self.page_table, rows, self.k.shape[3], self.k.shape[1])
+        return paged.locate(self.page_table, rows, self.k[0].shape[2], self.k[0].shape[0])
+
+
+def _layers(cfg: DrafterConfig, shape: tuple[int, ...], dtype) -> tuple[jax.Array, ...]:
+    return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
 
 
 def draft(drafter: DFlashDrafter, cache: DrafterCache, ctx_hidden: jax.Array, n_ctx: jax.Array, bonus: jax.Array,
@@ -289,11 +301,14 @@ def draft(drafter: DFlashDrafter, cache: DrafterCache, ctx_hidden: jax.Array, n_
         k, v = layer.self_attn.kv(ctx_i, rope_ctx)  # [Bt, C, Hk, Dh]
         new_k.append(k)
         new_v.append(v)
-    # [Bt, C, n_layers, Hk, Dh] (the advanced-index dims first) scattered to rows length[b] + j of the
-    # [n_layers, Bt, Hk, S, Dh] cache; padding rows are dropped
+    # each layer's [Bt, C, Hk, Dh] (the advanced-index dims first) scattered to rows length[b] + j of its
+    # [Bt, Hk, S, Dh] cache (pool: [n_pages, Hk, P, Dh]); padding rows are dropped
     where = cache.locate(rows) if cache.paged else (batch_idx, rows)
-    ks = cache.k.at[:, where[0], :, where[1]].set(jnp.stack(new_k, 2).astype(cache.k.dtype), mode="drop")
-    vs = cache.v.at[:, where[0], :, where[1]].set(jnp.stack(new_v, 2).astype(cache.v.dtype), mode="drop")
+
+    def put(old, new):
+        return old.at[where[0], :, where[1]].set(new.astype(old.dtype), mode="drop")
+
+    ks, vs = tuple(map(put, cache.k, new_k)), tuple(map(put, cache.v, new_v))
 
     block_pos = length_new[:, None] + jnp.arange(L, dtype=jnp.int32)  # [Bt, L]
     tokens = jnp.concatenate([bonus.astype(jnp.int32)[:, None], jnp.full((bt, L - 1), mask_id, jnp.int32)], 1)

@@ -110,7 +110,7 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
     lp = jnp.zeros((bt, depth, k), jnp.float32)
     ids = jnp.zeros((bt, depth, k), jnp.int32)
     if drafter is not None:
-        feat = jnp.zeros((bt, 1, drafter.cfg.feature_dim), cache.latent.dtype)
+        feat = jnp.zeros((bt, 1, drafter.cfg.feature_dim), cache.dtype)
         first_allowed = None if tables is None else cd.allowed_mask(tables, state_after)
         lp, ids, draft_cache = drafter_pass(spec, drafter, target, draft_cache, feat, jnp.zeros((bt,), jnp.int32), first,
                                             first_allowed)

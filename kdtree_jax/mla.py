@@ -127,13 +127,12 @@ def absorbed_attention_jnp(q: jax.Array, cache: jax.Array, prefix_len: jax.Array
 
 
 def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array, mask: jax.Array,
-               cache: jax.Array, *, layer: int | None = None, use_pallas: bool = False, interpret: bool | None = None,
+               cache: jax.Array, *, use_pallas: bool = False, interpret: bool | None = None,
                attn_backend: str | None = None, page_table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA for N new rows over the cache (rows [0, start_b) valid), new rows under `mask`.
 
-    cache: this layer's [B, S, A], or the model's [L, B, S, A] with a static `layer` (the kernel reads it in place);
-    with page_table [B, W] a page pool ([n_pages, P, A] or [L, n_pages, P, A]) that the kernel reads through the
-    table.
+    cache: this layer's [B, S, A], or with page_table [B, W] this layer's page pool [n_pages, P, A], which the kernel
+    reads through the table in place.
     Returns (out [B, N, D], latent rows [B, N, A] in the cache dtype, for the caller to write at
     [start_b, start_b + N)). attn_backend: verify_attn's backend (None: its own choice by device and shape).
     """
@@ -143,8 +142,7 @@ def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: j
     q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(cache.dtype)  # [B, N, H, A]
     tree_kv = tree_kv.astype(cache.dtype)  # [B, N, A]
     if use_pallas:
-        kw = dict(scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, layer=layer, interpret=interpret,
-                  backend=attn_backend)
+        kw = dict(scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank, interpret=interpret, backend=attn_backend)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.size > 1:  # each device runs the kernel on its requests and heads
             o_lat = verify_attn_on_mesh(q, cache, start, tree_kv, mask, page_table=page_table, **kw)
@@ -153,9 +151,7 @@ def mla_verify(attn: MLA, x: jax.Array, cos: jax.Array, sin: jax.Array, start: j
         else:
             o_lat = verify_attn(q, cache, start, tree_kv, mask, **kw)
     else:
-        layer_cache = cache if layer is None else cache[layer]
-        if page_table is not None:
-            layer_cache = paged.gather_prefix(layer_cache, page_table)
+        layer_cache = cache if page_table is None else paged.gather_prefix(cache, page_table)
         o_lat = absorbed_attention_jnp(q, layer_cache, start, tree_kv, mask,
                                        scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank)
     o = jnp.einsum("bnhr,hvr->bnhv", o_lat.astype(dt), attn.w_uv[...].astype(dt))  # [B, N, H, V]

@@ -26,30 +26,46 @@ from kdtree_jax.moe import MLP, MoE
 class LatentCache:
     """Absorbed-MLA cache: row s of request b in layer l = [c_kv after kv_a_layernorm | k_pe after rope].
 
-    Contiguous: latent [L, B, S, A], request b's rows in latent[:, b]. Paged: latent is a pool [L, n_pages, P, A]
+    One array per layer, so that a layer's write never shares a buffer with another layer's reads: XLA then updates
+    each in place instead of copying a stacked [L, ...] array around the write (docs/DESIGN.md, "Serving").
+    Contiguous: latent[l] is [B, S, A], request b's rows in latent[l][b]. Paged: latent[l] is a pool [n_pages, P, A]
     and row s of request b lives in page page_table[b, s // P] (`kdtree_jax/paged.py`)."""
 
-    latent: jax.Array  # valid length per request is tracked by the engine
+    latent: tuple[jax.Array, ...]  # valid length per request is tracked by the engine
     page_table: jax.Array | None = None  # [B, W] int32 (paged), -1 where the request owns no page
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> "LatentCache":
-        return cls(latent=jnp.zeros((cfg.num_hidden_layers, batch, capacity, cfg.latent_dim), dtype))
+        return cls(latent=tuple(jnp.zeros((batch, capacity, cfg.latent_dim), dtype)
+                                for _ in range(cfg.num_hidden_layers)))
 
     @classmethod
     def pool(cls, cfg: ModelConfig, n_pages: int, page_size: int, page_table: jax.Array,
              dtype=jnp.bfloat16) -> "LatentCache":
-        return cls(latent=jnp.zeros((cfg.num_hidden_layers, n_pages, page_size, cfg.latent_dim), dtype),
-                   page_table=page_table)
+        return cls(latent=tuple(jnp.zeros((n_pages, page_size, cfg.latent_dim), dtype)
+                                for _ in range(cfg.num_hidden_layers)), page_table=page_table)
+
+    @classmethod
+    def from_stacked(cls, latent: jax.Array, page_table: jax.Array | None = None) -> "LatentCache":
+        """From one [L, ...] array (layer l = latent[l])."""
+        return cls(latent=tuple(latent[i] for i in range(latent.shape[0])), page_table=page_table)
+
+    def stacked(self) -> jax.Array:
+        """All layers as one [L, ...] array (a copy: for reading, never inside a program that writes the cache)."""
+        return jnp.stack(self.latent)
 
     @property
     def paged(self) -> bool:
         return self.page_table is not None
 
     @property
+    def dtype(self):
+        return self.latent[0].dtype
+
+    @property
     def capacity(self) -> int:
         """Rows one request can hold."""
-        return self.page_table.shape[1] * self.latent.shape[2] if self.paged else self.latent.shape[2]
+        return self.page_table.shape[1] * self.latent[0].shape[1] if self.paged else self.latent[0].shape[1]
 
 
 @flax.struct.dataclass
@@ -113,30 +129,31 @@ def _check_taps(cfg: ModelConfig, taps: Sequence[int]) -> tuple[int, ...]:
 
 def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: LatentCache, taps: Sequence[int],
          attend, write, valid: jax.Array | None = None) -> ForwardOut:
-    """Shared decoder stack. `attend(attn, x, cos, sin, latent, layer) -> (out, rows)` reads layer `layer` of the
-    whole cache [L, B, S, A]; `write(latent, layer, rows)` stores the new rows into it (only those rows are touched,
-    so a donated cache updates in place)."""
+    """Shared decoder stack. `attend(attn, x, cos, sin, layer_cache) -> (out, rows)` reads one layer's cache;
+    `write(layer_cache, rows)` stores the new rows into it (only those rows are touched, so a donated cache updates
+    in place)."""
     cfg, dt = model.cfg, model.dtype
     taps = _check_taps(cfg, taps)
-    if cache.latent.shape[0] != cfg.num_hidden_layers or cache.latent.shape[-1] != cfg.latent_dim:
+    shapes = {x.shape for x in cache.latent}
+    if len(cache.latent) != cfg.num_hidden_layers or len(shapes) != 1 or cache.latent[0].shape[-1] != cfg.latent_dim:
         rows = "n_pages, P" if cache.paged else "B, S"
-        raise ValueError(f"cache: latent shape {cache.latent.shape} does not fit [{cfg.num_hidden_layers}, {rows}, "
-                         f"{cfg.latent_dim}]")
+        raise ValueError(f"cache: {len(cache.latent)} latent arrays of shapes {sorted(shapes)} do not fit "
+                         f"{cfg.num_hidden_layers} x [{rows}, {cfg.latent_dim}]")
     cos, sin = rope_cos_sin(positions, yarn_inv_freq(cfg), cfg.rope_amplitude)  # [B, T, P/2]
     h = model.embed[...][tokens].astype(dt)  # [B, T, D]
     if valid is not None:  # padding rows start at 0, so they stay finite whatever the pad token's embedding holds
         h = jnp.where(valid[..., None], h, 0)
-    latent, tapped = cache.latent, {}
+    latent, tapped = list(cache.latent), {}
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"layer{i}"):  # the scopes name each kernel's part in a profile
             with jax.named_scope("attn"):
                 a, rows = attend(layer.attn, rms_norm(h, layer.input_norm[...], cfg.rms_norm_eps), cos, sin,
-                                 latent, i)
-                # the new rows do not depend on the attention output, so without this the write could run before
-                # the attention's reads of the cache and XLA keeps the old cache alive with a whole-cache copy per
-                # layer
-                a, rows = jax.lax.optimization_barrier((a, rows))
-                latent = write(latent, i, rows)
+                                 latent[i])
+                # the write consumes the barrier's copy of the layer's cache, which exists only once the attention
+                # (its reads of that cache) is done: without it the write could run first, and XLA would keep the
+                # old cache alive with a copy of the layer's whole cache
+                a, rows, layer_cache = jax.lax.optimization_barrier((a, rows, latent[i]))
+                latent[i] = write(layer_cache, rows)
             h = h + a
             with jax.named_scope("ffn"):
                 h = h + layer.mlp(rms_norm(h, layer.post_norm[...], cfg.rms_norm_eps))
@@ -146,7 +163,7 @@ def _run(model: KimiModel, tokens: jax.Array, positions: jax.Array, cache: Laten
     with jax.named_scope("head"):
         logits = jnp.einsum("btd,dv->btv", rms_norm(h, model.norm[...], cfg.rms_norm_eps),
                             model.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
-    return ForwardOut(logits=logits, hidden=hidden, cache=cache.replace(latent=latent))
+    return ForwardOut(logits=logits, hidden=hidden, cache=cache.replace(latent=tuple(latent)))
 
 
 def forward_prefill(model: KimiModel, tokens: jax.Array, start, cache: LatentCache, *,
@@ -160,11 +177,11 @@ def forward_prefill(model: KimiModel, tokens: jax.Array, start, cache: LatentCac
     b, t = tokens.shape
     positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
 
-    def attend(attn, x, cos, sin, latent, layer):
-        return mla_prefill(attn, x, cos, sin, start, latent[layer])
+    def attend(attn, x, cos, sin, layer_cache):
+        return mla_prefill(attn, x, cos, sin, start, layer_cache)
 
-    def write(latent, layer, rows):  # [B, T, A] at rows [start, start + T) of every request
-        return jax.lax.dynamic_update_slice(latent, rows[None], (layer, 0, start, 0))
+    def write(layer_cache, rows):  # [B, T, A] at rows [start, start + T) of every request
+        return jax.lax.dynamic_update_slice(layer_cache, rows, (0, start, 0))
 
     return _run(model, tokens, positions, cache, taps, attend, write, valid)
 
@@ -187,11 +204,11 @@ def forward_verify(model: KimiModel, tokens: jax.Array, positions: jax.Array, st
     start = start.astype(jnp.int32)
     mask = mask.astype(bool)
 
-    def attend(attn, x, cos, sin, latent, layer):  # the whole cache: the kernel reads the layer in place
-        return mla_verify(attn, x, cos, sin, start, mask, latent, layer=layer, use_pallas=use_pallas,
-                          interpret=interpret, attn_backend=attn_backend, page_table=cache.page_table)
+    def attend(attn, x, cos, sin, layer_cache):
+        return mla_verify(attn, x, cos, sin, start, mask, layer_cache, use_pallas=use_pallas, interpret=interpret,
+                          attn_backend=attn_backend, page_table=cache.page_table)
 
-    def write(latent, layer, rows):  # [B, N, A] at rows [start_b, start_b + N) of layer `layer`: one scatter
-        return write_cache_rows(latent, cache.page_table, rows, start, layer=layer)
+    def write(layer_cache, rows):  # [B, N, A] at rows [start_b, start_b + N): one scatter
+        return write_cache_rows(layer_cache, cache.page_table, rows, start)
 
     return _run(model, tokens, positions, cache, taps, attend, write, valid)

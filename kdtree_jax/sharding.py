@@ -70,7 +70,7 @@ PARAM_RULES: tuple[tuple[str, int, tuple[str | None, ...]], ...] = (
     (r"layers\.\d+\.mlp\.(shared\.)?down", 2, ("mlp", None)),  # dense / shared [I, D]
 )
 
-LATENT_CACHE_AXES = (None, "batch", None, None)  # LatentCache.latent [L, B, S, A]: batch-split, never head-split
+LATENT_CACHE_AXES = ("batch", None, None)  # each layer of LatentCache.latent [B, S, A]: batch-split, never head-split
 
 
 class ShardingError(ValueError):
@@ -193,7 +193,8 @@ def sharding_notes(state, mesh: Mesh) -> list[str]:
 
 
 def latent_cache_sharding(mesh: Mesh, cache_shape: Sequence[int] | None = None) -> NamedSharding:
-    """LatentCache.latent [L, B, S, A]: split by batch over data, replicated over tensor/expert (docs/sharding.md)."""
+    """One layer of LatentCache.latent, [B, S, A] (a pool: [n_pages, P, A]): split by batch (pages) over data,
+    replicated over tensor/expert (docs/sharding.md)."""
     return NamedSharding(mesh, logical_spec(LATENT_CACHE_AXES, cache_shape, mesh, name="LatentCache.latent"))
 
 
@@ -204,8 +205,8 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
 
 def constrain_cache(cache, mesh: Mesh):
     """`with_sharding_constraint` of a LatentCache to its layout (inside jit, e.g. right after LatentCache.zeros)."""
-    return type(cache)(latent=jax.lax.with_sharding_constraint(cache.latent,
-                                                               latent_cache_sharding(mesh, cache.latent.shape)))
+    return cache.replace(latent=tuple(jax.lax.with_sharding_constraint(x, latent_cache_sharding(mesh, x.shape))
+                                      for x in cache.latent))
 
 
 # ---- placing a model -------------------------------------------------------------------------------------------
@@ -238,15 +239,16 @@ def total_bytes(state) -> int:
 
 
 # ---- attention on a mesh ---------------------------------------------------------------------------------------
-def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int | None, mesh=None,
+def verify_attn_on_mesh(q, cache, prefix_len, tree_kv, tree_mask, *, layer: int | None = None, mesh=None,
                         page_table=None, **kw):
     """`pallas_kernels.verify_attn` run by every device on its own requests and heads (jax.shard_map).
 
     GSPMD cannot split a custom call, so a Triton kernel fed a batch-split cache would first have it gathered onto
-    every device. Here each device passes its batch shard of the cache ([L, Bt/data, S, A], replicated over the
-    head split, as LATENT_CACHE_AXES lays it out) and its slice of the heads ("heads" axes) straight to the kernel.
-    A page pool ([L, n_pages, P, A] with page_table [Bt, W]) splits its pages the same way: each data group owns
-    the pages of its requests, so the group's table entries (global page ids) fall in its own shard.
+    every device. Here each device passes its batch shard of the layer's cache ([Bt/data, S, A], replicated over
+    the head split, as LATENT_CACHE_AXES lays it out; [L, ...] with a static `layer`) and its slice of the heads
+    ("heads" axes) straight to the kernel. A page pool ([n_pages, P, A] with page_table [Bt, W]) splits its pages
+    the same way: each data group owns the pages of its requests, so the group's table entries (global page ids)
+    fall in its own shard.
     """
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     q_spec = logical_spec(("batch", None, "heads", None), q.shape, mesh, name="verify_attn q")  # as the weights

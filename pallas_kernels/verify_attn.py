@@ -260,6 +260,17 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
+def _own_pages(pool, page_table):
+    """(pages, table): the pages page_table [Bt, W] names, gathered into a pool of Bt * W pages in reverse order,
+    and the table that addresses them there. The interpreter carries (copies) every operand through its grid loop,
+    so handed the pool it would keep a copy of it; this copy is the size of the requests' pages instead, and reads
+    go through a table as they do compiled."""
+    bt, w = page_table.shape
+    order = jnp.arange(bt * w - 1, -1, -1, dtype=jnp.int32).reshape(bt, w)  # slot (b, j) -> its page here
+    pages = jnp.zeros((bt * w, *pool.shape[1:]), pool.dtype).at[order].set(pool[jnp.maximum(page_table, 0)])
+    return pages, order
+
+
 def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer, page_table):
     if q.ndim != 4:
         raise ValueError(f"verify_attn: q must be [Bt, N, H, A], got shape {q.shape}")
@@ -498,6 +509,8 @@ def verify_attn(q, cache, prefix_len, tree_kv, tree_mask, *, scale: float, kv_lo
     interpret = resolve_interpret(interpret)
     if layer is not None and interpret:  # the interpreter's loop would carry (copy) every layer: hand it one
         cache, layer = cache[layer], None
+    if page_table is not None and interpret:  # nor the whole pool: hand it the requests' own pages
+        cache, page_table = _own_pages(cache, page_table)
     if layer is None:
         cache, layer = cache[None], 0  # [1, Bt, S, A] (paged: [1, n_pages, P, A]): one code path
     bt, n, h, a = q.shape

@@ -77,9 +77,9 @@ jit_train_logits = nnx.jit(train_logits)
 
 def poisoned_cache(cfg, batch, capacity, rng) -> DrafterCache:
     shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
-    return DrafterCache(k=jnp.asarray(POISON * rng.standard_normal(shape), jnp.float32),
-                        v=jnp.asarray(POISON * rng.standard_normal(shape), jnp.float32),
-                        length=jnp.zeros((batch,), jnp.int32))
+    return DrafterCache.from_stacked(jnp.asarray(POISON * rng.standard_normal(shape), jnp.float32),
+                                     jnp.asarray(POISON * rng.standard_normal(shape), jnp.float32),
+                                     jnp.zeros((batch,), jnp.int32))
 
 
 def padded_ctx(rows: list[np.ndarray], width: int, feat: int, rng) -> np.ndarray:
@@ -135,8 +135,8 @@ def test_draft_matches_reference_two_rounds(setup, rng, amp_mode, sliding_causal
         assert_close(logits2[b], ref_draft(ref_cfg(cfg), tensors, hist[b], bonus2[b], embed, head, amp_mode=amp_mode))
         # neither padding rows nor block K/V were written: rows past the committed length keep the poison
         end = n1[b] + n2[b]
-        np.testing.assert_array_equal(cache2.k[:, b, :, end:], cache0.k[:, b, :, end:])
-        np.testing.assert_array_equal(cache2.v[:, b, :, end:], cache0.v[:, b, :, end:])
+        np.testing.assert_array_equal(np.stack(cache2.k)[:, b, :, end:], np.stack(cache0.k)[:, b, :, end:])
+        np.testing.assert_array_equal(np.stack(cache2.v)[:, b, :, end:], np.stack(cache0.v)[:, b, :, end:])
 
 
 def test_two_calls_equal_one_call(setup, rng):
@@ -161,8 +161,8 @@ def test_two_calls_equal_one_call(setup, rng):
     np.testing.assert_array_equal(c2.length, c_one.length)
     for b in range(bt):
         n = n1[b] + n2[b]
-        np.testing.assert_allclose(c2.k[:, b, :, :n], c_one.k[:, b, :, :n], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(c2.v[:, b, :, :n], c_one.v[:, b, :, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.stack(c2.k)[:, b, :, :n], np.stack(c_one.k)[:, b, :, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.stack(c2.v)[:, b, :, :n], np.stack(c_one.v)[:, b, :, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_padding_rows_do_not_matter(setup, rng):
@@ -182,7 +182,7 @@ def test_padding_rows_do_not_matter(setup, rng):
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1].k, outs[1][1].k)
     np.testing.assert_array_equal(outs[0][1].v, outs[1][1].v)
-    assert not np.any(np.asarray(outs[0][1].k[:, 0, :, 2:]))  # padding rows of request 0 were never written
+    assert not np.any(np.stack(outs[0][1].k)[:, 0, :, 2:])  # padding rows of request 0 were never written
 
 
 @pytest.mark.parametrize("sliding_causal", [False, True])

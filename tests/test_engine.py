@@ -444,7 +444,7 @@ def test_prefill_through_the_verify_kernel_equals_plain_mla(rng):
         states[use_pallas] = jax.jit(lambda *x, spec=spec: engine_mod.prefill(spec, target, drafter, *x))(*run.inputs)
     kernel, plain = states[True], states[False]
     np.testing.assert_array_equal(np.asarray(kernel.tokens), np.asarray(plain.tokens))  # same first token
-    lat_k, lat_p = np.asarray(kernel.cache.latent), np.asarray(plain.cache.latent)
+    lat_k, lat_p = np.asarray(kernel.cache.stacked()), np.asarray(plain.cache.stacked())
     for b, n in enumerate(np.asarray(lens)):
         np.testing.assert_allclose(lat_k[:, b, :n], lat_p[:, b, :n], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(kernel.draft_lp), np.asarray(plain.draft_lp), rtol=1e-4, atol=1e-4)

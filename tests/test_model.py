@@ -86,7 +86,7 @@ class Loaded:
     def poisoned_cache(self, rng) -> LatentCache:
         """Finite garbage everywhere: anything read outside the valid rows shows up in the logits."""
         shape = (self.cfg.num_hidden_layers, B, S, self.cfg.latent_dim)
-        return LatentCache(latent=jnp.asarray(rng.standard_normal(shape), self.dtype))
+        return LatentCache.from_stacked(jnp.asarray(rng.standard_normal(shape), self.dtype))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_absorbed_decode_matches_plain_forward(loaded, rng, name):
                   np.ones((B, 1, 1), bool), cache)
     for b in range(B):
         assert _rel(step.logits[b, 0], m.ref(tokens[b])[0][start]) < TOL
-    assert _rel(step.cache.latent[:, :, :start], cache.latent[:, :, :start]) == 0  # prefix rows untouched
+    assert _rel(step.cache.stacked()[:, :, :start], cache.stacked()[:, :, :start]) == 0  # prefix rows untouched
 
 
 def test_chunked_prefill_equals_one_shot(loaded, rng):
@@ -161,8 +161,8 @@ def test_chunked_prefill_equals_one_shot(loaded, rng):
     one = prefill_static(m.graphdef, m.state, tokens, cache0, start=0, taps=_taps(m.cfg))
     assert _rel(jnp.concatenate(logits, axis=1), one.logits) < 1e-5
     n = 3 * CHUNK
-    assert _rel(cache.latent[:, :, :n], one.cache.latent[:, :, :n]) < 1e-5
-    np.testing.assert_array_equal(cache.latent[:, :, n:], cache0.latent[:, :, n:])  # rows past the tokens untouched
+    assert _rel(cache.stacked()[:, :, :n], one.cache.stacked()[:, :, :n]) < 1e-5
+    np.testing.assert_array_equal(cache.stacked()[:, :, n:], cache0.stacked()[:, :, n:])  # rows past the tokens untouched
     assert _rel(one.logits[0], m.ref(tokens[0])[0]) < TOL
 
 
@@ -223,11 +223,11 @@ def test_tree_verify_matches_root_paths(loaded, rng, name):
     m = loaded(name)
     starts, prompts, cache, trees, tokens, positions, mask = _tree_inputs(m, rng)
     out = verify(m.graphdef, m.state, tokens, positions, starts, mask, cache, taps=(1,))
-    latent = np.array(out.cache.latent)
+    latent = np.array(out.cache.stacked())
     for b in range(B):  # only rows [start_b, start_b + N) are written
         keep = np.ones(S, bool)
         keep[starts[b]:starts[b] + tokens.shape[1]] = False
-        np.testing.assert_array_equal(latent[:, b, keep], np.asarray(cache.latent)[:, b, keep])
+        np.testing.assert_array_equal(latent[:, b, keep], np.asarray(cache.stacked())[:, b, keep])
     next_tok = _tokens(rng, m.cfg, 1)
     for b in range(B):
         parents = trees[b][0]
@@ -242,7 +242,7 @@ def test_tree_verify_matches_root_paths(loaded, rng, name):
         latent[:, b, starts[b]:starts[b] + len(path)] = latent[:, b, starts[b] + np.asarray(path)]
     new_start = np.array([starts[b] + trees[b][1].max() + 1 for b in range(B)])
     step = verify(m.graphdef, m.state, next_tok, new_start[:, None], new_start, np.ones((B, 1, 1), bool),
-                  LatentCache(latent=jnp.asarray(latent)))
+                  LatentCache.from_stacked(jnp.asarray(latent)))
     for b in range(B):
         path = root_path(trees[b][0], int(np.argmax(trees[b][1])))
         seq = list(prompts[b, :starts[b]]) + [int(tokens[b, j]) for j in path] + [int(next_tok[b, 0])]
@@ -258,7 +258,7 @@ def test_pallas_verify_matches_jnp(loaded, rng, interpret):
     got = verify(m.graphdef, m.state, tokens, positions, starts, mask, cache, use_pallas=True, interpret=interpret)
     assert _rel(got.logits, want.logits) < 1e-4
     np.testing.assert_array_equal(got.cache.latent[0], want.cache.latent[0])  # layer 0 latents precede attention
-    assert _rel(got.cache.latent, want.cache.latent) < 1e-4
+    assert _rel(got.cache.stacked(), want.cache.stacked()) < 1e-4
 
 
 # ---- formats ---------------------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def test_bf16_model_stays_close_to_reference(loaded, rng):
     tokens = _tokens(rng, m.cfg, T_REF)
     out = prefill_static(m.graphdef, m.state, tokens, m.poisoned_cache(rng), start=0, taps=_taps(m.cfg))
     assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
-    assert out.cache.latent.dtype == jnp.bfloat16
+    assert out.cache.dtype == jnp.bfloat16
     # bf16 noise may flip a near-tied expert choice (routing is discontinuous); one flip early in a sequence moves
     # every later token of it through attention. So require a quarter of the tokens to be close rather than all:
     # a wrong cast or layout breaks every token of every sequence.

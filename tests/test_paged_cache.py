@@ -71,24 +71,24 @@ def test_paged_verify_and_compaction_equal_contiguous(target, rng):
     positions = (start[:, None] + depth[None, :]).astype(np.int32)
     mask = np.broadcast_to(np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool), (B, N, N))
 
-    flat = forward_verify(target, tokens, positions, jnp.asarray(start), mask, LatentCache(jnp.asarray(latent)))
+    flat = forward_verify(target, tokens, positions, jnp.asarray(start), mask, LatentCache.from_stacked(jnp.asarray(latent)))
     pool = _to_pool(latent, table, n_pages, 1, 2)
-    cache = LatentCache(latent=jnp.asarray(pool), page_table=jnp.asarray(table))
+    cache = LatentCache.from_stacked(jnp.asarray(pool), page_table=jnp.asarray(table))
     got = forward_verify(target, tokens, positions, jnp.asarray(start), mask, cache)
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(flat.logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got.hidden), np.asarray(flat.hidden), rtol=1e-5, atol=1e-5)
-    after = np.asarray(got.cache.latent)
+    after = np.asarray(got.cache.stacked())
     for b in range(B):
         rows = int(start[b]) + N
-        np.testing.assert_allclose(_from_pool(after, table, 1, 2, b, rows), np.asarray(flat.cache.latent)[:, b, :rows],
+        np.testing.assert_allclose(_from_pool(after, table, 1, 2, b, rows), np.asarray(flat.cache.stacked())[:, b, :rows],
                                    rtol=1e-5, atol=1e-5)
     unowned = sorted(set(range(n_pages)) - set(table[table >= 0].tolist()))
     assert np.isnan(after[:, unowned]).all()  # nothing wrote outside the requests' own pages
 
     src = np.tile(np.arange(N)[None, :], (B, 1)).astype(np.int32)
     src[:, 1] = 3  # the path 0 -> 1 -> 3 moves row 3 to row 1
-    want = cache_update.compact_latents(flat.cache.latent, jnp.asarray(start), jnp.asarray(src))
-    moved = np.asarray(cache_update.compact_latents(got.cache.latent, jnp.asarray(start), jnp.asarray(src),
+    want = np.stack(cache_update.compact_latents(flat.cache.latent, jnp.asarray(start), jnp.asarray(src)))
+    moved = np.stack(cache_update.compact_latents(got.cache.latent, jnp.asarray(start), jnp.asarray(src),
                                                     jnp.asarray(table)))
     for b in range(B):
         rows = int(start[b]) + N
@@ -114,16 +114,16 @@ def test_paged_drafter_context_equals_contiguous(target, rng):
     bonus = rng.integers(0, target.cfg.vocab_size, B).astype(np.int32)
     args = (jnp.asarray(ctx), jnp.asarray(n_ctx), jnp.asarray(bonus), target.embed_table(), target.lm_head_table())
 
-    flat_logits, flat = draft(drafter, DrafterCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(length)), *args)
-    pooled = DrafterCache(k=jnp.asarray(_to_pool(k, table, n_pages, 1, 3)), v=jnp.asarray(_to_pool(v, table, n_pages, 1, 3)),
-                          length=jnp.asarray(length), page_table=jnp.asarray(table))
+    flat_logits, flat = draft(drafter, DrafterCache.from_stacked(jnp.asarray(k), jnp.asarray(v), jnp.asarray(length)), *args)
+    pooled = DrafterCache.from_stacked(jnp.asarray(_to_pool(k, table, n_pages, 1, 3)), jnp.asarray(_to_pool(v, table, n_pages, 1, 3)),
+                                    jnp.asarray(length), page_table=jnp.asarray(table))
     logits, got = draft(drafter, pooled, *args)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(flat_logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got.length), length + n_ctx)
     for b in range(B):
         rows = int(length[b] + n_ctx[b])
-        np.testing.assert_allclose(_from_pool(np.asarray(got.k), table, 1, 3, b, rows),
-                                   np.asarray(flat.k)[:, b, :, :rows], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(_from_pool(np.stack(got.k), table, 1, 3, b, rows),
+                                   np.stack(flat.k)[:, b, :, :rows], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.timeout(60)

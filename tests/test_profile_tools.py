@@ -119,7 +119,7 @@ def test_layer_kernels_attribute_to_step_parts(rng):
     fn = bench_kimi_layer.make_verify(graphdef, cfg, "as_is", use_pallas=False, interpret=True)
     bt, n, steps = 2, 3, 2
     mask = bench_kimi_layer.ancestor_mask(rng, bt, n)
-    cache = LatentCache(latent=jnp.asarray(rng.normal(size=(2, bt, 32, cfg.latent_dim)), jnp.float32))
+    cache = LatentCache.from_stacked(jnp.asarray(rng.normal(size=(2, bt, 32, cfg.latent_dim)), jnp.float32))
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, bt, n)), jnp.int32)
     start = jnp.full((bt,), 4, jnp.int32)
     hlo = fn.lower(state, tokens, start[:, None] + jnp.asarray(mask.sum(-1) - 1), start, jnp.asarray(mask),

@@ -170,10 +170,10 @@ def test_indivisible_dims_fall_back_with_a_note():
 @pytest.mark.multidevice
 def test_latent_cache_is_batch_split_and_head_replicated():
     mesh = sh.make_mesh((2, 2, 2))
-    s = sh.latent_cache_sharding(mesh, (3, 4, 16, 40))
-    assert s.spec == P(None, "data", None, None)
-    assert s.shard_shape((3, 4, 16, 40)) == (3, 2, 16, 40)
-    assert sh.latent_cache_sharding(mesh, (3, 3, 16, 40)).spec == P(None, None, None, None)  # 3 rows: fallback
+    s = sh.latent_cache_sharding(mesh, (4, 16, 40))
+    assert s.spec == P("data", None, None)
+    assert s.shard_shape((4, 16, 40)) == (2, 16, 40)
+    assert sh.latent_cache_sharding(mesh, (3, 16, 40)).spec == P(None, None, None)  # 3 rows: fallback
 
 
 # ---- placing and running ---------------------------------------------------------------------------------------

@@ -251,7 +251,7 @@ def test_model_forward_takes_the_chosen_backend(rng, interpret):
 
     target, _ = _wide_pair(int(rng.integers(1 << 30)), first_k_dense_replace=2)
     cfg, bt, n, s = target.cfg, 2, 3, 64
-    cache = LatentCache(latent=jnp.asarray(rng.standard_normal((cfg.num_hidden_layers, bt, s, cfg.latent_dim)),
+    cache = LatentCache.from_stacked(jnp.asarray(rng.standard_normal((cfg.num_hidden_layers, bt, s, cfg.latent_dim)),
                                            jnp.bfloat16))
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (bt, n)), jnp.int32)
     start = jnp.array([40, 17], jnp.int32)
