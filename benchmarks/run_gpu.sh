@@ -54,6 +54,14 @@
 #                   together take about 10 minutes on one H200 from a cold compilation cache
 #   serving-process  the OpenAI server with its engine in its own process (auto) at concurrency 8-32 against the
 #                   in-process engine on the same table, in one call: the HTTP + process boundary's cost
+#   serving-defaults  `python -m kdtree_jax.serve` with no flags: seconds to /health, its memory line (weights /
+#                   programs' peak / pool), 16 concurrent chat requests, and the log checked for OOM and
+#                   rematerialization warnings (serving_defaults.json); then paged vs the slot table (BASE, the
+#                   slot table's tree, as serving-vs-base) if BASE is given; then constrained ddtree vs constrained
+#                   ar at batch 1 (constrained.json). WHEELS=dir installs what the image lacks first
+#                   (benchmarks/gpu_wheels.sh makes that folder)
+#   serving-burst   ten concurrent 24-token requests on a pool of a 4-slot table's bytes (1024 tokens), ddtree B=16:
+#                   how many run at once (serving_burst.json)
 #   multi-turn      the multi-turn trace (scripts/bench_serving.py --trace multi-turn): prefix hit rate and TTFT for
 #                   ar and ddtree, prefix caching off and on
 #
@@ -142,8 +150,57 @@ serving_vs_base() {
     return $rc
 }
 
+serving_defaults() {
+    local pid rc=0 port=8000 t0
+    t0=$(date +%s.%N)
+    "$PY" -m kdtree_jax.serve --port $port >"$OUT/serve_defaults.log" 2>&1 &
+    pid=$!
+    "$PY" - "$port" "$t0" "$OUT" <<'PY' || rc=1
+import concurrent.futures, json, re, sys, time, httpx
+port, t0, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+url = f"http://127.0.0.1:{port}"
+up = None
+for _ in range(480):
+    try:
+        if httpx.get(url + "/health", timeout=1).status_code == 200:
+            up = time.time() - t0
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+result = {"seconds_to_health": up}
+if up is not None:
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    body = lambda i: {"model": model, "max_tokens": 64,
+                      "messages": [{"role": "user", "content": f"Tell me a story about the number {i}."}]}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(lambda i: httpx.post(url + "/v1/chat/completions", json=body(i), timeout=300)
+                              .status_code, range(16)))
+    result["chat_status"] = codes
+log = open(f"{out}/serve_defaults.log").read()
+result["memory_line"] = next(iter(re.findall(r"memory: .*", log)), None)
+result["page_pool_line"] = next(iter(re.findall(r"page pool: .*", log)), None)
+result["oom"] = "OUT_OF_MEMORY" in log or "RESOURCE_EXHAUSTED" in log
+result["rematerialization_warning"] = "Can't reduce memory use" in log
+json.dump(result, open(f"{out}/serving_defaults.json", "w"), indent=1)
+print(json.dumps(result, indent=1))
+ok = up is not None and result["chat_status"] == [200] * 16 and not result["oom"]
+sys.exit(0 if ok and not result["rematerialization_warning"] else 1)
+PY
+    kill -TERM "$pid" && wait "$pid"
+    if [ -d "${BASE:-}" ]; then serving_vs_base || rc=1; fi
+    local schema='{"type":"object","properties":{"n":{"type":"integer","minimum":0,"maximum":99},"name":{"type":"string","maxLength":12}},"required":["n","name"],"additionalProperties":false}'
+    timeout 240 "$PY" scripts/bench_engine.py --batches 1 --budgets 16 --repeats 3 --json-schema "$schema" \
+        --out "$OUT/constrained.json" || rc=1
+    return $rc
+}
+
 target() {
     case "$1" in
+    serving-defaults) serving_defaults ;;
+    serving-burst) "$PY" scripts/bench_serving.py --trace mixed --trace-mode ddtree --budget 16 --trace-context 256 \
+        --trace-page-size 16 --mixed-requests 10 --mixed-prompt-tokens 16,32 --mixed-new-tokens 24,24 --pool-slots 4 \
+        --paged-slots 16 --out "$OUT/serving_burst.json" ;;
     engine) "$PY" scripts/bench_engine.py --batches 1,8 --repeats 3 --out "$OUT/engine.json" --plot "$OUT/engine.png" ;;
     eval-pair) cp checkpoints/kdtree-mini/MODEL_CARD.md "$OUT/" && "$PY" scripts/eval_pair.py --engine-prompts 32 \
         --out-dir "$OUT/eval_pair" --model-card "$OUT/MODEL_CARD.md" ;;
@@ -207,6 +264,10 @@ target() {
 if [ $# -eq 0 ]; then
     sed -n '2,/^# Run from/p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
+fi
+if [ -n "${WHEELS:-}" ]; then  # the image reaches no registry: what it lacks comes as wheels
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 status=0
 for name in "$@"; do

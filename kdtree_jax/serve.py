@@ -294,6 +294,7 @@ def load_core(args) -> ServingEngine:
     seconds = core.warm_up()
     log.info("compiled in %.1f s: %s", time.perf_counter() - t0, ", ".join(f"{k} {v:.1f}s" for k, v in
                                                                          seconds.items()))
+    log.info("%s", core.memory_summary())
     return core
 
 

@@ -1,0 +1,71 @@
+"""How many pages the pool gets on a device: what is left of its memory once the weights and the programs have theirs.
+
+The programs' own memory (temporaries and outputs they do not write in place) does not grow with the pool, since
+every program updates the pools in place (tests/test_serving_memory.py). So it can be read once, from
+`compiled.memory_analysis()` of the widest step and the largest prefill chunk compiled against a small probe pool,
+and the pool sized after it (vLLM sizes its KV cache after a profiling run in the same way).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+GIB = 2**30
+# beside the weights and the programs' peak: the constraint tables a request may add, a step's packed output in
+# flight while the host reads the one before, the runtime's own buffers
+MARGIN_BYTES = 512 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """One compiled program's figures, from `compiled.memory_analysis()`."""
+
+    temp: int
+    argument: int
+    output: int
+    alias: int
+
+    @classmethod
+    def of(cls, compiled) -> "ProgramMemory":
+        m = compiled.memory_analysis()
+        return cls(temp=int(m.temp_size_in_bytes), argument=int(m.argument_size_in_bytes),
+                   output=int(m.output_size_in_bytes), alias=int(m.alias_size_in_bytes))
+
+    @property
+    def peak(self) -> int:
+        """What it needs beyond its arguments: temporaries and the outputs it does not write in place."""
+        return self.temp + max(self.output - self.alias, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    pages: int
+    weights: int  # bytes on each device before the pool (weights and whatever else is in use)
+    programs_peak: int
+    margin: int
+    page_bytes: int
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    def summary(self, requests: int, max_context: int) -> str:
+        return (f"memory: weights {self.weights / GIB:.2f} GiB / programs' peak {self.programs_peak / GIB:.2f} GiB / "
+                f"pool {self.pool_bytes / GIB:.2f} GiB / {requests} requests of max_context {max_context}")
+
+
+def plan_pool(*, bytes_limit: int, bytes_in_use: int, utilization: float, programs_peak: int, page_bytes: int,
+              groups: int, pages_per_request: int, margin: int = MARGIN_BYTES) -> PoolPlan:
+    """The pool for one device's share `utilization` of `bytes_limit`, less what is in use (the weights), the
+    programs' peak and `margin`; each of `groups` data shards holds its own pages (page_bytes each). Raises when a
+    data group's pages cannot hold one request of max_context (pages_per_request)."""
+    free = int(bytes_limit * utilization) - bytes_in_use - programs_peak - margin
+    pages = groups * (max(free, 0) // page_bytes)
+    if pages // groups < pages_per_request:
+        raise ValueError(
+            f"the device leaves no room for one request of max_context: {utilization:.2f} x {bytes_limit / GIB:.2f} "
+            f"GiB less {bytes_in_use / GIB:.2f} GiB in use (weights), {programs_peak / GIB:.2f} GiB for the programs "
+            f"and a {margin / GIB:.2f} GiB margin leaves {max(free, 0) / GIB:.2f} GiB, {pages // groups} pages of the "
+            f"{pages_per_request} one request needs: raise --gpu-memory-utilization, set --num-pages, or lower "
+            f"--max-context")
+    return PoolPlan(pages=pages, weights=bytes_in_use, programs_peak=programs_peak, margin=margin,
+                    page_bytes=page_bytes)
