@@ -5,6 +5,8 @@ scheduler (`kdtree_jax/serving/scheduler.py`) over data groups: admission, prefi
 each stay within a request's group."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from hypothesis import event, settings
@@ -339,12 +341,14 @@ PAGE = 4
 GROUP_PAGES = 6
 MAX_ROWS = 24  # a request's rows: GROUP_PAGES pages, so one request can fill its group
 SLACK = 2
+ROUNDS = 2  # rounds a step
+ROUND_TOKENS = 2  # the most tokens a round commits
 
 
 def _scheduler(chunk_tokens: int = 8) -> Scheduler:
     cache = CacheManager(GROUPS * GROUP_PAGES, PAGE, MAX_ROWS // PAGE, groups=GROUPS)
     return Scheduler(cache, max_slots=SLOTS, chunk_tokens=chunk_tokens, buckets=[4, 8], prefill_sizes=[1, 2],
-                     row_slack=SLACK, max_rows=MAX_ROWS)
+                     row_slack=SLACK, max_rows=MAX_ROWS, rounds_per_step=ROUNDS, round_tokens=ROUND_TOKENS)
 
 
 def _request(rid, prompt_len: int) -> Request:
@@ -362,10 +366,10 @@ def _owned_within_groups(s: Scheduler) -> None:
         assert r is None or slot // (SLOTS // GROUPS) == r.group, (slot, r.rid, r.group)
 
 
-def _run_plan(s: Scheduler, tokens_ahead: int = 0):
+def _run_plan(s: Scheduler, steps: int = 1):
     """Plan one prefill and apply it as its program would; returns the plan's rows as (rid or None, group of the
     row's block)."""
-    plan, _ = s.plan_prefill(tokens_ahead)
+    plan, _ = s.plan_prefill(steps)
     if plan is None:
         return []
     assert len(plan.rows) % GROUPS == 0
@@ -418,8 +422,8 @@ def test_preemption_takes_the_newest_request_of_the_short_group():
     assert _run_plan(s) == [("old0", 0), ("new0", 0), ("old1", 1), ("new1", 1)]
     for r in s.running:
         if r.group == 0:
-            r.tokens += [7] * 10  # 14 rows + 4 ahead + slack: 5 pages each, and group 0 has 6
-    preempted = s.reserve(tokens_ahead=4)  # group 1 needs 3 pages each: it has them
+            r.tokens += [7] * 10  # 14 rows + 2 expected + a round's 2 + slack: 5 pages; to run, 4. Group 0 has 6
+    preempted = s.reserve(steps=1)  # group 1 needs 3 pages each: it has them
     # new1 is the newest overall, but only group 0 is short: its newest goes
     assert [r.rid for r in preempted] == ["new0"] and s.waiting[0].rid == "new0" and s.waiting[0].group is None
     assert {r.rid for r in s.running} == {"old0", "old1", "new1"} and len(s.cache.pages("old0")) == 5
@@ -436,9 +440,10 @@ def test_random_schedules_keep_every_page_in_its_group(rng):
             s.add(_request(next_rid, int(rng.integers(1, 15))))
             live.add(next_rid)
             next_rid += 1
-        ahead = int(rng.integers(0, 6))
-        _run_plan(s, ahead)
-        s.reserve(ahead)
+        steps = int(rng.integers(1, 3))
+        ahead = steps * ROUNDS * ROUND_TOKENS  # the most a step commits
+        _run_plan(s, steps)
+        s.reserve(steps)
         _owned_within_groups(s)
         for src, dst in s.moves():
             assert src // (SLOTS // GROUPS) == dst // (SLOTS // GROUPS), (src, dst)
@@ -630,3 +635,74 @@ class PrefixMachine(RuleBasedStateMachine):
 
 PrefixMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 test_prefix_machine = pytest.mark.timeout(60)(PrefixMachine.TestCase)
+
+
+# ---- reservations -------------------------------------------------------------------------------------------------
+def _admit(s: Scheduler) -> list:
+    """One prefill plan (one group), applied as its program would; returns the rids it started."""
+    plan, _ = s.plan_prefill(1)
+    for chunk in () if plan is None else plan.chunks:
+        s.prefilled(chunk, running=True)
+    s.check()
+    return [] if plan is None else [c.request.rid for c in plan.chunks]
+
+
+@pytest.mark.timeout(10)
+def test_a_reservation_is_expected_tokens_one_worst_round_and_scratch_capped_at_max_tokens():
+    """8 rounds a step, 9 tokens at most a round, 10 rows of scratch, pages of 4: a request reserves its known
+    tokens, 8 x its mean acceptance (every request's before it has rounds of its own), one round's 9 and the
+    scratch; never more than its prompt + max_new_tokens + scratch."""
+    cache = CacheManager(64, PAGE, 32)
+    s = Scheduler(cache, max_slots=2, chunk_tokens=8, buckets=[8], prefill_sizes=[1], row_slack=10, max_rows=128,
+                  rounds_per_step=8, round_tokens=9)
+    long = Request("long", list(range(1, 7)), types.SimpleNamespace(max_new_tokens=90), (), 0, 0.0)
+    short = Request("short", list(range(1, 7)), types.SimpleNamespace(max_new_tokens=3), (), 0, 0.0)
+    for r in (long, short):
+        s.add(r)
+    assert _admit(s) + _admit(s) == ["long", "short"]
+    for r in (long, short):
+        r.tokens = [5]  # the prefill's token
+    assert s.reserve(steps=1) == []
+    rows = {r.rid: len(cache.pages(r.rid)) * PAGE for r in (long, short)}
+    assert rows == {"long": 36, "short": 20}  # 7 + 8 x 1 + 9 + 10 = 34 rows: 9 pages; 6 + 3 + 10 = 19: 5 pages
+    s.observe([3, 3, 4, 2])  # three tokens a round, over every request: the prior of long
+    assert s.mean_acceptance(long) == 3.0
+    long.accept_lengths = [4, 4]
+    s.reserve(steps=2)  # a step in flight: two steps ahead
+    assert len(cache.pages("long")) * PAGE == 92  # 7 + 2 x 8 x 4 + 9 + 10 = 90 rows
+
+
+@pytest.mark.timeout(10)
+def test_a_short_pool_still_gives_every_row_one_rounds_scratch_before_it_preempts():
+    """Oldest first, each running request gets the rows of one more round (its known tokens plus the scratch), then
+    grows toward its reservation as far as the pages go; only a group that lacks even one round preempts."""
+    cache = CacheManager(20, PAGE, 20)
+    s = Scheduler(cache, max_slots=2, chunk_tokens=8, buckets=[8], prefill_sizes=[1], row_slack=10, max_rows=128,
+                  rounds_per_step=8, round_tokens=9)
+    a, b = (Request(rid, list(range(1, 8)), types.SimpleNamespace(max_new_tokens=90), (), 0, 0.0) for rid in "ab")
+    for r in (a, b):
+        s.add(r)
+    assert _admit(s) + _admit(s) == ["a", "b"]
+    for r in (a, b):
+        r.tokens = [5]  # 8 known tokens: a round needs 18 rows (5 pages), the reservation 35 (9 pages)
+    cache.grow("hog", 6 * PAGE)  # 10 pages left for a and b
+    assert s.reserve(steps=1) == []
+    assert len(cache.pages("a")) == 9 and len(cache.pages("b")) == 5  # b runs, short of its 9 pages
+    b.tokens += [5] * 4  # b needs 22 rows (6 pages) to run a round: a and b cannot both
+    assert [r.rid for r in s.reserve(steps=1)] == ["b"]
+    assert len(cache.pages("a")) == 9 and cache.pages("b") == []
+
+
+@pytest.mark.timeout(10)
+def test_admission_counts_the_first_reservation_of_every_request_it_starts():
+    """Two requests from the queue in one plan: the second starts only where the pages leave the first one's
+    reservation too, so the reservation after the prefill preempts neither."""
+    cache = CacheManager(14, PAGE, 14)
+    s = Scheduler(cache, max_slots=2, chunk_tokens=16, buckets=[8], prefill_sizes=[1, 2], row_slack=10,
+                  max_rows=128, rounds_per_step=8, round_tokens=9)
+    a, b = (Request(rid, list(range(1, 8)), types.SimpleNamespace(max_new_tokens=90), (), 0, 0.0) for rid in "ab")
+    for r in (a, b):
+        s.add(r)
+    assert _admit(s) == ["a"]  # 9 pages each to start: 14 hold one
+    a.tokens = [5]
+    assert s.reserve(steps=1) == [] and len(cache.pages("a")) == 9

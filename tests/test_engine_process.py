@@ -224,7 +224,7 @@ class HangingCore:
     stop_ids = ()
     engine = types.SimpleNamespace(target=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=16)))
     cache = types.SimpleNamespace(free_pages=1, num_pages=1, page_size=16, usage=0.0)
-    n_running = n_waiting = n_preemptions = prefix_cache_queries = prefix_cache_hits = 0
+    n_running = n_waiting = n_preemptions = prefix_cache_queries = prefix_cache_hits = pool_bytes = 0
 
     def __init__(self):
         self.queued: list[tuple[int, list[int]]] = []

@@ -494,6 +494,7 @@ def test_metrics_count_tokens_speculation_and_latency(client, base_url):
     # idle: every page back in the pool, none preempted at this load
     assert after[("kdtree:kv_cache_usage_perc", ())] == 0 and after[("kdtree:num_free_pages", ())] > 0
     assert after[("kdtree:num_preemptions_total", ())] == 0
+    assert after[("kdtree:kv_cache_pool_bytes", ())] > 0  # the pools' bytes, as the start-up line reports them
 
 
 # ---- the command line --------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from kdtree_jax.serving import (
     ServeConfig,
     ServingEngine,
 )
+from kdtree_jax.serving import programs
 from kdtree_jax.serving.programs import StepKind
 from kdtree_jax.speculative import RUNNING
 from kdtree_jax.weights import init_random
@@ -105,10 +106,11 @@ def _want(full: list[int], max_new: int, stop: tuple[int, ...]) -> list[int]:
 MAX_STEPS = 2000  # far more than any schedule here needs: a request that never ends fails, it does not hang
 
 
-def _run(core: ServingEngine, schedule: dict[int, list[tuple[list[int], RequestParams]]]):
+def _run(core: ServingEngine, schedule: dict[int, list[tuple[list[int], RequestParams]]],
+         held: frozenset = frozenset()):
     """Step until idle, submitting schedule[i] before step i; returns ({rid: record}, step kinds in order). Every
     step runs over the narrowest width that holds its running requests, and after every step each page is free or
-    held by a live request."""
+    held by a live request (or by an owner in `held`, outside the scheduler)."""
     records, kinds, ids, i = {}, [], {}, 0
     while core.has_work or any(k >= i for k in schedule):
         assert i < MAX_STEPS, f"not idle after {MAX_STEPS} steps: {core.running_ids()} still running"
@@ -118,9 +120,10 @@ def _run(core: ServingEngine, schedule: dict[int, list[tuple[list[int], RequestP
         assert report.width == (core.width_for(report.active) if report.active else 0)
         kinds.append(report.kind)
         records.update({e.request_id: e for e in report.events if isinstance(e, RequestRecord)})
-        _accounted(core, set(ids) - set(records), set(records))
+        _accounted(core, set(ids) - set(records) | held, set(records))
         i += 1
-    assert core.n_running == 0 and core.n_waiting == 0 and core.cache.free_pages == core.num_pages
+    held_pages = sum(len(core.cache.pages(rid)) for rid in held)
+    assert core.n_running == 0 and core.n_waiting == 0 and core.cache.free_pages + held_pages == core.num_pages
     return {rid: (records[rid], *ids[rid]) for rid in ids}, kinds
 
 
@@ -189,13 +192,18 @@ def test_preempted_requests_resume_with_exactly_their_tokens(tight, served, expe
     """When pages run out the newest request gives its pages back, waits, and is recomputed from its prompt and
     the tokens it had: greedy and seeded-sampling requests end with exactly the tokens they give uninterrupted."""
     prompts, full = expected
-    sampled = RequestParams(max_new_tokens=24, temperature=1.1, top_p=0.9, seed=77, ignore_eos=True)
-    uninterrupted, _ = _run(served, {0: [(prompts[1], sampled)]})
-    schedule = {0: [(prompts[3], _greedy(26))], 1: [(prompts[2], _greedy(25))], 2: [(prompts[1], sampled)],
+    sampled = RequestParams(max_new_tokens=60, temperature=1.1, top_p=0.9, seed=77, ignore_eos=True)
+    long = _greedy(70)
+    alone, _ = _run(served, {0: [(prompts[0], long), (prompts[1], sampled)]})
+    uninterrupted = {id(params): rec.token_ids for rec, _, params in alone.values()}
+    assert uninterrupted[id(long)][:len(full[0])] == full[0]
+    # the first two fit at admission (3 + 4 of the 9 pages) and outgrow the pool together (6 + 7)
+    schedule = {0: [(prompts[0], long)], 1: [(prompts[1], sampled)], 2: [(prompts[2], _greedy(25))],
                 3: [(prompts[0], _greedy(20))]}
-    before = tight.n_preemptions
+    before, queries, hits = tight.n_preemptions, tight.prefix_cache_queries, tight.prefix_cache_hits
     live, ended = set(), set()
     results, ids, i = {}, {}, 0
+    counts, last_preempted = {}, set()
     while tight.has_work or i in schedule:
         for prompt, params in schedule.get(i, []):
             ids[tight.submit(prompt, params)] = (prompt, params)
@@ -206,20 +214,27 @@ def test_preempted_requests_resume_with_exactly_their_tokens(tight, served, expe
                 live.discard(e.request_id)
                 ended.add(e.request_id)
         _accounted(tight, live, ended)
+        sched = tight.scheduler
+        now = {r.rid: r.num_preemptions for r in [*sched.waiting, *sched.prefilling, *sched.running]}
+        preempted = {rid for rid, n in now.items() if n > counts.get(rid, 0)}
+        assert not preempted & last_preempted, f"step {i}: {preempted & last_preempted} preempted again at once"
+        counts, last_preempted = {**counts, **now}, preempted
         i += 1
     assert tight.n_preemptions > before
     assert any(rec.num_preemptions for rec in results.values())
-    (want,) = [rec.token_ids for rec, *_ in uninterrupted.values()]
     for rid, rec in results.items():
         prompt, params = ids[rid]
         assert rec.finish_reason == "length"
-        if params is sampled:
-            assert rec.token_ids == want
+        if id(params) in uninterrupted:
+            assert rec.token_ids == uninterrupted[id(params)]
         else:
             assert rec.token_ids == full[prompts.index(prompt)][: params.max_new_tokens]
         assert len(rec.token_ids) - 1 - rec.num_preemptions <= sum(rec.accept_lengths) <= len(rec.token_ids) - 1
     assert _ddtree_acceptance(results.values()) > MIN_ACCEPTANCE
     assert tight.cache.free_pages == tight.num_pages
+    # a recompute is no new query: the prefix counts add up against the prompts admitted, each once
+    assert tight.prefix_cache_queries - queries == sum(len(ids[rid][0]) for rid in results)
+    assert tight.prefix_cache_hits - hits == sum(rec.cached_tokens for rec in results.values())
 
 
 def _cached_pages(core: ServingEngine) -> dict:
@@ -227,9 +242,8 @@ def _cached_pages(core: ServingEngine) -> dict:
     back from the device thread first (the next step finds nothing to settle)."""
     core._faults += core._settle()
     table = core.runner.table
-    pools = [table.cache.latent] + ([] if table.draft_cache is None else [table.draft_cache.k, table.draft_cache.v])
-    pools = [np.asarray(p) for p in pools]  # latent [L, pages, P, A], drafter [L, pages, Hk, P, Dh]
-    return {(page, key): hashlib.sha256(b"".join(p[:, page].tobytes() for p in pools)).hexdigest()
+    pools = [np.asarray(p) for p in programs.pools(table)]  # each layer's [pages, P, A] and [pages, Hk, P, Dh]
+    return {(page, key): hashlib.sha256(b"".join(p[page].tobytes() for p in pools)).hexdigest()
             for page, key in core.cache.indexed_pages().items()}
 
 
@@ -309,7 +323,7 @@ def test_a_preempted_request_resumes_from_its_own_cached_pages(served, expected)
     finally:
         served.cache.prefix_caching = True
     rids = [served.submit(prompt, params) for prompt, params in asks]
-    records, hits, step, preempted = {}, served.prefix_cache_hits, 0, 0
+    records, hits, step, preempted = {}, served.resumed_prefix_hits, 0, 0
     while served.has_work:
         assert step < MAX_STEPS
         if step in (3, 5):  # after a few decode steps each: their reply's pages are cached by then
@@ -317,9 +331,8 @@ def test_a_preempted_request_resumes_from_its_own_cached_pages(served, expected)
             preempted += 1
         records.update({e.request_id: e for e in served.step().events if isinstance(e, RequestRecord)})
         step += 1
-    first_admissions = sum(records[rid].cached_tokens for rid in rids)
     assert sum(records[rid].num_preemptions for rid in rids) == preempted == 2
-    resumed_hits = served.prefix_cache_hits - hits - first_admissions
+    resumed_hits = served.resumed_prefix_hits - hits
     assert resumed_hits >= 2 * PAGE * preempted  # each resume skipped at least two pages
     for rid, want in zip(rids, uninterrupted):
         assert records[rid].token_ids == want.token_ids
@@ -352,6 +365,74 @@ def test_ar_and_chain_tables_equal_generate_alone(pair, expected, mode, overlap)
     if mode == "chain":
         assert _ddtree_acceptance(rec for rec, *_ in results.values()) > MIN_ACCEPTANCE
     assert any(rec.cached_tokens for rec, *_ in results.values())  # the second prompts[2] started from the first's
+
+
+def _pool_page(core: ServingEngine, page: int) -> list[np.ndarray]:
+    core._faults += core._settle()
+    return [np.asarray(p[page]) for p in programs.pools(core.runner.table)]
+
+
+def _poison_page(core: ServingEngine, page: int) -> None:
+    """Page `page` of every pool := a value no model writes (the table is home: no step in flight)."""
+    core._faults += core._settle()
+    leaves, axes = jax.tree.leaves(core.runner.table), jax.tree.leaves(programs.slot_axes(core.runner.table))
+    poisoned = [x.at[page].set(7e4) if axis == programs.POOL else x for axis, x in zip(axes, leaves)]
+    core.runner.table = jax.tree.unflatten(jax.tree.structure(core.runner.table), poisoned)
+
+
+@pytest.fixture(scope="module")
+def chain_core(pair):
+    """A chain table without overlap (as the ar/chain identity test's: the compilation cache serves both)."""
+    return ServingEngine(pair, _config(max_slots=2, mode="chain", rounds_per_step=3, overlap=False))
+
+
+@pytest.fixture(scope="module")
+def ar_core(pair):
+    return ServingEngine(Engine(pair.target, None, pair.tokenizer),
+                         _config(max_slots=2, mode="ar", rounds_per_step=3, overlap=True))
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("table", ["served", "chain_core", "ar_core"])
+def test_rows_out_of_pages_idle_and_resume_with_exactly_their_tokens(table, expected, request, monkeypatch):
+    """Every request but one reserves only the rows of one more round, so its row runs out of pages inside most
+    steps, idles, and is grown before the next step: greedy requests still give Engine.generate's tokens, a seeded
+    sampled one the tokens it gives over ample pages, and the one with ample pages its own (a row at its budget
+    costs the others nothing). A page held outside the scheduler, poisoned, is never written."""
+    core = request.getfixturevalue(table)
+    prompts, full = expected
+    ample = RequestParams(max_new_tokens=20, temperature=1.1, top_p=0.9, seed=91, ignore_eos=True)
+    starved = RequestParams(max_new_tokens=18, temperature=0.8, seed=92, ignore_eos=True)
+    alone, _ = _run(core, {0: [(prompts[1], ample)], 1: [(prompts[2], starved)]})
+    want = {params.seed: rec.token_ids for rec, _, params in alone.values()}
+    s = core.scheduler
+    least = s._decode_rows
+
+    def one_round(r, steps, known=None):  # the least that lets a round run: known tokens and one round's scratch
+        if r.params is ample:
+            return least(r, steps, known)
+        return min((r.known_len if known is None else known) + s.row_slack, s._final_rows(r), s.max_rows)
+
+    monkeypatch.setattr(s, "_decode_rows", one_round)
+    (poison,) = core.cache.grow("poison", 1)
+    _poison_page(core, poison)
+    before, paused = _pool_page(core, poison), core.n_paused
+    schedule = {0: [(prompts[0], _greedy(26)), (prompts[1], ample)], 1: [(prompts[2], starved)],
+                2: [(prompts[3], _greedy(22))]}
+    try:
+        results, _ = _run(core, schedule, held=frozenset({"poison"}))
+        after = _pool_page(core, poison)
+    finally:
+        core.cache.free("poison")
+    assert core.n_paused > paused  # rows did run out of pages
+    for rec, prompt, params in results.values():
+        assert rec.finish_reason == "length"
+        if params.temperature:
+            assert rec.token_ids == want[params.seed], params.seed
+        else:
+            assert rec.token_ids == full[prompts.index(prompt)][: params.max_new_tokens]
+    assert all((a == b).all() for a, b in zip(before, after))  # no write outside the rows' own pages
 
 
 def test_stop_ids_end_a_request_at_the_first_one(served, expected):

@@ -73,12 +73,13 @@ def _serve(core: ServingEngine, prompts, want) -> tuple[dict, set, int]:
 
 
 def _assert_split_by_pages(pool: jax.Array, n_pages: int, data: int) -> None:
-    """A pool [L, n_pages, ...]: its page axis split over 'data' into equal contiguous ranges, nothing else split."""
+    """One layer's pool [n_pages, ...]: its page axis split over 'data' into equal contiguous ranges, nothing else
+    split."""
     spec = tuple(pool.sharding.spec) + (None,) * (pool.ndim - len(pool.sharding.spec))
-    assert spec[1] == "data" and all(s is None for i, s in enumerate(spec) if i != 1), spec
+    assert spec[0] == "data" and all(s is None for i, s in enumerate(spec) if i != 0), spec
     assert not pool.sharding.is_fully_replicated
-    assert pool.sharding.shard_shape(pool.shape)[1] == n_pages // data
-    starts = {shard.index[1].start for shard in pool.addressable_shards}
+    assert pool.sharding.shard_shape(pool.shape)[0] == n_pages // data
+    starts = {shard.index[0].start for shard in pool.addressable_shards}
     assert starts == {g * n_pages // data for g in range(data)}
 
 
@@ -91,7 +92,7 @@ def test_a_mesh_serves_the_tokens_of_one_device_and_keeps_the_pool_layout(prompt
     core = ServingEngine(_load(mesh), _config(max_slots=SLOTS[shape]))
     assert core.groups == data and core.num_pages % data == 0
     table = core.runner.table
-    for pool in (table.cache.latent, table.draft_cache.k, table.draft_cache.v):
+    for pool in programs.pools(table):
         assert pool.sharding.mesh.shape == mesh.shape
         if data == 1:
             assert pool.sharding.is_fully_replicated  # data 1: every device holds the whole pool
@@ -105,12 +106,12 @@ def test_a_mesh_serves_the_tokens_of_one_device_and_keeps_the_pool_layout(prompt
         assert rec.token_ids == want[k][: LIMITS[k]], k
     assert np.mean([a for r in records.values() for a in r.accept_lengths]) > MIN_ACCEPTANCE
     table = core.runner.table
-    for got, layout in zip([table.cache.latent, table.draft_cache.k, table.tokens],
-                           [core.runner.shardings.cache.latent, core.runner.shardings.draft_cache.k,
+    for got, layout in zip([*table.cache.latent, *table.draft_cache.k, table.tokens],
+                           [*core.runner.shardings.cache.latent, *core.runner.shardings.draft_cache.k,
                             core.runner.shardings.tokens]):
         assert got.sharding.is_equivalent_to(layout, got.ndim)  # the programs kept the layout they were given
     if data > 1:
-        for pool in (table.cache.latent, table.draft_cache.k):
+        for pool in programs.pools(table):
             _assert_split_by_pages(pool, core.num_pages, data)
 
 

@@ -43,7 +43,7 @@ from kdtree_jax import constrain_device as cd
 from kdtree_jax import sampling
 from kdtree_jax.constrain import ConstraintSpec, TokenAutomaton
 from kdtree_jax.engine import ContextTooLongError, Engine
-from kdtree_jax.serving import programs
+from kdtree_jax.serving import memory_plan, programs
 from kdtree_jax.serving.cache_manager import CacheManager
 from kdtree_jax.serving.programs import StepKind
 from kdtree_jax.serving.runner import ModelRunner
@@ -312,19 +312,16 @@ class ServingEngine:
         self.stop_ids = tuple(engine.stop_ids)
         if len(self.stop_ids) > config.max_stop_ids:
             raise ValueError(f"max_stop_ids {config.max_stop_ids} is below the model's {len(self.stop_ids)} stop ids")
+        self.layout = cd.TableLayout(cfg.vocab_size, config.constraint_caps)
+        self.pool_plan: memory_plan.PoolPlan | None = None  # the planner's figures, where the device reports memory
         self.num_pages = self._num_pages()
         self.cache = CacheManager(self.num_pages, config.page_size, self.pages_per_request, self.groups,
                                   prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, max_slots=config.max_slots, chunk_tokens=self.chunk_tokens,
                                    buckets=self.buckets, prefill_sizes=self.prefill_sizes, row_slack=self.row_slack,
-                                   max_rows=self.capacity)
-        self.layout = cd.TableLayout(cfg.vocab_size, config.constraint_caps)
-        self.runner = ModelRunner(
-            engine, uses_drafter=self.uses_drafter, new_table=self._new_table, prefill_specs=self.prefill_specs,
-            step_specs=self.specs, rounds=config.rounds_per_step, page_table_width=self.pages_per_request,
-            max_slots=config.max_slots, overlap=config.overlap, groups=self.groups,
-            rows_for=lambda n: _rows([RequestParams()] * n, [self.stop_ids] * n, config.max_stop_ids),
-            constraint_tables=self.layout.tables())
+                                   max_rows=self.capacity, rounds_per_step=config.rounds_per_step,
+                                   round_tokens=self.depth + 1)
+        self.runner = self._runner(self._new_table, self.prefill_specs, self.specs, config.overlap)
         self._tables_version = self.layout.version
         self._compiler_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdtree-constraint")
         self._compiling: list[tuple[Request, concurrent.futures.Future]] = []  # waiting for their automaton
@@ -335,6 +332,7 @@ class ServingEngine:
         self._in_flight: _InFlight | None = None
         self._faults: list[RequestRecord] = []  # records of a fault found outside step(), for its next report
         self.n_moves = 0  # rows moved to keep the running requests in the lowest slots
+        self.n_paused = 0  # rows a step idled because their pages held no further round
         self.prefill_calls: dict[int, int] = {}  # prefill programs run, by rows
         self._closed = False
 
@@ -350,17 +348,46 @@ class ServingEngine:
         k = d.cfg.num_hidden_layers * d.cfg.num_key_value_heads * c.page_size * d.cfg.head_dim
         return latent + 2 * k * np.dtype(d.compute_dtype).itemsize
 
+    def _runner(self, new_table, prefill_specs: dict, step_specs: dict, overlap: bool) -> ModelRunner:
+        c = self.config
+        return ModelRunner(
+            self.engine, uses_drafter=self.uses_drafter, new_table=new_table, prefill_specs=prefill_specs,
+            step_specs=step_specs, rounds=c.rounds_per_step, page_table_width=self.pages_per_request,
+            max_slots=c.max_slots, overlap=overlap, groups=self.groups,
+            rows_for=lambda n: _rows([RequestParams()] * n, [self.stop_ids] * n, c.max_stop_ids),
+            constraint_tables=self.layout.tables(), row_slack=self.row_slack)
+
+    def probe_programs(self) -> dict[str, memory_plan.ProgramMemory]:
+        """The widest step and the largest prefill chunk compiled over a probe pool of one request per data
+        group: their memory does not depend on the pool's size (`memory_plan`)."""
+        n = self.groups * self.pages_per_request
+        step = max(self.specs, key=lambda kw: (kw[1], kw[0]))
+        prefill = max(self.prefill_specs)
+        probe = self._runner(lambda: self._new_table(n), {prefill: self.prefill_specs[prefill]},
+                             {step: self.specs[step]}, overlap=False)
+        try:
+            return {f"step {step[0].name} x{step[1]}": memory_plan.ProgramMemory.of(probe._program("step", step)),
+                    f"prefill {prefill[0]} x{prefill[1]}": memory_plan.ProgramMemory.of(
+                        probe._program("prefill", prefill))}
+        finally:
+            probe.shutdown()
+
     def _num_pages(self) -> int:
         """The pool: --num-pages, else what `gpu_memory_utilization` of the device leaves after what is in use
-        (weights) on each data shard, else (no memory figures, e.g. a CPU) max_slots requests of max_context. A
-        pool whose data group cannot hold one request of max_context is refused."""
+        (weights), the programs' peak (`probe_programs`) and a margin on each data shard
+        (`memory_plan.plan_pool`), else (no memory figures, e.g. a CPU) max_slots requests of max_context. A pool
+        whose data group cannot hold one request of max_context is refused."""
         c, g = self.config, self.groups
         n = c.num_pages
         if n is None:
             stats = _memory_stats()
             if stats is not None:  # each data shard holds its group's pages, every head's rows of them
-                free = int(stats["bytes_limit"] * c.gpu_memory_utilization) - int(stats["bytes_in_use"])
-                n = g * (max(free, 0) // self.page_bytes)
+                peak = max(m.peak for m in self.probe_programs().values())
+                self.pool_plan = memory_plan.plan_pool(
+                    bytes_limit=int(stats["bytes_limit"]), bytes_in_use=int(stats["bytes_in_use"]),
+                    utilization=c.gpu_memory_utilization, programs_peak=peak, page_bytes=self.page_bytes, groups=g,
+                    pages_per_request=self.pages_per_request)
+                n = self.pool_plan.pages
             else:
                 n = c.max_slots * self.pages_per_request
         elif n % g:
@@ -394,6 +421,34 @@ class ServingEngine:
         return (f"{self.num_pages} pages of {c.page_size} tokens ({tokens} tokens, {size_text}){groups}; "
                 f"{self.groups * per_group} requests of max_context {c.max_context} at once "
                 f"(up to {c.max_slots} slots)")
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        t, d = self.engine.weights
+        return sum(x.nbytes for x in jax.tree.leaves((t, d if self.uses_drafter else None)))
+
+    def memory_report(self) -> dict:
+        """Per compiled program its temp, argument, output and alias bytes (`compiled.memory_analysis()`), with the
+        pool's and the weights' bytes: the figures a GPU compile will want, on any backend."""
+        return {"programs": {desc: dataclasses.asdict(memory_plan.ProgramMemory.of(program))
+                             for desc, program in self.runner.programs_by_desc().items()},
+                "pool_bytes": self.pool_bytes, "weight_bytes": self.weight_bytes}
+
+    def memory_summary(self) -> str:
+        """The start-up line: weights / programs' peak / pool / requests of max_context. On a device that reports
+        its memory these are the planner's figures; elsewhere the compiled programs' (after `warm_up`)."""
+        requests = self.groups * (self.num_pages // self.groups // self.pages_per_request)
+        plan = self.pool_plan
+        if plan is None:
+            peak = max((memory_plan.ProgramMemory.of(p).peak for p in self.runner.programs_by_desc().values()),
+                       default=0)
+            plan = memory_plan.PoolPlan(pages=self.num_pages, weights=self.weight_bytes, programs_peak=peak,
+                                        margin=0, page_bytes=self.page_bytes)
+        return plan.summary(requests, self.config.max_context)
 
     # ---- programs -------------------------------------------------------------------------------------------
     def _budget_plan(self) -> dict[int, StepKind]:
@@ -450,10 +505,10 @@ class ServingEngine:
         """The bucket of a prompt's first chunk."""
         return self.scheduler.bucket_for(min(prompt_len, self.chunk_tokens))
 
-    def _new_table(self):
+    def _new_table(self, n_pages: int | None = None):
         cfg = self.config
         return programs.empty_table(self.engine.target, self.engine.drafter if self.uses_drafter else None,
-                                    slots=cfg.max_slots, capacity=self.capacity, n_pages=self.num_pages,
+                                    slots=cfg.max_slots, capacity=self.capacity, n_pages=n_pages or self.num_pages,
                                     page_size=cfg.page_size, n_stop=cfg.max_stop_ids, depth=self.depth,
                                     draft_k=self.draft_k, rounds=cfg.rounds_per_step)
 
@@ -608,12 +663,18 @@ class ServingEngine:
 
     @property
     def prefix_cache_queries(self) -> int:
-        """Context tokens of every admission (vLLM's prefix_cache_queries), and the ones found in the cache."""
+        """Prompt tokens of every request's first admission (vLLM's prefix_cache_queries), and the ones found in
+        the cache: they add up against the prompts admitted, however often a request is preempted."""
         return self.scheduler.prefix_queries
 
     @property
     def prefix_cache_hits(self) -> int:
         return self.scheduler.prefix_hits
+
+    @property
+    def resumed_prefix_hits(self) -> int:
+        """Context tokens preempted requests found in the prefix cache when readmitted (not recomputed)."""
+        return self.scheduler.resumed_hits
 
     @property
     def has_work(self) -> bool:
@@ -637,8 +698,8 @@ class ServingEngine:
         s = self.scheduler
         idle = not (s.waiting or s.prefilling or s.n_running or self._in_flight is not None)
         events += self._take_compiled(wait=idle)  # nothing else to do: wait for a constraint rather than spin
-        ahead = self.config.rounds_per_step * (self.depth + 1) * (2 if self._in_flight is not None else 1)
-        plan, preempted = s.plan_prefill(ahead)
+        steps = 2 if self._in_flight is not None else 1  # the step in flight writes too, unread
+        plan, preempted = s.plan_prefill(steps)
         self._release(preempted)
         admitted, prefill_tokens = 0, 0
         if plan is not None:
@@ -646,7 +707,7 @@ class ServingEngine:
             events += prefill_events
             prefill_tokens = sum(c.n_valid for c in plan.chunks)
         before = list(s.slots)
-        more = s.reserve(ahead)
+        more = s.reserve(steps)
         self._release(more, before)
         for src, dst in s.moves():
             self.runner.move(src, dst)
@@ -704,6 +765,10 @@ class ServingEngine:
             n_new, finish = int(packed[row, 0]), int(packed[row, 1])
             acc = _emitted_lengths([int(a) for a in packed[row, 2: 2 + rounds] if a > 0], n_new)
             r.accept_lengths += acc
+            self.scheduler.observe(acc)
+            if finish == programs.PAUSED:  # its pages held no further round: grown before its next step
+                self.n_paused += 1
+                finish = RUNNING
             r.num_draft_tokens += n_draft * len(acc)
             if n_new:
                 new = packed[row, 2 + rounds: 2 + rounds + n_new].tolist()

@@ -179,13 +179,24 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, tables:
     return table, jnp.stack([first, finish], axis=1)
 
 
+NO_SLOTS = -1  # `slot_axes` of a leaf without a slot axis (the round counter)
+POOL = -2  # `slot_axes` of a page pool's leaves (one per layer): pages on axis 0, no slot axis
+
+
 def slot_axes(table: DecodeState) -> DecodeState:
-    """The slot (batch) axis of every leaf of the table; -1 for leaves without (the page pools, the round)."""
+    """The slot (batch) axis of every leaf of the table; `POOL` for the page pools' leaves, `NO_SLOTS` for the
+    round. Negative: the leaf has no slot axis."""
     axes = jax.tree.map(lambda _: 0, table)
+    pool = functools.partial(jax.tree.map, lambda _: POOL)
     dc = axes.draft_cache
     if dc is not None:
-        dc = dc.replace(k=-1, v=-1)
-    return axes.replace(cache=axes.cache.replace(latent=-1), draft_cache=dc, round=-1)
+        dc = dc.replace(k=pool(dc.k), v=pool(dc.v))
+    return axes.replace(cache=axes.cache.replace(latent=pool(axes.cache.latent)), draft_cache=dc, round=NO_SLOTS)
+
+
+def pools(table: DecodeState) -> list[jax.Array]:
+    """Every page pool leaf of the table (each layer of the latent and the drafter's K and V)."""
+    return [x for axis, x in zip(jax.tree.leaves(slot_axes(table)), jax.tree.leaves(table)) if axis == POOL]
 
 
 def slice_rows(state: DecodeState, start: int, size: int, groups: int = 1) -> DecodeState:
@@ -238,44 +249,70 @@ def release(table: DecodeState, slot: jax.Array) -> DecodeState:
                          constraint_state=table.constraint_state.at[slot].set(cd.FREE_STATE))
 
 
+PAUSED = 4  # a step's finish code for a running row whose pages held no further round: it idled, still running
+
+
 def step(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.AutomatonTables, page_table: jax.Array,
-         rounds: int, groups: int = 1):
+         rounds: int, groups: int = 1, row_slack: int | None = None):
     """Up to `rounds` rounds for the first `spec.batch / groups` slots of each of the `groups` data groups (fewer
     rounds once all of them are done) over the host's page table [slots, W]; the other rows are not touched.
 
+    Each row's pages are its budget: a round runs for a row only while its pages hold the round's rows, the
+    committed ones and `row_slack` rows of scratch past its last token (the host's `Scheduler` counts rows the same
+    way). A row out of pages idles for the rest of the step: it emits nothing and keeps its state, its random
+    stream (keyed by position) and its draft, so the host can reserve what a step is expected to write rather than
+    its worst case, and grow the row before the next step.
+
     Returns (table, packed) with packed [spec.batch, 2 + rounds + rounds * L] int32, one transfer for the host: per
-    slot, group by group, the tokens committed this step, its finish code, each round's acceptance length (0: did
-    not run) and the tokens themselves (L = the most tokens one round commits)."""
+    slot, group by group, the tokens committed this step, its finish code (`PAUSED` where it idled), each round's
+    acceptance length (0: did not run) and the tokens themselves (L = the most tokens one round commits)."""
     table = with_pages(table, page_table)
-    part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch, groups), tables, rounds)
+    slack = spec.slack if row_slack is None else row_slack
+    part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch, groups), tables, rounds, slack)
     return put_rows(table, part, 0, groups), packed
 
 
-def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.AutomatonTables, rounds: int):
+def owned_rows(cache: LatentCache) -> jax.Array:
+    """[B] rows each request's pages hold (its page-table entries are a prefix: pages are only ever appended)."""
+    page_size = cache.latent[0].shape[1]
+    return jnp.sum(cache.page_table != paged.UNOWNED, axis=1, dtype=jnp.int32) * page_size
+
+
+def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.AutomatonTables, rounds: int,
+            row_slack: int):
     before = table.n_generated
-    state = table.replace(round=jnp.int32(0), accept_len=jnp.zeros_like(table.accept_len))
+    owned = owned_rows(table.cache)
+
+    def pause(s):  # rows whose next round could write past their pages: known tokens + scratch > owned rows
+        out = (s.finish == RUNNING) & (s.length + 1 + row_slack > owned)
+        return s.replace(finish=jnp.where(out, PAUSED, s.finish).astype(s.finish.dtype))
+
+    state = pause(table.replace(round=jnp.int32(0), accept_len=jnp.zeros_like(table.accept_len)))
 
     def more(s):
         return (s.round < rounds) & jnp.any(~s.done)
 
     if spec.mode == "ar" and drafter is not None:
-        state = _ar_rounds_keeping_the_draft(spec, target, drafter, state, tables, more, rounds)
+        state = _ar_rounds_keeping_the_draft(spec, target, drafter, state, tables, more, rounds, pause)
     else:
-        state = jax.lax.while_loop(more, functools.partial(speculative_round, spec, target, drafter, tables=tables),
-                                   state)
+        one = functools.partial(speculative_round, spec, target, drafter, tables=tables)
+        state = jax.lax.while_loop(more, lambda s: pause(one(s)), state)
+    reported = state.finish
+    state = state.replace(finish=jnp.where(reported == PAUSED, RUNNING, reported).astype(reported.dtype))
     width = rounds * (spec.depth + 1)
     first = state.prompt_len + before  # the first token this step committed
     index = jnp.clip(first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], 0, state.tokens.shape[1] - 1)
     new_tokens = jnp.take_along_axis(state.tokens, index, axis=1)
-    packed = jnp.concatenate([(state.n_generated - before)[:, None], state.finish[:, None], state.accept_len,
+    packed = jnp.concatenate([(state.n_generated - before)[:, None], reported[:, None], state.accept_len,
                               new_tokens], axis=1)
     return state, packed
 
 
 def _ar_rounds_keeping_the_draft(spec, target, drafter, state: DecodeState, tables: cd.AutomatonTables, more,
-                                 rounds: int) -> DecodeState:
+                                 rounds: int, pause) -> DecodeState:
     """AR rounds that collect each committed token's target features, then one drafter pass over all of them: the
-    drafter context ends as it would after the same tokens committed by tree rounds, and its top-K lists are fresh."""
+    drafter context ends as it would after the same tokens committed by tree rounds, and its top-K lists are fresh.
+    A row that committed nothing keeps its lists (`pause` idles rows between rounds)."""
     slots = state.tokens.shape[0]
     feats = jnp.zeros((slots, rounds, drafter.cfg.feature_dim), target.dtype)
     count = jnp.zeros((slots,), jnp.int32)
@@ -286,9 +323,11 @@ def _ar_rounds_keeping_the_draft(spec, target, drafter, state: DecodeState, tabl
         new, out, _ = verify_and_commit(spec, target, s, root_only_tree(s.bonus), tables, s.constraint_state[:, None])
         at = jnp.where(running, count, rounds)  # rows of finished slots land out of range: dropped
         feats = feats.at[jnp.arange(slots), at].set(out.hidden[:, 0].astype(feats.dtype), mode="drop")
-        return new, feats, count + running.astype(jnp.int32)
+        return pause(new), feats, count + running.astype(jnp.int32)
 
     state, feats, count = jax.lax.while_loop(lambda c: more(c[0]), body, (state, feats, count))
     lp, ids, draft_cache = drafter_pass(spec, drafter, target, state.draft_cache, feats, count, state.bonus,
                                         cd.allowed_mask(tables, state.constraint_state))
-    return state.replace(draft_cache=draft_cache, draft_lp=lp, draft_ids=ids)
+    fresh = (count > 0)[:, None, None]
+    return state.replace(draft_cache=draft_cache, draft_lp=jnp.where(fresh, lp, state.draft_lp),
+                         draft_ids=jnp.where(fresh, ids, state.draft_ids))

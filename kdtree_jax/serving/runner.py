@@ -31,13 +31,14 @@ class ModelRunner:
 
     def __init__(self, engine, *, uses_drafter: bool, new_table, prefill_specs: dict, step_specs: dict,
                  rounds: int, page_table_width: int, max_slots: int, rows_for, overlap: bool, groups: int = 1,
-                 constraint_tables: cd.AutomatonTables):
+                 constraint_tables: cd.AutomatonTables, row_slack: int | None = None):
         self.engine = engine
         self.uses_drafter = uses_drafter
         self._new_table = new_table
         self.prefill_specs: dict[tuple[int, int], DecodeSpec] = prefill_specs  # (bucket, rows) -> spec
         self.step_specs: dict = step_specs  # (StepKind, width) -> spec
         self.rounds = rounds
+        self.row_slack = row_slack  # scratch rows a round may write past a row's last token (the pages' budget)
         self.width_pages = page_table_width
         self.max_slots = max_slots
         self.groups = groups  # data groups: a step runs over the lowest rows of each (`programs.step`)
@@ -104,10 +105,11 @@ class ModelRunner:
                     np.zeros((n,), np.uint32), self._rows_for(n), ints)
             desc = f"prefill {bucket} x{n}"
         elif name == "step":
-            spec, rounds, groups = self.step_specs[key], self.rounds, self.groups
+            spec, rounds, groups, slack = self.step_specs[key], self.rounds, self.groups, self.row_slack
 
             def fn(w, table, tables, page_table):
-                return self._pinned(programs.step(spec, *self._modules(w), table, tables, page_table, rounds, groups))
+                return self._pinned(programs.step(spec, *self._modules(w), table, tables, page_table, rounds, groups,
+                                                  slack))
 
             args = (self.tables, pages)
             desc = f"step {key[0].name} x{key[1]}"
@@ -139,6 +141,12 @@ class ModelRunner:
                 for desc in set(self.warmup_s) - before:
                     on_program(desc, self.warmup_s[desc])
         return dict(self.warmup_s)
+
+    def programs_by_desc(self) -> dict:
+        """The compiled programs by their descriptions ("step ddtree-16 x4", "prefill 64 x2", "move", ...)."""
+        descs = {("prefill", k): f"prefill {k[0]} x{k[1]}" for k in self.prefill_specs}
+        descs |= {("step", k): f"step {k[0].name} x{k[1]}" for k in self.step_specs}
+        return {descs.get(key, key[0]): program for key, program in self._programs.items()}
 
     # ---- running --------------------------------------------------------------------------------------------
     def prefill(self, bucket: int, page_rows: np.ndarray, tokens: np.ndarray, slots: np.ndarray, start: np.ndarray,
@@ -191,7 +199,7 @@ def table_shardings(table, mesh):
     axes = programs.slot_axes(table)
 
     def one(axis, x):
-        dim = axis if axis >= 0 else (1 if x.ndim >= 4 else None)  # the pools' page axis: [L, n_pages, ...]
+        dim = axis if axis >= 0 else (0 if axis == programs.POOL else None)  # a pool's pages: [n_pages, ...]
         logical = tuple("batch" if d == dim else None for d in range(x.ndim))
         return NamedSharding(mesh, sharding.logical_spec(logical, x.shape, mesh, name="serving table"))
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -97,7 +98,8 @@ class Scheduler:
     """Queue, prefill progress, slots and preemption over one `CacheManager`, in its data groups."""
 
     def __init__(self, cache: CacheManager, *, max_slots: int, chunk_tokens: int, buckets: Sequence[int],
-                 prefill_sizes: Sequence[int], row_slack: int, max_rows: int):
+                 prefill_sizes: Sequence[int], row_slack: int, max_rows: int, rounds_per_step: int = 1,
+                 round_tokens: int = 1):
         if max_slots % cache.groups:
             raise ValueError(f"max_slots ({max_slots}) must be a multiple of the data groups ({cache.groups})")
         self.cache = cache
@@ -109,12 +111,16 @@ class Scheduler:
         self.prefill_sizes = sorted(prefill_sizes)  # chunks of one group in one program
         self.row_slack = row_slack  # rows past the last committed token one round may write
         self.max_rows = max_rows  # a slot's rows: max_context plus the largest scratch
+        self.rounds_per_step = rounds_per_step
+        self.round_tokens = round_tokens  # the most tokens one round commits (a tree's depth + 1)
+        self.accepted = [0, 0]  # tokens and rounds the device reported, every request: the prior of a new one
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []  # admitted, their context not all in their pages yet
         self.slots: list[Request | None] = [None] * max_slots
         self.num_preemptions = 0
-        self.prefix_queries = 0  # context tokens of admissions, and how many of them were prefix hits (vLLM's count)
+        self.prefix_queries = 0  # prompt tokens of first admissions, and how many of them were prefix hits
         self.prefix_hits = 0
+        self.resumed_hits = 0  # context tokens preempted requests found cached when readmitted (not recomputed)
 
     # ---- bookkeeping ------------------------------------------------------------------------------------------
     @property
@@ -202,11 +208,12 @@ class Scheduler:
                                      f"{self.cache.pages(r.rid)}")
 
     # ---- prefill ----------------------------------------------------------------------------------------------
-    def plan_prefill(self, tokens_ahead: int) -> tuple[PrefillPlan | None, list[Request]]:
+    def plan_prefill(self, steps: int) -> tuple[PrefillPlan | None, list[Request]]:
         """This step's prefill chunk: requests part-way through their context first, then the queue in order,
         each taking the pages of its chunk. Per group at most `chunk_tokens` tokens (one bucket); one program for
         all groups. A request from the queue starts in the least loaded group where the pages its chunk takes leave
-        what that group's running requests need for their next `tokens_ahead` tokens (else it would be preempted
+        what that group's running requests reserve for their next `steps` steps (`_decode_rows`), and where the
+        chunk ends its context, its own first reservation too (else the reservation that follows would preempt it
         again at once). The oldest request part-way through in each group preempts newer ones of its group when its
         next chunk lacks pages (else prefills could hold the group's pages between them and none finish). Returns
         the plan and the requests preempted for it."""
@@ -232,7 +239,7 @@ class Scheduler:
         load = [sum(r.group == g for r in self.running + self.prefilling) for g in groups]
         headroom = [0] * self.groups
         for r in self.running:
-            headroom[r.group] += self.cache.pages_needed(r.rid, self._decode_rows(r, tokens_ahead))
+            headroom[r.group] += self.cache.pages_needed(r.rid, self._decode_rows(r, steps))
         oldest = [next((r for r in self.prefilling if r.group == g), None) for g in groups]
         chunks: list[list[Chunk]] = [[] for _ in groups]
         blocked = [False] * self.groups  # its oldest chunk waits for pages rather than be overtaken forever
@@ -248,9 +255,10 @@ class Scheduler:
             start = len(hit) * self.cache.page_size
             n = min(len(r.context) - start, bucket)
             last = start + n == len(r.context)
+            rows = self._first_rows(r, steps) if last else start + n
             ok = (not full(g) and load[g] < self.group_slots and (free_slots[g] or not last)
                   and self.cache.pages_for(start + n) <= self.cache.max_pages_per_request
-                  and self.cache.share_cost(hit, start + n) + headroom[g] <= self.cache.free_in(g))
+                  and self.cache.share_cost(hit, rows) + headroom[g] <= self.cache.free_in(g))
             return (hit, start, n, last) if ok else None
 
         started: list[Request] = []
@@ -264,12 +272,16 @@ class Scheduler:
                 if g is None:
                     continue
                 hit, start, n, last = options[g]
+                if last:  # the pages its first reservation takes after this chunk: none for the next request
+                    headroom[g] += self.cache.pages_for(self._first_rows(r, steps)) - self.cache.pages_for(start + n)
                 self.cache.share(r.rid, hit, g)
                 r.prefilled = start
-                self.prefix_queries += len(r.context)
-                self.prefix_hits += start
-                if r.num_preemptions == 0:
+                if r.num_preemptions == 0:  # first admission only: a recompute is no new query of the cache
+                    self.prefix_queries += len(r.context)
+                    self.prefix_hits += start
                     r.cached_tokens = start
+                else:
+                    self.resumed_hits += start
                 started.append(r)
             else:
                 n = min(len(r.context) - r.prefilled, bucket)
@@ -277,7 +289,7 @@ class Scheduler:
                 g = r.group
                 if full(g) or (last and not free_slots[g]):
                     continue
-                if not self.cache.can_grow(r.rid, r.prefilled + n):
+                if not self.cache.can_grow(r.rid, self._first_rows(r, steps) if last else r.prefilled + n):
                     if r is oldest[g]:
                         blocked[g] = True
                     continue
@@ -297,10 +309,12 @@ class Scheduler:
             if r in started:  # not started after all: back to the queue, pages, counts and all
                 self.cache.free(r.rid)
                 self.prefilling.remove(r)
-                self.prefix_queries -= len(r.context)
-                self.prefix_hits -= r.prefilled
                 if r.num_preemptions == 0:
+                    self.prefix_queries -= len(r.context)
+                    self.prefix_hits -= r.prefilled
                     r.cached_tokens = 0
+                else:
+                    self.resumed_hits -= r.prefilled
                 r.group, r.prefilled = None, 0
                 self.waiting.appendleft(r)
         size = max(map(len, chunks))
@@ -333,30 +347,67 @@ class Scheduler:
         next round's root, has no row yet), and its full pages among them enter the prefix cache."""
         self.cache.publish(r.rid, [*r.prompt, *r.tokens], r.known_len - 1)
 
-    def reserve(self, tokens_ahead: int) -> list[Request]:
-        """Grow every running request's pages to the rows the next `tokens_ahead` committed tokens (and one
-        round's scratch past them) may write; preempt the newest requests while the pool is short. Returns the
-        preempted ones, already back at the head of the queue."""
+    def observe(self, accept_lengths: Sequence[int]) -> None:
+        """Tokens committed by rounds the device ran (for the prior of requests with no rounds of their own)."""
+        self.accepted[0] += sum(accept_lengths)
+        self.accepted[1] += len(accept_lengths)
+
+    def reserve(self, steps: int) -> list[Request]:
+        """Grow every running request's pages for its next `steps` steps (`_decode_rows`). Oldest first, each
+        gets the rows of one more round (`_round_rows`), preempting the newest while a group is short; then each
+        grows toward its reservation as far as its group's pages go. A step idles a row that its pages cannot
+        take further (`programs.step`), so a reservation short of what the step writes costs time, never tokens.
+        Returns the preempted requests, already back at the head of the queue."""
         preempted = []
         age = self._ages()
-        for r in sorted(self.running, key=lambda r: age[r.rid]):
+        order = sorted(self.running, key=lambda r: age[r.rid])
+        for r in order:
             if r not in self.slots:
                 continue  # preempted for an older one meanwhile
-            need = self._decode_rows(r, tokens_ahead)
-            while not self.cache.can_grow(r.rid, need):
+            while not self.cache.can_grow(r.rid, self._round_rows(r)):
                 victim = self._newest(r.group)
                 preempted.append(victim)
                 self._preempt(victim)
                 if victim is r:
                     break
             if r in self.slots:
-                self.cache.grow(r.rid, need)
+                self.cache.grow(r.rid, self._round_rows(r))
+        for r in order:
+            if r in self.slots:
+                self.cache.grow(r.rid, self._affordable(r, self._decode_rows(r, steps)))
         return preempted
 
-    def _decode_rows(self, r: Request, tokens_ahead: int) -> int:
-        """Rows a running request may write in its next `tokens_ahead` committed tokens, one round's scratch past
-        them included."""
-        return min(r.known_len + tokens_ahead + self.row_slack, self.max_rows)
+    def mean_acceptance(self, r: Request) -> float:
+        """Tokens a round commits for the request: its own mean, else every request's, else one."""
+        tokens, rounds = (sum(r.accept_lengths), len(r.accept_lengths)) if r.accept_lengths else self.accepted
+        return tokens / rounds if rounds else 1.0
+
+    def _decode_rows(self, r: Request, steps: int, known: int | None = None) -> int:
+        """Rows to reserve for a running request (`known` tokens, its prompt and the ones read) over its next
+        `steps` steps: what they are expected to commit (rounds x its mean acceptance), one round's worst case and
+        its scratch; never past what the request can still write (prompt + max tokens, plus scratch)."""
+        known = r.known_len if known is None else known
+        expected = math.ceil(steps * self.rounds_per_step * self.mean_acceptance(r))
+        return min(known + expected + self.round_tokens + self.row_slack, self._final_rows(r), self.max_rows)
+
+    def _first_rows(self, r: Request, steps: int) -> int:
+        """The reservation of a request whose context ends now: its context, the token its prefill draws, and
+        its first steps."""
+        return self._decode_rows(r, steps, known=len(r.context) + 1)
+
+    def _round_rows(self, r: Request) -> int:
+        """The least a running request needs to run: one round's scratch past its known tokens."""
+        return min(r.known_len + self.row_slack, self._final_rows(r), self.max_rows)
+
+    def _final_rows(self, r: Request) -> int:
+        """Rows the request can ever write: its last round starts before its last token."""
+        limit = getattr(r.params, "max_new_tokens", None)
+        return self.max_rows if limit is None else len(r.prompt) + limit + self.row_slack
+
+    def _affordable(self, r: Request, rows: int) -> int:
+        """`rows`, or as many of them as the request's pages and its group's free pages cover."""
+        have = len(self.cache.pages(r.rid)) + self.cache.free_in(r.group)
+        return min(rows, have * self.cache.page_size, self.cache.max_pages_per_request * self.cache.page_size)
 
     def _ages(self) -> dict:
         """rid -> its place in the order requests took their first page (every admitted request holds pages)."""
