@@ -1,12 +1,14 @@
 """Size and compile time of constraint automata at Kimi's vocabulary size (V = 163,840), on a synthetic vocabulary:
 the kdtree-mini tokens plus random BPE-like byte strings (space-led words, capitalised words, digit runs,
-punctuation runs, CJK characters) up to Kimi's 163,584 ordinary tokens, and Kimi's 256 special slots.
+punctuation runs, CJK characters) up to Kimi's 163,584 ordinary tokens, and Kimi's 256 special slots. The numeric
+schemas show what bounds and multipleOf cost over an unbounded integer.
 
     python benchmarks/constraint_tables.py [--seed 0]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -20,10 +22,19 @@ KIMI_ORDINARY_TOKENS = 163_584
 KIMI_VOCAB = KIMI_ORDINARY_TOKENS + NUM_SPECIAL_SLOTS
 TOOL_SCHEMA = ('{"type":"object","properties":{"city":{"type":"string"},"unit":{"enum":["c","f"]}},'
                '"required":["city"]}')
+NUMERIC = {  # what numeric bounds cost: each is a schema of one value, bounded by an exact regex
+    "integer": {"type": "integer"},
+    "integer [0, 99]": {"type": "integer", "minimum": 0, "maximum": 99},
+    "integer [0, 1e9]": {"type": "integer", "minimum": 0, "maximum": 10 ** 9},
+    "integer [-1e15, 1e15]": {"type": "integer", "minimum": -10 ** 15, "maximum": 10 ** 15},
+    "integer, 256 multiples of 7": {"type": "integer", "minimum": 0, "maximum": 7 * 255, "multipleOf": 7},
+    "number [-1.5, 2.25]": {"type": "number", "minimum": -1.5, "maximum": 2.25},
+}
 SPECS = {
     "tool schema": ConstraintSpec.json_schema(TOOL_SCHEMA),
     "json_object": ConstraintSpec.json_object(),
     "choice (3)": ConstraintSpec.choice(["yes", "no", "maybe"]),
+    **{name: ConstraintSpec.json_schema(json.dumps(schema)) for name, schema in NUMERIC.items()},
 }
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 PUNCT = np.array(list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"))

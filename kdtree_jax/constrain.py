@@ -1,8 +1,9 @@
 """Structured output: a regex, a JSON schema, `json_object` or a choice list -> a token-level automaton over the
 model's vocabulary, as numpy tables a device step can index (`constrain_ref.py` is their decoding rule).
 
-outlines-core turns the constraint into a regex (JSON schemas through its schema -> regex translation) and walks
-every token's bytes through the regex's DFA. The result is flattened into `TokenAutomaton`:
+outlines-core turns the constraint into a regex (JSON schemas through `schema_regex.py`, which enforces every
+keyword of the schema or refuses it) and walks every token's bytes through the regex's DFA. The result is
+flattened into `TokenAutomaton`:
 
 - `allowed [S, W] uint32`, W = ceil(V / 32): bit `t % 32` of word `t // 32` of row s is set iff token t may follow
   in state s. Stop tokens are allowed exactly in final states (the text so far is a whole match).
@@ -33,7 +34,9 @@ from typing import Any
 
 import numpy as np
 from outlines_core import Index, Vocabulary
-from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, build_regex_from_schema
+from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
+
+from kdtree_jax.schema_regex import schema_to_regex
 
 WORD_BITS = 32
 MAX_STATES = 2048  # default cap: 2048 states x 20 KiB of mask at V = 163,840 is 40 MiB
@@ -112,9 +115,9 @@ class ConstraintSpec:
             return _json_object_regex(JSON_OBJECT_DEPTH)
         if self.kind == "json_schema":
             try:
-                return build_regex_from_schema(self.text, JSON_WHITESPACE)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"json_schema: cannot be compiled ({e}): {self.describe()}") from e
+                return schema_to_regex(json.loads(self.text), JSON_WHITESPACE)
+            except ValueError as e:
+                raise ValueError(f"json_schema: {e}") from e
         raise ValueError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
 
 

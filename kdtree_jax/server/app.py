@@ -201,10 +201,14 @@ class Job:
                 "total_tokens": len(self.prompt_ids) + n, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def spec_decode(self) -> dict:
-        """The request's speculative statistics, named as vLLM names them."""
+        """The request's speculative statistics, named as vLLM names them: under `spec_decode` where the server
+        speculates, nothing where it decodes one token a step (mode ar), as vLLM without speculation."""
+        if not self._server.speculates:
+            return {}
         r = self.record
-        return {"num_spec_steps": r.rounds, "num_draft_tokens": r.num_draft_tokens,
-                "num_accepted_tokens": r.num_accepted_tokens, "mean_acceptance_length": r.mean_acceptance_length}
+        return {"spec_decode": {"num_spec_steps": r.rounds, "num_draft_tokens": r.num_draft_tokens,
+                                "num_accepted_tokens": r.num_accepted_tokens,
+                                "mean_acceptance_length": r.mean_acceptance_length}}
 
     def error(self) -> dict:
         code = ENGINE_DEAD if self._server.front.failure is not None else None
@@ -225,7 +229,8 @@ class OpenAIServer:
             raise ValueError("the OpenAI server needs the checkpoint's tokenizer")
         self.front, self.tokenizer, self.settings = front, tokenizer, settings
         self.max_context = front.config.max_context
-        self.metrics = ServerMetrics(front, settings.model_name)
+        self.speculates = front.config.mode != "ar"  # whether rounds verify drafts (the figures then mean something)
+        self.metrics = ServerMetrics(front, settings.model_name, speculative=self.speculates)
         self.hidden_ids = frozenset(tokenizer.special_tokens.values())
         specials = tokenizer.special_tokens
         self.tool_marker_ids = frozenset(specials[m] for m in TOOL_MARKERS if m in specials)
@@ -428,8 +433,7 @@ class OpenAIServer:
                   "stop_reason": job.stop_reason}
         if body.return_token_ids:
             choice |= {"prompt_token_ids": job.prompt_ids, "token_ids": job.text.token_ids}
-        return {**self.head(job, "text_completion"), "choices": [choice], "usage": job.usage(),
-                "spec_decode": job.spec_decode()}
+        return {**self.head(job, "text_completion"), "choices": [choice], "usage": job.usage(), **job.spec_decode()}
 
     def chat_completion(self, job: Job, text: str, body: ChatCompletionRequest) -> dict:
         message, finish = {"role": "assistant", "content": text}, job.finish_reason
@@ -439,8 +443,7 @@ class OpenAIServer:
                                                 starts_in_reasoning=p.starts_in_reasoning)
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
                   "stop_reason": job.stop_reason}
-        out = {**self.head(job, "chat.completion"), "choices": [choice], "usage": job.usage(),
-               "spec_decode": job.spec_decode()}
+        out = {**self.head(job, "chat.completion"), "choices": [choice], "usage": job.usage(), **job.spec_decode()}
         if body.return_token_ids:
             choice["token_ids"] = job.text.token_ids
             out["prompt_token_ids"] = job.prompt_ids
@@ -492,7 +495,7 @@ class OpenAIServer:
             yield _sse(job.error())
         else:
             last["choices"][0]["stop_reason"] = job.stop_reason
-            yield _sse({**last, "spec_decode": job.spec_decode()})
+            yield _sse({**last, **job.spec_decode()})
             if body.include_usage:
                 yield _sse({**self.head(job, obj), "choices": [], "usage": job.usage()})
         yield SSE_DONE

@@ -33,7 +33,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     """One registry per server (not the process-wide default), so several servers can live in one process."""
 
-    def __init__(self, front, model_name: str):
+    def __init__(self, front, model_name: str, speculative: bool = True):
         disable_created_metrics()  # prometheus_client's switch is process-wide: it reads it at every scrape
         self.registry = CollectorRegistry()
         reg, labels = self.registry, {"model_name": model_name}
@@ -56,17 +56,26 @@ class ServerMetrics:
         gauge("kv_cache_usage_perc", "Share of the page pool held by requests (1 = full).",
               lambda: front.stats().kv_cache_usage)
         gauge("num_free_pages", "Pages of the pool no request holds.", lambda: front.stats().free_pages)
+        gauge("kv_cache_pool_bytes", "Bytes of the page pools on the device (every layer, target and drafter).",
+              lambda: front.stats().pool_bytes)
         reg.register(_EngineCounter(PREFIX + "num_preemptions", "Requests preempted: pages given back, recomputed.",
                                     lambda: front.stats().num_preemptions, labels))
-        reg.register(_EngineCounter(PREFIX + "prefix_cache_queries", "Context tokens of admitted requests, looked up "
-                                    "in the prefix cache.", lambda: front.stats().prefix_cache_queries, labels))
-        reg.register(_EngineCounter(PREFIX + "prefix_cache_hits", "Context tokens found in the prefix cache (not "
-                                    "prefilled).", lambda: front.stats().prefix_cache_hits, labels))
+        reg.register(_EngineCounter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache, "
+                                    "once per request at its first admission (a preempted request's recomputation "
+                                    "is not counted again).", lambda: front.stats().prefix_cache_queries, labels))
+        reg.register(_EngineCounter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache at a "
+                                    "request's first admission (not prefilled).",
+                                    lambda: front.stats().prefix_cache_hits, labels))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests submitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.num_drafts = counter("spec_decode_num_drafts", "Speculative rounds (one draft verified each).")
-        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens drafted and verified.")
-        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Drafted tokens the target accepted.")
+        # Speculative counts exist only where rounds verify drafts: without speculation (mode ar) a step is not a
+        # draft, so none are listed, as vLLM lists none without a speculative config.
+        self.speculative = speculative
+        if speculative:
+            self.num_drafts = counter("spec_decode_num_drafts", "Speculative rounds (one draft verified each).")
+            self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens drafted and verified.")
+            self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                               "Drafted tokens the target accepted.")
         self._success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
                                 labelnames=(*labels, "finished_reason"), registry=reg)
         self._labels = labels
@@ -77,9 +86,10 @@ class ServerMetrics:
 
     def finished(self, record, arrival: float, finish_reason: str) -> None:
         """A request's final record is in; `arrival` is when the server received it (perf_counter)."""
-        self.num_drafts.inc(record.rounds)
-        self.num_draft_tokens.inc(record.num_draft_tokens)
-        self.num_accepted_tokens.inc(record.num_accepted_tokens)
+        if self.speculative:
+            self.num_drafts.inc(record.rounds)
+            self.num_draft_tokens.inc(record.num_draft_tokens)
+            self.num_accepted_tokens.inc(record.num_accepted_tokens)
         self._success.labels(**self._labels, finished_reason=finish_reason).inc()
         if record.first_token_time is None:
             return

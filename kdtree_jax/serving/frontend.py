@@ -51,12 +51,13 @@ class EngineStats:
     taken: int = 0  # submits the engine has taken from its inbox, since it started
     prefix_cache_queries: int = 0  # context tokens of admissions, and those found in the prefix cache
     prefix_cache_hits: int = 0
+    pool_bytes: int = 0  # the page pools' bytes on the device (every layer, target and drafter)
 
     @classmethod
     def of(cls, core: ServingEngine, taken: int = 0) -> EngineStats:
         cache = core.cache
         return cls(core.n_running, core.n_waiting, cache.free_pages, cache.num_pages, cache.page_size, cache.usage,
-                   core.n_preemptions, taken, core.prefix_cache_queries, core.prefix_cache_hits)
+                   core.n_preemptions, taken, core.prefix_cache_queries, core.prefix_cache_hits, core.pool_bytes)
 
 
 class RequestStream:
