@@ -61,8 +61,8 @@ def compact_latents(latent: tuple[jax.Array, ...], start: jax.Array, src_slot: j
 
 def _move(x: jax.Array, moved: jax.Array, dst_index) -> jax.Array:
     """`x.at[dst_index].set(moved)` where `moved` was read from x itself. The barrier keeps the read a gather of its
-    own: fused into the scatter, it would read the buffer the scatter writes, and XLA's GPU compile then gives the
-    scatter a new buffer, a copy of the whole layer's cache (tpu-inference orders an aliased write the same way)."""
+    own, so the scatter that updates x in place never has a fused read of the buffer it writes (the GPU serving
+    step's temp stays flat in the pool with it: BENCHMARKS.md §5f)."""
     x, moved = jax.lax.optimization_barrier((x, moved))
     return x.at[dst_index].set(moved, mode="drop")
 

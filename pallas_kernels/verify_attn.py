@@ -267,8 +267,7 @@ def _own_pages(pool, page_table):
     go through a table as they do compiled."""
     bt, w = page_table.shape
     order = jnp.arange(bt * w - 1, -1, -1, dtype=jnp.int32).reshape(bt, w)  # slot (b, j) -> its page here
-    pages = jnp.zeros((bt * w, *pool.shape[1:]), pool.dtype).at[order].set(pool[jnp.maximum(page_table, 0)])
-    return pages, order
+    return pool[jnp.maximum(page_table, 0).reshape(-1)[::-1]], order  # one gather: page k is slot bt * w - 1 - k
 
 
 def _check_inputs(q, cache, prefix_len, tree_kv, tree_mask, kv_lora_rank, layer, page_table):
