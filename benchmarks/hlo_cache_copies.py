@@ -1,7 +1,8 @@
 """Count whole-cache copies in the compiled decode loop (one DDTree round per iteration).
 
     python benchmarks/hlo_cache_copies.py [--mode ddtree] [--no-pallas]
-    python benchmarks/hlo_cache_copies.py --serving [--mode ddtree] [--budget 16] [--steps-only] [--dump DIR]
+    python benchmarks/hlo_cache_copies.py --serving [--mode ddtree] [--budget 16] [--steps-only] [--pools 1024,4096]
+        [--dump DIR]
 
 With --serving it compiles every serving program (the shipped pair, 4 slots) at two pool sizes instead and lists
 every `copy` whose size scales with the number of pages (present at the larger pool, absent at the smaller), with
@@ -31,6 +32,7 @@ from flax import nnx  # noqa: E402
 from engine_utils import drafter_config, random_drafter  # noqa: E402
 from kdtree_jax import config, sampling  # noqa: E402
 from kdtree_jax.engine import Engine, decode_loop, prefill  # noqa: E402
+from kdtree_jax.serving.memory_plan import ProgramMemory  # noqa: E402
 from kdtree_jax.speculative import RequestRows  # noqa: E402
 from kdtree_jax.weights import init_random  # noqa: E402
 
@@ -128,8 +130,10 @@ def serving_copies(mode: str, pools=(1024, 4096), budget: int = 16, dump: str | 
                 f.write(program.as_text())
     found = []
     for key in small:
-        temps = [p[key].memory_analysis().temp_size_in_bytes / 2**20 for p in (small, large)]
-        print(f"  {key}: temp {temps[0]:.1f} MiB at {pools[0]} pages, {temps[1]:.1f} MiB at {pools[1]}")
+        mem = [ProgramMemory.of(p[key]) for p in (small, large)]
+        print(f"  {key}: temp {mem[0].temp / 2**20:.1f} MiB at {pools[0]} pages, {mem[1].temp / 2**20:.1f} MiB at "
+              f"{pools[1]}; outputs not aliased {(mem[0].peak - mem[0].temp) / 2**20:.1f} / "
+              f"{(mem[1].peak - mem[1].temp) / 2**20:.1f} MiB")
         found += [(str(key), line) for _, line in scaling_copies(small[key].as_text(), large[key].as_text())]
     return found
 
@@ -141,11 +145,12 @@ def main(argv=None):
     p.add_argument("--serving", action="store_true", help="every serving program, at two pool sizes")
     p.add_argument("--budget", type=int, default=16, help="--serving: the ddtree steps' tree budget")
     p.add_argument("--steps-only", action="store_true", help="--serving: compile only the step programs")
+    p.add_argument("--pools", default="1024,4096", help="--serving: the two pool sizes, in pages")
     p.add_argument("--dump", help="--serving: write each program's compiled HLO (larger pool) in this folder")
     args = p.parse_args(argv)
     if args.serving:
-        found = serving_copies(args.mode, budget=args.budget, dump=args.dump,
-                               steps_only=args.steps_only)
+        found = serving_copies(args.mode, pools=tuple(int(n) for n in args.pools.split(",")), budget=args.budget,
+                               dump=args.dump, steps_only=args.steps_only)
         print(f"{len(found)} copies that scale with the pool in the serving programs ({jax.default_backend()}, "
               f"{args.mode})")
     else:
