@@ -77,13 +77,6 @@ def _files(root: str) -> list[str]:
     return sorted(out)
 
 
-def dtype_name(dtype) -> str:
-    name = jnp.dtype(dtype).name
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    return name
-
-
 def save_converted(model, dst: str | os.PathLike, *, config_json: dict, extra_files: list[str] = (),
                    expert_format: str = "float", overwrite: bool = False, before_commit: Callable | None = None,
                    progress: bool = False) -> str:

@@ -164,11 +164,6 @@ class TableLayout:
         return pack_tables_at([p[0] for p in placed], [p[1] for p in placed], self.vocab_size, self.caps)
 
 
-def empty_tables(vocab_size: int, caps: TableCaps = TableCaps()) -> AutomatonTables:
-    """Tables with only free states: what a table of unconstrained rows holds before any constraint arrives."""
-    return pack_tables([], vocab_size, caps)[0]
-
-
 def to_device(tables: AutomatonTables) -> AutomatonTables:
     """A plain transfer (`jnp.asarray` would trace and compile a staging program per shape)."""
     return jax.device_put(tables)

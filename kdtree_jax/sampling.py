@@ -46,10 +46,6 @@ class SamplingParams:
         if not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):  # also refuses NaN
             raise ParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def check_cap(self, top_k_cap: int) -> None:
         if self.top_k > top_k_cap:
             raise ParamError("top_k", f"must be <= {top_k_cap} (the compiled cap), got {self.top_k}")
