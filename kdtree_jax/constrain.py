@@ -36,7 +36,7 @@ import numpy as np
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
 
-from kdtree_jax.schema_regex import schema_to_regex
+from kdtree_jax.schema_regex import _literal, schema_to_regex
 
 WORD_BITS = 32
 MAX_STATES = 2048  # default cap: 2048 states x 20 KiB of mask at V = 163,840 is 40 MiB
@@ -48,7 +48,6 @@ KINDS = ("regex", "json_schema", "json_object", "choice")
 MARKER_CHAR_BASE = 0x01  # marker i of a constraint is chr(MARKER_CHAR_BASE + i): control characters JSON never holds
 MAX_MARKERS = 8  # \x01..\x08
 # characters that have a meaning in outlines-core's (Rust) regex syntax, escaped in choice literals
-REGEX_META = set(r"\.+*?()|[]{}^$#&-~")
 
 
 class ConstraintTooLarge(ValueError):
@@ -140,19 +139,6 @@ def spec_from_response_format(response_format: Any) -> ConstraintSpec | None:
         except ValueError as e:
             raise ValueError(f"response_format.{e}") from e
     raise ValueError(f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-
-
-def _literal(text: str) -> str:
-    """`text` as a regex that matches exactly it."""
-    out = []
-    for ch in text:
-        if ch in REGEX_META:
-            out.append("\\" + ch)
-        elif ch.isprintable() or ch == " ":
-            out.append(ch)
-        else:
-            out.append(f"\\x{{{ord(ch):X}}}")
-    return "".join(out)
 
 
 def _json_object_regex(depth: int) -> str:
