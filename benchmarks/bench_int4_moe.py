@@ -44,14 +44,28 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_util import copy_ceiling, finish_on_sigterm, is_oom, per_call_s, short_error, write_results  # noqa: E402
+
 from pallas_kernels import int4_moe  # noqa: E402
-from pallas_kernels.int4_moe import (DOWN_LAUNCH, GATE_UP_LAUNCH, UNPACK_BF16X2, UNPACK_F32,  # noqa: E402
-                                     UNPACK_MODES, Launch, bf16_gather_ffn, bf16_ragged_dot_ffn,
-                                     dequant_then_matmul_ffn, ffn_block_m,
-                                     grouped_int4_matmul, int4_moe_ffn, moe_combine, moe_gate_up, moe_route,
-                                     tile_ffn_int4, tile_int4)
+from pallas_kernels.int4_moe import (  # noqa: E402
+    DOWN_LAUNCH,
+    GATE_UP_LAUNCH,
+    UNPACK_BF16X2,
+    UNPACK_F32,
+    UNPACK_MODES,
+    Launch,
+    bf16_gather_ffn,
+    bf16_ragged_dot_ffn,
+    dequant_then_matmul_ffn,
+    ffn_block_m,
+    grouped_int4_matmul,
+    int4_moe_ffn,
+    moe_combine,
+    moe_gate_up,
+    moe_route,
+    tile_ffn_int4,
+    tile_int4,
+)
 
 N_SETS = 8  # input sets per timed jit, run back to back (dispatch amortised; routing differs call to call)
 GATHER_MAX_TOKENS = 16  # gathering weights per pair copies k experts per token: only for small counts

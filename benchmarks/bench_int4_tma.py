@@ -34,13 +34,13 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_int4_moe import random_int4  # noqa: E402
+from bench_util import copy_ceiling, median_s, write_results  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from bench_int4_moe import random_int4  # noqa: E402
-from bench_util import copy_ceiling, median_s, write_results  # noqa: E402
-from kdtree_jax.config import kimi_k2_6  # noqa: E402
+from kdtree_jax.model.config import kimi_k2_6  # noqa: E402
 from pallas_kernels.verify_attn import SM_COUNT  # noqa: E402
 from pallas_kernels.verify_attn_mgpu import COMPUTE_REGS, MEMORY_REGS, ROWS, SWIZZLE, TILE_ROWS  # noqa: E402
 

@@ -42,12 +42,11 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_util import _back_to_back, copy_ceiling, matmul_peak, per_call_s, write_results  # noqa: E402
-from kdtree_jax.speculative import aligned_rows  # noqa: E402
+
+from kdtree_jax.decode.speculative import aligned_rows  # noqa: E402
 from pallas_kernels import verify_attn_mgpu  # noqa: E402
-from pallas_kernels.verify_attn import (BACKENDS, MIN_SPLIT_ROWS, SM_COUNT, _default_splits,  # noqa: E402
-                                       _make_plan, verify_attn)
+from pallas_kernels.verify_attn import BACKENDS, MIN_SPLIT_ROWS, SM_COUNT, _default_splits, _make_plan, verify_attn  # noqa: E402
 
 # --backends choices -> (verify_attn backend, its extra keywords)
 BENCH_BACKENDS = {**{b: (b, {}) for b in BACKENDS}, "mosaic-xla-tree": ("mosaic", {"tree_in_kernel": False})}

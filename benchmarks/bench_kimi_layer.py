@@ -20,12 +20,12 @@ Measured (median, warm-up, block_until_ready; cache donated and fed back):
     the plain-MLA FLOPs and one read of the weights; the chunked path reads the weights once per chunk and does
     ~3.4x the attention FLOPs per score (576 + 512 wide instead of 192 + 128), so its roofline is a lower bound.
   - --expert-layouts: the kernel MoE with its experts row-major (as loaded) and / or tile-major (as the engine stores
-    them on one GPU, `kdtree_jax.moe.tile_experts`), side by side; the cost model fits the engine's layout.
+    them on one GPU, `kdtree_jax.model.moe.tile_experts`), side by side; the cost model fits the engine's layout.
   - --expert-pools P..: each kernel-MoE point again with the routed experts folded onto the first P experts (expert
     e -> e mod P, after the router: a token may then meet one expert twice), so that the distinct experts a step
     reads vary at a fixed batch and token count: the points that separate the cost model's expert-byte and per-token
     terms, which rise together over batch sizes.
-  - MoE two ways: "kernel" = the model's expert path swapped (locally, by patching kdtree_jax.moe's expert functions
+  - MoE two ways: "kernel" = the model's expert path swapped (locally, by patching kdtree_jax.model.moe's expert functions
     while tracing) for `pallas_kernels.int4_moe.int4_moe_ffn`; "as_is" = the model's own path (gather / dense, which
     dequantizes every gathered or every expert), tried only up to --as-is-max-tokens routed tokens.
 Bytes that must move = every non-routed weight (attention, dense MLP, shared expert, router, norms, lm_head) + the
@@ -61,9 +61,6 @@ if __name__ == "__main__" and "--trace" in sys.argv[1:]:  # before jax reads XLA
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import kdtree_jax.moe as moe_mod  # noqa: E402
 from bench_int4_moe import cycling  # noqa: E402
 from bench_util import (  # noqa: E402
     copy_ceiling,
@@ -74,11 +71,14 @@ from bench_util import (  # noqa: E402
     short_error,
     write_results,
 )
-from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
-from kdtree_jax.layers import rms_norm  # noqa: E402
-from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
-from kdtree_jax.moe import tile_experts  # noqa: E402
-from kdtree_jax.speculative import aligned_rows  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import kdtree_jax.model.moe as moe_mod  # noqa: E402
+from kdtree_jax.decode.speculative import aligned_rows  # noqa: E402
+from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
+from kdtree_jax.model.layers import rms_norm  # noqa: E402
+from kdtree_jax.model.moe import tile_experts  # noqa: E402
+from kdtree_jax.model.target import KimiModel, LatentCache, forward_prefill, forward_verify  # noqa: E402
 from pallas_kernels.int4_moe import UNPACK_MODES, int4_moe_ffn  # noqa: E402
 from pallas_kernels.verify_attn import BACKENDS  # noqa: E402
 
@@ -86,14 +86,14 @@ N_SETS = 2  # prefill: token sets cycled per timing (different routing each call
 VERIFY_CALLS = 8  # verify steps per jitted call, each on its own token set (different routing each step)
 PREFILL_CHUNK = 256  # the engine's prefill chunk (Engine.prefill_chunk)
 ROUTED = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
-# the model's named scopes (kdtree_jax/model.py, moe.py) -> the parts of a step a --trace profile reports, matched
+# the model's named scopes (kdtree_jax/model/target.py, moe.py) -> the parts of a step a --trace profile reports, matched
 # in this order against the scope path's segments; kernels under none of them are "other" (small kernels, glue)
 LAYER_PARTS = (("head", "head"), ("attn", "attention"), ("experts", "experts"), ("shared", "shared_expert"),
                ("router", "router"), ("ffn", "dense_mlp"))
 LAYER_PALLAS_PARTS = {"verify_attn": "attention", "int4": "experts"}  # pallas_call names -> part
 TRACE_HLO, TRACE_KERNELS = "step.hlo.txt", "kernels_by_part.json"  # written beside each --trace profile
 TOP_KERNELS = 8  # kernels per part in a result row (TRACE_KERNELS holds them all)
-# how the routed INT4 experts are stored: as loaded ([E, N, K/8]), or re-laid by `kdtree_jax.moe.tile_experts`, which
+# how the routed INT4 experts are stored: as loaded ([E, N, K/8]), or re-laid by `kdtree_jax.model.moe.tile_experts`, which
 # the engine applies when it loads a target onto one device
 ROW_MAJOR, TILE_MAJOR = "row-major", "tile-major"
 EXPERT_LAYOUTS = (ROW_MAJOR, TILE_MAJOR)
@@ -758,7 +758,7 @@ def main(argv=None):
                              f"({TRACE_KERNELS})")
     parser.add_argument("--expert-layouts", nargs="+", choices=EXPERT_LAYOUTS, default=[ENGINE_LAYOUT],
                         help="how the kernel MoE's experts are stored, each timed side by side (row-major = as "
-                             "loaded; tile-major = as the engine stores them, kdtree_jax.moe.tile_experts)")
+                             "loaded; tile-major = as the engine stores them, kdtree_jax.model.moe.tile_experts)")
     parser.add_argument("--expert-pools", type=int, nargs="+", metavar="P",
                         help="also run each kernel-MoE point with the expert ids folded onto the first P experts "
                              "(distinct experts varied at a fixed batch, for the cost model)")

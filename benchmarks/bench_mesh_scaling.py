@@ -33,15 +33,15 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
 from bench_kimi_layer import build_model, random_module  # noqa: E402
 from bench_util import write_results  # noqa: E402
-from kdtree_jax import sharding as sh  # noqa: E402
-from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
-from kdtree_jax.drafter import DFlashDrafter  # noqa: E402
-from kdtree_jax.drafter_config import DrafterConfig  # noqa: E402
-from kdtree_jax.engine import Engine  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdtree_jax.decode.engine import Engine  # noqa: E402
+from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
+from kdtree_jax.model.drafter import DFlashDrafter  # noqa: E402
+from kdtree_jax.model.drafter_config import DrafterConfig  # noqa: E402
+from kdtree_jax.parallel import sharding as sh  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -53,23 +53,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
 from bench_engine import load_prompts  # noqa: E402
 from bench_util import median_s, write_results  # noqa: E402
-from kdtree_jax import cache_update, sampling  # noqa: E402
-from kdtree_jax.drafter import DrafterCache, draft  # noqa: E402
-from kdtree_jax.engine import Engine, prefill  # noqa: E402
-from kdtree_jax.model import LatentCache, forward_verify  # noqa: E402
-from kdtree_jax.speculative import (  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdtree_jax.decode import sampling  # noqa: E402
+from kdtree_jax.decode.engine import Engine, prefill  # noqa: E402
+from kdtree_jax.decode.speculative import (  # noqa: E402
     DecodeSpec,
     DecodeState,
     RequestRows,
     commit,
-    nonfinite_slots,
     make_tree,
+    nonfinite_slots,
     speculative_round,
 )
+from kdtree_jax.model import cache_update  # noqa: E402
+from kdtree_jax.model.drafter import DrafterCache, draft  # noqa: E402
+from kdtree_jax.model.target import LatentCache, forward_verify  # noqa: E402
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402
 from pallas_kernels.tree_build import topk_logprobs  # noqa: E402
 

@@ -27,9 +27,9 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_util import per_call_s, write_results  # noqa: E402
 from jax import lax  # noqa: E402
 
-from bench_util import per_call_s, write_results  # noqa: E402
 from pallas_kernels.topk import topk_logprobs_pallas  # noqa: E402
 from pallas_kernels.tree_build import topk_logprobs, topk_logprobs_xla  # noqa: E402
 

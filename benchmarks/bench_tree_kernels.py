@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_util import per_call_s, write_results  # noqa: E402
 
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402

@@ -5,13 +5,13 @@
                                       [--rounds-per-step 8] [--json benchmarks/results/capacity_k26.json]
 
 Every byte count is measured from the code's own shapes with `jax.eval_shape` (nothing allocated):
-  - the caches: `LatentCache.pool` (kdtree_jax/model.py, bf16 latent, L arrays of [n_pages, P, 576]) and `DrafterCache.pool`
-    (kdtree_jax/drafter.py, k and v [Ld, n_pages, Hk, P, Dh] in the drafter's compute dtype) of the K2.6-DFlash
+  - the caches: `LatentCache.pool` (kdtree_jax/model/target.py, bf16 latent, L arrays of [n_pages, P, 576]) and `DrafterCache.pool`
+    (kdtree_jax/model/drafter.py, k and v [Ld, n_pages, Hk, P, Dh] in the drafter's compute dtype) of the K2.6-DFlash
     drafter (6 Qwen3 layers, 8 KV heads of 128, 5 sliding + 1 full; every layer's rows are kept in the pool), per
-    page and per token; a page holds both caches' rows for its P positions (kdtree_jax/paged.py);
+    page and per token; a page holds both caches' rows for its P positions (kdtree_jax/model/paged.py);
   - per GPU, the pool's layout from `sharding.latent_cache_sharding` (pages split over `data`, replicated over
     tensor / expert: absorbed MLA's one latent head has no head axis); the drafter's pool follows the same pages;
-  - per GPU, the target's weights: `checkpoint_io.abstract_sharded_state` (the rules of kdtree_jax/sharding.py) of
+  - per GPU, the target's weights: `checkpoint_io.abstract_sharded_state` (the rules of kdtree_jax/parallel/sharding.py) of
     `kimi_k2_6()` with INT4 routed experts on an 8-device mesh (simulated CPU devices); the drafter's bf16 weights
     whole on every GPU (`Engine.load` loads the drafter without a mesh).
 
@@ -19,7 +19,7 @@ The pool per GPU is what the serving engine gives it (`ServingEngine._num_pages`
 device memory x utilisation - bytes in use (here: the weights). A data group (the tensor x expert GPUs of one
 `data` index) owns its pages and its requests; requests at once = data groups x requests per group.
 
-Rows one request holds (kdtree_jax/serving/core.py, kdtree_jax/speculative.py):
+Rows one request holds (kdtree_jax/serving/core.py, kdtree_jax/decode/speculative.py):
   - slot table (the old engine): every slot reserves `aligned_rows(max_context + slack)` rows, slack = one round's
     scratch = max(1 + B, depth + 2); requests = floor(pool bytes / (rows x bytes per token));
   - paged: a request holds pages for its used rows + the rows the next step may commit (`rounds_per_step x
@@ -44,12 +44,12 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.bench_util import write_results  # noqa: E402
-from kdtree_jax import sharding as sh  # noqa: E402
-from kdtree_jax.config import ModelConfig, kimi_k2_6  # noqa: E402
-from kdtree_jax.drafter import DFlashDrafter, DrafterCache  # noqa: E402
-from kdtree_jax.drafter_config import DrafterConfig  # noqa: E402
-from kdtree_jax.model import LatentCache  # noqa: E402
-from kdtree_jax.speculative import aligned_rows  # noqa: E402
+from kdtree_jax.decode.speculative import aligned_rows  # noqa: E402
+from kdtree_jax.model.config import ModelConfig, kimi_k2_6  # noqa: E402
+from kdtree_jax.model.drafter import DFlashDrafter, DrafterCache  # noqa: E402
+from kdtree_jax.model.drafter_config import DrafterConfig  # noqa: E402
+from kdtree_jax.model.target import LatentCache  # noqa: E402
+from kdtree_jax.parallel import sharding as sh  # noqa: E402
 
 GB = 1e9
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "capacity_k26.json")
@@ -125,7 +125,7 @@ def page_bytes_per_gpu(cfg: ModelConfig, dcfg: DrafterConfig | None, page_size: 
 # ---- weights -----------------------------------------------------------------------------------------------------
 def target_weight_bytes(mesh, cfg: ModelConfig | None = None) -> dict:
     """Per-GPU and whole bytes of the target with INT4 routed experts (bf16 elsewhere), by the repo's rules."""
-    from kdtree_jax.checkpoint_io import abstract_sharded_state
+    from kdtree_jax.checkpoint.io import abstract_sharded_state
 
     cfg = cfg or kimi_k2_6()
     _, state = abstract_sharded_state(cfg, mesh, param_dtype=jnp.bfloat16, expert_format="int4")

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from kdtree_jax.constrain import ConstraintSpec, ConstraintVocabulary, compile_constraint
-from kdtree_jax.tokenizer import KIMI_SPECIAL_OFFSETS, NUM_SPECIAL_SLOTS, KimiTokenizer
+from kdtree_jax.checkpoint.tokenizer import KIMI_SPECIAL_OFFSETS, NUM_SPECIAL_SLOTS, KimiTokenizer
+from kdtree_jax.constrain.automaton import ConstraintSpec, ConstraintVocabulary, compile_constraint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIMI_ORDINARY_TOKENS = 163_584

@@ -23,12 +23,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))  # bench_engine: the pair, prompts and agreement
 
 import jax.numpy as jnp  # noqa: E402
-
 from bench_engine import add_pair_args, agreement, load_prompts  # noqa: E402
 
 from benchmarks.bench_util import write_results  # noqa: E402
 from kdtree_jax import train as T  # noqa: E402
-from kdtree_jax.engine import Engine  # noqa: E402
+from kdtree_jax.decode.engine import Engine  # noqa: E402
 
 
 def next_token_logits(model, prompt: list[int], tokens: list[int]) -> np.ndarray:

@@ -27,14 +27,15 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from engine_utils import drafter_config, random_drafter  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from engine_utils import drafter_config, random_drafter  # noqa: E402
-from kdtree_jax import config, sampling  # noqa: E402
-from kdtree_jax.engine import Engine, decode_loop, prefill  # noqa: E402
+from kdtree_jax.checkpoint.weights import init_random  # noqa: E402
+from kdtree_jax.decode import sampling  # noqa: E402
+from kdtree_jax.decode.engine import Engine, decode_loop, prefill  # noqa: E402
+from kdtree_jax.decode.speculative import RequestRows  # noqa: E402
+from kdtree_jax.model import config  # noqa: E402
 from kdtree_jax.serving.memory_plan import ProgramMemory  # noqa: E402
-from kdtree_jax.speculative import RequestRows  # noqa: E402
-from kdtree_jax.weights import init_random  # noqa: E402
 
 CFG = config.tiny(eos_token_id=(), qk_rope_head_dim=16)  # latent 32 + 16: no padding copies in the kernel wrapper
 

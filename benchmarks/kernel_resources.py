@@ -20,14 +20,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_util import write_results  # noqa: E402
+from triton_report import MIX_GROUPS, SHARED_LIMIT, instruction_mix, report  # noqa: E402
 
-from pallas_kernels.int4_moe import (DEFAULT_BLOCK_N, DEFAULT_BLOCK_W, DEFAULT_WARPS,  # noqa: E402
-                                     UNPACK_MODES, int4_moe_ffn, tile_ffn_int4)
+from pallas_kernels.int4_moe import (  # noqa: E402
+    DEFAULT_BLOCK_N,
+    DEFAULT_BLOCK_W,
+    DEFAULT_WARPS,
+    UNPACK_MODES,
+    int4_moe_ffn,
+    tile_ffn_int4,
+)
 from pallas_kernels.tree_accept import tree_accept  # noqa: E402
 from pallas_kernels.tree_build import tree_build  # noqa: E402
 from pallas_kernels.verify_attn import verify_attn  # noqa: E402
-from bench_util import write_results  # noqa: E402
-from triton_report import MIX_GROUPS, SHARED_LIMIT, instruction_mix, report  # noqa: E402
 
 SPEC = jax.ShapeDtypeStruct
 K2_LATENT, K2_LORA, K2_HEADS, K2_SCALE = 576, 512, 64, 0.1446796

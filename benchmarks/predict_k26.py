@@ -4,7 +4,7 @@
                                      [--layer-fit benchmarks/results/bench_kimi_layer/h200_fit.json]
 
 Per GPU and verify step of N = 1 + B tree slots at batch Bt and cache prefix P, with the engine's own sharding
-rules (`kdtree_jax/sharding.py`, applied to an abstract K2.6 INT4 model on a simulated 8-device mesh):
+rules (`kdtree_jax/parallel/sharding.py`, applied to an abstract K2.6 INT4 model on a simulated 8-device mesh):
   bytes = every non-routed weight shard this GPU holds (read once per step; embedding rows excluded)
         + per MoE layer: the distinct routed experts the busiest GPU must read (Monte Carlo of uniform top-8
           routing of Bt * N tokens over 384 experts, experts split over the `expert` axis) x one expert's bytes
@@ -32,11 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_kimi_layer import COST_TERMS, attn_flops, attn_roofline_s  # noqa: E402
-from kdtree_jax import sharding as sh  # noqa: E402
-from kdtree_jax.checkpoint_io import abstract_sharded_state  # noqa: E402
-from kdtree_jax.config import kimi_k2_6  # noqa: E402
+
+from kdtree_jax.checkpoint.io import abstract_sharded_state  # noqa: E402
+from kdtree_jax.model.config import kimi_k2_6  # noqa: E402
+from kdtree_jax.parallel import sharding as sh  # noqa: E402
 
 ROUTED = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
 # mean accepted tokens per round of the shipped pair on the H200 (BENCHMARKS.md section 1): mode/B -> tau
@@ -89,7 +89,7 @@ def cache_bytes(cfg, bt: int, prefix: int) -> float:
 
 
 def group_batch(bt: int, mesh) -> int:
-    """Requests of the busiest data-parallel group: each data shard owns whole requests (`kdtree_jax/sharding.py`)."""
+    """Requests of the busiest data-parallel group: each data shard owns whole requests (`kdtree_jax/parallel/sharding.py`)."""
     return -(-bt // mesh.shape["data"])
 
 

@@ -45,15 +45,15 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
 from bench_kimi_layer import ENGINE_LAYOUT, build_model, weight_bytes  # noqa: E402
 from bench_util import finish_on_sigterm, recorded_run  # noqa: E402
-from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
-from kdtree_jax.engine import Engine  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdtree_jax.decode.engine import Engine  # noqa: E402
+from kdtree_jax.decode.speculative import aligned_rows  # noqa: E402
+from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.serving import RequestParams, RequestRecord, ServeConfig, ServingEngine  # noqa: E402
 from kdtree_jax.serving.core import CACHE_ENV, enable_compilation_cache  # noqa: E402
-from kdtree_jax.speculative import aligned_rows  # noqa: E402
 from pallas_kernels.verify_attn import PAGE_SIZES  # noqa: E402
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}

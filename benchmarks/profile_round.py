@@ -46,16 +46,16 @@ if __name__ == "__main__" and "--command-buffers" not in sys.argv[1:]:  # before
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
 from bench_kimi_layer import build_model, random_module  # noqa: E402
 from bench_util import median_s, write_results  # noqa: E402
-from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
-from kdtree_jax.drafter import DFlashDrafter  # noqa: E402
-from kdtree_jax.drafter_config import DrafterConfig  # noqa: E402
-from kdtree_jax.engine import decode_loop, prefill  # noqa: E402
-from kdtree_jax import sampling  # noqa: E402
-from kdtree_jax.speculative import DecodeSpec, RequestRows  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdtree_jax.decode import sampling  # noqa: E402
+from kdtree_jax.decode.engine import decode_loop, prefill  # noqa: E402
+from kdtree_jax.decode.speculative import DecodeSpec, RequestRows  # noqa: E402
+from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
+from kdtree_jax.model.drafter import DFlashDrafter  # noqa: E402
+from kdtree_jax.model.drafter_config import DrafterConfig  # noqa: E402
 from pallas_kernels.verify_attn import BACKENDS  # noqa: E402
 
 PARTS = ("tree", "verify", "sample", "accept", "cache_update", "draft", "topk")

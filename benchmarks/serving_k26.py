@@ -46,13 +46,13 @@ from bench_util import finish_on_sigterm, recorded_run  # noqa: E402
 from flax import nnx  # noqa: E402
 from profile_round import drafter_config  # noqa: E402
 
-from kdtree_jax import budget as budget_mod  # noqa: E402
-from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
-from kdtree_jax.drafter import DFlashDrafter  # noqa: E402
-from kdtree_jax.engine import Engine  # noqa: E402
+from kdtree_jax.decode import budget as budget_mod  # noqa: E402
+from kdtree_jax.decode.engine import Engine  # noqa: E402
+from kdtree_jax.decode.speculative import aligned_rows  # noqa: E402
+from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
+from kdtree_jax.model.drafter import DFlashDrafter  # noqa: E402
 from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine, TokenDelta  # noqa: E402
 from kdtree_jax.serving.core import CACHE_ENV, enable_compilation_cache  # noqa: E402
-from kdtree_jax.speculative import aligned_rows  # noqa: E402
 from pallas_kernels.verify_attn import PAGE_SIZES  # noqa: E402
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from kdtree_jax import budget as budget_mod
+from kdtree_jax.decode import budget as budget_mod
 from pallas_kernels.verify_attn import BACKENDS
 
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
@@ -22,8 +22,9 @@ CACHE_HELP = ("compiled programs are kept in JAX's persistent compilation cache:
 SERVER_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # a long-running server: when, and from where
 
 
-class UsageError(Exception):
-    """Bad input from the user: one line on stderr, exit code 2."""
+class UsageError(ValueError):
+    """Bad input from the user: one line on stderr, exit code 2. A ValueError, so that the serving layer below passes
+    it on as bad input without knowing the CLI."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -103,7 +104,7 @@ class TerminalFormatter(logging.Formatter):
 
 def configure_logging(level: str = "info", *, server: bool = False) -> None:
     """How the programs' log records read, set once at startup. Importing orbax (through absl) has already installed
-    logging's bare handler, which prints 'WARNING:kdtree_jax.budget:...'; this replaces it. `server`: every logger at
+    logging's bare handler, which prints 'WARNING:kdtree_jax.decode.budget:...'; this replaces it. `server`: every logger at
     `level`, each record with its time, level and logger; else kdtree_jax's records at `level` in
     `TerminalFormatter`'s form, and other libraries' from warning up only. JAX stays at warning and above either way:
     it probes for backends at info."""

@@ -10,9 +10,9 @@ import json
 import os
 import sys
 
-from kdtree_jax.checkpoint_io import DTYPES, _with_progress, save_converted
-from kdtree_jax.hf_checkpoint import HFCheckpoint, tokenizer_files
-from kdtree_jax.weights import detect_expert_format, load_model
+from kdtree_jax.checkpoint.hf import HFCheckpoint, tokenizer_files
+from kdtree_jax.checkpoint.io import DTYPES, _with_progress, save_converted
+from kdtree_jax.checkpoint.weights import detect_expert_format, load_model
 
 
 def convert(src: str, dst: str, *, dtype: str = "bfloat16", overwrite: bool = False, progress: bool = True) -> str:

@@ -25,9 +25,9 @@ from kdtree_jax.cli import (  # noqa: F401 (UsageError, ATTENTION_BACKENDS: part
     parse_budget,
     run_main,
 )
-from kdtree_jax.engine import Engine
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.parallel.sharding import parse_mesh
 from kdtree_jax.serving import enable_compilation_cache
-from kdtree_jax.sharding import parse_mesh
 
 log = logging.getLogger("kdtree_jax.generate")
 

@@ -30,7 +30,7 @@ import time
 import jax
 import uvicorn
 
-from kdtree_jax.checkpoint_io import load_tokenizer_any
+from kdtree_jax.checkpoint.io import load_tokenizer_any
 from kdtree_jax.cli import (
     ATTENTION_BACKENDS,
     CACHE_HELP,
@@ -47,7 +47,8 @@ from kdtree_jax.cli import (
     parse_sizes,
     run_main,
 )
-from kdtree_jax.engine import Engine
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.parallel.sharding import parse_mesh
 from kdtree_jax.server import ServerSettings, build_app
 from kdtree_jax.server.app import REASONING_PARSERS, TOOL_CALL_PARSERS
 from kdtree_jax.serving import (
@@ -58,7 +59,6 @@ from kdtree_jax.serving import (
     enable_loop_graphs,
 )
 from kdtree_jax.serving.engine_process import DEFAULT_STEP_TIMEOUT_S, EngineProcessClient
-from kdtree_jax.sharding import parse_mesh
 
 log = logging.getLogger("kdtree_jax.serve")
 

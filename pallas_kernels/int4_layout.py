@@ -1,5 +1,5 @@
 """The INT4 pack-quantized weight layout, the one place its math lives: the kernels read it, the loader, model
-and synthetic writer (`kdtree_jax.quant`) import it from here.
+and synthetic writer (`kdtree_jax.model.quant`) import it from here.
 
 compressed-tensors "pack-quantized" (Kimi K2-Thinking / K2.5 / K2.6 routed experts; the checkpoints'
 `quantization_config`): `weight_packed` int32 [out, in/8] holds 8 offset-binary nibbles per word along the input

@@ -8,7 +8,7 @@ Every query row (node n, head h) attends to the request's latent cache rows [0, 
 its mask row allows. The KV side is one shared 576-wide latent head (MQA: c_kv | k_pe), so the (N, H) query rows
 are flattened to R_q = N*H rows and processed as 2-D tiles of `block_q` rows; each KV block of `block_k` latents
 is loaded once per tile and feeds both dots: scores = q_lat·c_kv + q_pe·k_pe (two power-of-two dots, 512 + 64),
-values = c_kv itself (weight absorption: DeepSeek-V2, arXiv 2405.04434, §2.1.2; `kdtree_jax/mla.py`).
+values = c_kv itself (weight absorption: DeepSeek-V2, arXiv 2405.04434, §2.1.2; `kdtree_jax/model/mla.py`).
 
 Grid (query tiles, splits, Bt), tiles fastest: the programs resident at once are mostly tiles of one request and
 split, so they share its KV blocks through L2 (what makes large trees compute-bound, not HBM-bound). Split j

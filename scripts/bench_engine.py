@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.bench_util import write_results  # noqa: E402
-from kdtree_jax.engine import Engine  # noqa: E402
+from kdtree_jax.decode.engine import Engine  # noqa: E402
 
 DEFAULT_DIR = os.path.join(REPO, "checkpoints", "kdtree-mini")
 
@@ -107,7 +107,7 @@ def main() -> None:
     args = p.parse_args()
     constraint = None
     if args.json_schema is not None:
-        from kdtree_jax.constrain import ConstraintSpec
+        from kdtree_jax.constrain.automaton import ConstraintSpec
 
         text = args.json_schema
         if os.path.isfile(text):

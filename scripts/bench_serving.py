@@ -399,7 +399,7 @@ def greedy_check(results: list[RequestResult], reference: dict[int, list[int]], 
 async def run_inprocess(args) -> dict:
     import jax
 
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
 
     engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
     prompts = load_prompts(args.prompts, engine.tokenizer, args.num_prompts, args.prompt_tokens)
@@ -519,7 +519,7 @@ async def run_http(args) -> dict:
     import httpx
     from openai import AsyncOpenAI
 
-    from kdtree_jax.checkpoint_io import load_tokenizer_any
+    from kdtree_jax.checkpoint.io import load_tokenizer_any
 
     tokenizer = load_tokenizer_any(args.checkpoint)
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts, args.prompt_tokens)
@@ -619,7 +619,7 @@ def startup_child(args) -> None:
     from kdtree_jax.serving import ServingEngine, enable_compilation_cache
 
     cache = enable_compilation_cache()
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
 
     t0 = time.perf_counter()
     engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
@@ -1060,7 +1060,7 @@ def run_multi_turn(engine, args) -> dict:
 def run_traces(args) -> dict:
     import jax
 
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
 
     engine = Engine.load(args.checkpoint, args.drafter, dtype=args.dtype)
     if args.trace_context > engine.target.cfg.max_position_embeddings:

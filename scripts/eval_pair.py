@@ -27,10 +27,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kdtree_jax import train as T  # noqa: E402
-from kdtree_jax.drafter import load_drafter  # noqa: E402
-from kdtree_jax.hf_checkpoint import HFCheckpoint  # noqa: E402
-from kdtree_jax.tokenizer import KimiTokenizer  # noqa: E402
-from kdtree_jax.weights import load_model  # noqa: E402
+from kdtree_jax.checkpoint.drafter import load_drafter  # noqa: E402
+from kdtree_jax.checkpoint.hf import HFCheckpoint  # noqa: E402
+from kdtree_jax.checkpoint.tokenizer import KimiTokenizer  # noqa: E402
+from kdtree_jax.checkpoint.weights import load_model  # noqa: E402
 
 CARD_BEGIN, CARD_END = "<!-- METRICS:BEGIN -->", "<!-- METRICS:END -->"
 PALLAS = {"auto": None, "on": True, "off": False}
@@ -79,7 +79,7 @@ def engine_eval(c: EvalConfig, target, drafter, tokenizer, prompts: np.ndarray) 
     compared with AR the way bench_engine.py does it: acceptance length, decode tok/s, greedy identity vs AR."""
     from bench_engine import agreement, run_mode
 
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
 
     engine = Engine(target, drafter, tokenizer, use_pallas=PALLAS[c.use_pallas])
     prompts = [p.tolist() for p in prompts]

@@ -12,9 +12,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout, uninstalled
 
-from kdtree_jax.config import ModelConfig, tiny  # noqa: E402
-from kdtree_jax.hf_checkpoint import tokenizer_files  # noqa: E402
-from kdtree_jax.synthetic import FORMATS, write_synthetic_checkpoint  # noqa: E402
+from kdtree_jax.checkpoint.hf import tokenizer_files  # noqa: E402
+from kdtree_jax.checkpoint.synthetic import FORMATS, write_synthetic_checkpoint  # noqa: E402
+from kdtree_jax.model.config import ModelConfig, tiny  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

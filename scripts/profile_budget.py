@@ -1,5 +1,5 @@
 """Measure tau(B) and seconds per round of DDTree budgets on this device and write the budget profile that
-`budget="auto"` reads (kdtree_jax/budget.py).
+`budget="auto"` reads (kdtree_jax/decode/budget.py).
 
 For each batch size: ar (the baseline step time), then ddtree at each budget, timed like scripts/bench_engine.py
 (compile excluded, median of repeats). tau = the engine's mean acceptance length, seconds per round = wall / rounds.
@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import add_workload_args, load_prompts, run_mode  # noqa: E402
 
 from benchmarks.bench_util import git_state, write_results  # noqa: E402
-from kdtree_jax import budget as budget_mod  # noqa: E402
-from kdtree_jax.engine import Engine  # noqa: E402
+from kdtree_jax.decode import budget as budget_mod  # noqa: E402
+from kdtree_jax.decode.engine import Engine  # noqa: E402
 
 AUTO_GOAL = 0.95  # auto's tokens/s over the best fixed budget's (ar included) that counts as "within 5%"
 CODE_FIELDS = ("git_commit", "git_dirty", "git_diff_sha256", "git_label")  # a profile's batch settings keep these

@@ -29,19 +29,14 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdtree_jax import train as T  # noqa: E402
-from kdtree_jax.config import ModelConfig  # noqa: E402
-from kdtree_jax.drafter import (  # noqa: E402
-    DFlashDrafter,
-    drafter_from_hf_tensors,
-    hf_tensors,
-    save_drafter,
-    train_logits,
-)
-from kdtree_jax.drafter_config import DrafterConfig, default_target_layer_ids  # noqa: E402
-from kdtree_jax.hf_checkpoint import HFCheckpoint  # noqa: E402
-from kdtree_jax.model import LatentCache, forward_prefill  # noqa: E402
-from kdtree_jax.tokenizer import KimiTokenizer  # noqa: E402
-from kdtree_jax.weights import load_model  # noqa: E402
+from kdtree_jax.checkpoint.drafter import drafter_from_hf_tensors, hf_tensors, save_drafter  # noqa: E402
+from kdtree_jax.checkpoint.hf import HFCheckpoint  # noqa: E402
+from kdtree_jax.checkpoint.tokenizer import KimiTokenizer  # noqa: E402
+from kdtree_jax.checkpoint.weights import load_model  # noqa: E402
+from kdtree_jax.model.config import ModelConfig  # noqa: E402
+from kdtree_jax.model.drafter import DFlashDrafter, train_logits  # noqa: E402
+from kdtree_jax.model.drafter_config import DrafterConfig, default_target_layer_ids  # noqa: E402
+from kdtree_jax.model.target import LatentCache, forward_prefill  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DATA_MODES = ("corpus", "regen", "mix")

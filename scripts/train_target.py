@@ -26,8 +26,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdtree_jax import train as T  # noqa: E402
-from kdtree_jax.config import ModelConfig, RopeScaling  # noqa: E402
-from kdtree_jax.tokenizer import KimiTokenizer  # noqa: E402
+from kdtree_jax.checkpoint.tokenizer import KimiTokenizer  # noqa: E402
+from kdtree_jax.model.config import ModelConfig, RopeScaling  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kdtree_jax.tokenizer import (  # noqa: E402
+from kdtree_jax.checkpoint.tokenizer import (  # noqa: E402
     CONFIG_FILE,
     DEFAULT_CHAT_TEMPLATE,
     KIMI_PAT_STR,

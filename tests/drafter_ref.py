@@ -1,4 +1,4 @@
-"""Float64 numpy DFlash drafter, written from the z-lab `DFlashDraftModel` math, independently of kdtree_jax.drafter.
+"""Float64 numpy DFlash drafter, written from the z-lab `DFlashDraftModel` math, independently of kdtree_jax.model.drafter.
 
 It recomputes everything from scratch per request (no cache): context row j sits at position j, the block at
 positions n .. n+L-1, so a cached drafter must match it after any sequence of calls. Weights come as z-lab HF

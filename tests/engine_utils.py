@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kdtree_jax import config
-from kdtree_jax.drafter import DFlashDrafter
-from kdtree_jax.drafter_config import DrafterConfig
-from kdtree_jax.weights import init_random
+from kdtree_jax.checkpoint.weights import init_random
+from kdtree_jax.model import config
+from kdtree_jax.model.drafter import DFlashDrafter
+from kdtree_jax.model.drafter_config import DrafterConfig
 
 # Three targets that differ in routing groups, dense layers, YaRN and head dims.
 TARGET_CONFIGS = {  # no stop token, so every request runs to max_new_tokens unless a test sets one
@@ -74,8 +74,8 @@ def exact_pair_distribution(cfg, weight_seed, prompt, temperature, top_p):
     Not from the JAX model: a float32 forward can flip a near-tied MoE group choice (seen: group scores 3e-4
     apart), which changes the next-token distribution outright and would fail the test for the wrong reason.
     """
-    from kdtree_jax.reference import reference_forward
-    from kdtree_jax.weights import random_hf_weights
+    from kdtree_jax.checkpoint.weights import random_hf_weights
+    from kdtree_jax.oracles.reference import reference_forward
 
     weights = random_hf_weights(cfg, weight_seed)
     v = cfg.vocab_size

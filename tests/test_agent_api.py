@@ -20,14 +20,14 @@ import pytest
 from fastapi.testclient import TestClient
 from test_server import serve_in_thread
 
-from kdtree_jax.constrain import MARKER_CHAR_BASE, ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
-from kdtree_jax.engine import Engine
+from kdtree_jax.checkpoint.tokenizer import KimiTokenizer
+from kdtree_jax.constrain.automaton import MARKER_CHAR_BASE, ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
+from kdtree_jax.decode.engine import Engine
 from kdtree_jax.server import ServerSettings, build_app
 from kdtree_jax.server import constraints as agent_constraints
 from kdtree_jax.serving import AsyncServingEngine, RequestParams, RequestRecord, ServeConfig, ServingEngine
 from kdtree_jax.serving.core import TokenDelta
 from kdtree_jax.serving.frontend import EngineStats, ServingFront
-from kdtree_jax.tokenizer import KimiTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "kdtree-mini")

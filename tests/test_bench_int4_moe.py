@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import bench_int4_moe as bench  # noqa: E402
+
 from pallas_kernels import int4_moe  # noqa: E402
 from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref  # noqa: E402
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from script_loader import load_script
 
-from kdtree_jax import budget as budget_mod
-from kdtree_jax.budget import BatchProfile, BudgetPoint, BudgetProfile, ProfileError, ProfileKey
-from kdtree_jax.engine import Engine
+from kdtree_jax.decode import budget as budget_mod
+from kdtree_jax.decode.budget import BatchProfile, BudgetPoint, BudgetProfile, ProfileError, ProfileKey
+from kdtree_jax.decode.engine import Engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "kdtree-mini")
@@ -392,7 +392,7 @@ def test_engine_auto_without_matching_profile_falls_back_with_one_warning(shippe
     assert eng0.budget_profile == os.path.join(SHIPPED, f"budget_profile.{slug}.json")  # found by the naming rule
     missing = str(tmp_path / "nope.json")
     eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer, budget_profile=missing)
-    with caplog.at_level(logging.WARNING, logger="kdtree_jax.budget"):
+    with caplog.at_level(logging.WARNING, logger="kdtree_jax.decode.budget"):
         assert eng.resolve_budget("auto", "ddtree", 2) == (budget_mod.DEFAULT_BUDGET, "auto-default")
         assert eng.resolve_budget("auto", "ddtree", 8) == (budget_mod.DEFAULT_BUDGET, "auto-default")
     msgs = [r.getMessage() for r in caplog.records]
@@ -406,7 +406,7 @@ def test_engine_auto_without_matching_profile_falls_back_with_one_warning(shippe
         eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer, budget_profile=str(path))
         eng.checkpoint_names = eng0.checkpoint_names
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="kdtree_jax.budget"):
+        with caplog.at_level(logging.WARNING, logger="kdtree_jax.decode.budget"):
             assert eng.resolve_budget("auto", "ddtree", 2) == (budget_mod.DEFAULT_BUDGET, "auto-default")
         assert len(caplog.records) == 1 and str(path) in caplog.records[0].getMessage()
         assert field in caplog.records[0].getMessage()

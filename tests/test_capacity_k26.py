@@ -9,10 +9,11 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import capacity_k26 as cap  # noqa: E402
-from kdtree_jax import sharding as sh  # noqa: E402
-from kdtree_jax.config import kimi_k2_6, tiny  # noqa: E402
-from kdtree_jax.drafter_config import DrafterConfig  # noqa: E402
-from kdtree_jax.speculative import CACHE_ROW_ALIGN  # noqa: E402
+
+from kdtree_jax.decode.speculative import CACHE_ROW_ALIGN  # noqa: E402
+from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
+from kdtree_jax.model.drafter_config import DrafterConfig  # noqa: E402
+from kdtree_jax.parallel import sharding as sh  # noqa: E402
 
 
 def _small_drafter(cfg) -> DrafterConfig:

@@ -9,8 +9,8 @@ import os
 import pytest
 from jinja2.exceptions import TemplateError
 
+from kdtree_jax.checkpoint.tokenizer import DEFAULT_CHAT_TEMPLATE, KimiTokenizer
 from kdtree_jax.server.tool_calls import parse_tool_calls
-from kdtree_jax.tokenizer import DEFAULT_CHAT_TEMPLATE, KimiTokenizer
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MINI = os.path.join(REPO, "checkpoints", "kdtree-mini")

@@ -18,11 +18,12 @@ import sys
 import pytest
 from engine_utils import drafter_config, random_drafter
 
-from kdtree_jax import budget as budget_mod
-from kdtree_jax import config, generate
-from kdtree_jax.drafter import save_drafter
-from kdtree_jax.engine import Engine
-from kdtree_jax.synthetic import write_synthetic_checkpoint
+from kdtree_jax import generate
+from kdtree_jax.checkpoint.drafter import save_drafter
+from kdtree_jax.checkpoint.synthetic import write_synthetic_checkpoint
+from kdtree_jax.decode import budget as budget_mod
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.model import config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "checkpoints", "kdtree-mini", "tokenizer")
@@ -307,7 +308,7 @@ def assert_compile_lines(lines: list[str]) -> None:
 
 
 def test_progress_and_warnings_read_as_plain_lines(synthetic_pair, capfd):
-    """What the CLI logs on stderr: a warning as 'warning: ...' (not logging's bare 'WARNING:kdtree_jax.budget:'
+    """What the CLI logs on stderr: a warning as 'warning: ...' (not logging's bare 'WARNING:kdtree_jax.decode.budget:'
     that an import installs), and each compile it waits for as a line before and a line with its seconds after."""
     target, drafter, *_ = synthetic_pair  # no budget profile beside it: --budget auto warns and runs B = 32
     proc = run_cli(capfd, "--checkpoint", target, "--drafter", drafter, "--budget", "auto", "--json",
@@ -316,7 +317,7 @@ def test_progress_and_warnings_read_as_plain_lines(synthetic_pair, capfd):
     assert lines[0].startswith("warning: budget='auto': no budget profile at "), lines
     assert_compile_lines(lines[1:-1])
     assert STATS.match(lines[-1]), lines
-    assert "WARNING" not in proc.stderr and "kdtree_jax.budget" not in proc.stderr
+    assert "WARNING" not in proc.stderr and "kdtree_jax.decode.budget" not in proc.stderr
 
 
 def help_sections(text: str) -> dict[str, str]:

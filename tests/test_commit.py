@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from kdtree_jax import sampling
-from kdtree_jax.speculative import (
+from kdtree_jax.decode import sampling
+from kdtree_jax.decode.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
     FINISH_STOP,

@@ -10,9 +10,17 @@ import warnings
 import numpy as np
 import pytest
 
-from kdtree_jax.config import (IGNORED_KEYS, READ_KEYS, ConfigError, ModelConfig, QuantConfig, RopeScaling, kimi_k2_6,
-                               tiny)
-from kdtree_jax.layers import yarn_inv_freq
+from kdtree_jax.model.config import (
+    IGNORED_KEYS,
+    READ_KEYS,
+    ConfigError,
+    ModelConfig,
+    QuantConfig,
+    RopeScaling,
+    kimi_k2_6,
+    tiny,
+)
+from kdtree_jax.model.layers import yarn_inv_freq
 
 SOURCE = "ckpt/config.json"
 LAYOUTS = [False, True]  # flat K2, K2.5/K2.6 wrapper

@@ -13,7 +13,8 @@ import pytest
 import regex
 from outlines_core import Index
 
-from kdtree_jax.constrain import (
+from kdtree_jax.checkpoint.tokenizer import KimiTokenizer
+from kdtree_jax.constrain.automaton import (
     ConstraintCompiler,
     ConstraintSpec,
     ConstraintTooLarge,
@@ -22,8 +23,7 @@ from kdtree_jax.constrain import (
     compile_constraint,
     spec_from_response_format,
 )
-from kdtree_jax.constrain_ref import allowed_mask_ref, constrained_greedy_step_ref
-from kdtree_jax.tokenizer import KimiTokenizer
+from kdtree_jax.oracles.constrain_ref import allowed_mask_ref, constrained_greedy_step_ref
 
 MINI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "checkpoints", "kdtree-mini", "tokenizer")
 TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},

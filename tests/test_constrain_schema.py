@@ -17,13 +17,13 @@ import pytest
 from fastapi.testclient import TestClient
 from test_agent_api import MODEL, USER, ScriptedFront
 
-from kdtree_jax import schema_regex
-from kdtree_jax.constrain import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
+from kdtree_jax.checkpoint.tokenizer import KimiTokenizer
+from kdtree_jax.constrain import schema_regex
+from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
 from kdtree_jax.server import ServerSettings, build_app
 from kdtree_jax.server import constraints as agent_constraints
 from kdtree_jax.serving import RequestRecord, ServeConfig
 from kdtree_jax.serving.core import TokenDelta
-from kdtree_jax.tokenizer import KimiTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "kdtree-mini")
@@ -314,7 +314,7 @@ def test_enum_keeps_only_values_the_rest_of_the_schema_allows(compiler, tokenize
 
 @pytest.fixture(scope="module")
 def shipped():
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
 
     eng = Engine.load(os.path.join(SHIPPED, "target"), os.path.join(SHIPPED, "drafter"))
     with open(os.path.join(SHIPPED, "heldout_prompts.jsonl")) as f:

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from engine_utils import CompileCounter, chi_square_p, drafter_config, nucleus_probs, random_drafter, random_pair
 
-from kdtree_jax import config
-from kdtree_jax import constrain_device as cd
-from kdtree_jax.constrain import ConstraintSpec, ConstraintTooLarge, ConstraintVocabulary, compile_constraint
-from kdtree_jax.constrain_ref import constrained_greedy_step_ref
-from kdtree_jax.engine import Engine
-from kdtree_jax.reference import reference_forward
-from kdtree_jax.weights import init_random, random_hf_weights
+from kdtree_jax.checkpoint.weights import init_random, random_hf_weights
+from kdtree_jax.constrain import device as cd
+from kdtree_jax.constrain.automaton import ConstraintSpec, ConstraintTooLarge, ConstraintVocabulary, compile_constraint
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.model import config
+from kdtree_jax.oracles.constrain_ref import constrained_greedy_step_ref
+from kdtree_jax.oracles.reference import reference_forward
 from pallas_kernels.tree_build import tree_build
 from pallas_kernels.tree_build_masked import tree_build_masked
 from pallas_kernels.tree_build_ref import tree_build_masked_ref

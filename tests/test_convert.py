@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdtree_jax import config
-from kdtree_jax.checkpoint_io import (
+from kdtree_jax.checkpoint.io import (
     META,
     CheckpointIntegrityError,
     load_converted,
@@ -27,10 +26,11 @@ from kdtree_jax.checkpoint_io import (
     read_meta,
     save_converted,
 )
+from kdtree_jax.checkpoint.synthetic import write_synthetic_checkpoint
+from kdtree_jax.checkpoint.weights import init_random
 from kdtree_jax.convert import convert
-from kdtree_jax.model import LatentCache, forward_prefill
-from kdtree_jax.synthetic import write_synthetic_checkpoint
-from kdtree_jax.weights import init_random
+from kdtree_jax.model import config
+from kdtree_jax.model.target import LatentCache, forward_prefill
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_TOKENIZER = os.path.join(REPO, "tests", "data", "kimi_toy")
@@ -148,7 +148,7 @@ def test_wrong_dtype_tensor_refused(tmp_path):
 # params file orbax writes to that point, never after the commit, however slow or fast the machine is.
 _STALLED_CONVERT = """
 import sys, time
-from kdtree_jax import checkpoint_io
+from kdtree_jax.checkpoint import io as checkpoint_io
 def _stall(path):
     time.sleep(600)
 checkpoint_io.file_sha256 = _stall
@@ -258,7 +258,7 @@ def test_failed_commit_leaves_nothing_behind(converted, tmp_path, rng):
 def test_failed_commit_rename_restores_the_replaced_checkpoint(converted, tmp_path, rng, monkeypatch):
     """Replacing a checkpoint moves the old one aside, then renames the new one in; if that last rename fails, the
     old one is put back (before, it was left in a hidden `.NAME.old-*` directory and the name was gone)."""
-    from kdtree_jax import atomic
+    from kdtree_jax.checkpoint import atomic
 
     model = init_random(CFG, seed=int(rng.integers(1 << 30)))
     root = tmp_path / "ckpts"

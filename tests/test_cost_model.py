@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from script_loader import load_script
 
-from kdtree_jax.config import kimi_k2_6
-from kdtree_jax.quant import quant_int4
+from kdtree_jax.model.config import kimi_k2_6
+from kdtree_jax.model.quant import quant_int4
 from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref
 
 bench = load_script("benchmarks/bench_kimi_layer.py")

@@ -13,10 +13,16 @@ import pytest
 from drafter_ref import ref_draft
 from flax import nnx
 
-from kdtree_jax.config import ConfigError, tiny
-from kdtree_jax.drafter import (DFlashDrafter, DrafterCache, draft, drafter_from_hf_tensors, hf_param_names,
-                                hf_tensors, load_drafter, save_drafter, train_logits)
-from kdtree_jax.drafter_config import DrafterConfig, DrafterYarn, default_target_layer_ids
+from kdtree_jax.checkpoint.drafter import (
+    drafter_from_hf_tensors,
+    hf_param_names,
+    hf_tensors,
+    load_drafter,
+    save_drafter,
+)
+from kdtree_jax.model.config import ConfigError, tiny
+from kdtree_jax.model.drafter import DFlashDrafter, DrafterCache, draft, train_logits
+from kdtree_jax.model.drafter_config import DrafterConfig, DrafterYarn, default_target_layer_ids
 
 RTOL = 1e-4  # fp32 drafter vs float64 reference, relative to the largest logit
 POISON = 1e3  # finite garbage: cache rows past length and ctx padding rows

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from engine_utils import TARGET_CONFIGS, chi_square_p, exact_pair_distribution, random_pair
 
-from kdtree_jax import engine as engine_mod
-from kdtree_jax.engine import ContextTooLongError, Engine
+from kdtree_jax.decode import engine as engine_mod
+from kdtree_jax.decode.engine import ContextTooLongError, Engine
 
 BLOCK = 4  # drafter block L: depth D = 3
 BUDGETS = (1, 4, 16, 64)
@@ -243,8 +243,8 @@ def test_sampling_matches_target_distribution(mode, rng):
     """Chi-square: (t2, t3) emitted by the speculative engine ~ the target's own sampling distribution."""
     from engine_utils import drafter_config, random_drafter
 
-    from kdtree_jax import config
-    from kdtree_jax.weights import init_random
+    from kdtree_jax.checkpoint.weights import init_random
+    from kdtree_jax.model import config
 
     cfg = config.tiny(vocab_size=6, eos_token_id=())
     seed = int(rng.integers(1 << 30))
@@ -268,7 +268,7 @@ def test_sampling_matches_target_distribution(mode, rng):
 
 
 def test_generation_that_does_not_fit_is_refused_up_front(grouped, rng, monkeypatch):
-    from kdtree_jax.engine import ResourceLimitError, estimate_bytes
+    from kdtree_jax.decode.engine import ResourceLimitError, estimate_bytes
 
     eng = grouped  # test_greedy_modes_equal_ar's ddtree program
     prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
@@ -291,7 +291,7 @@ def _refusal(eng, monkeypatch, prompts, small, big, set_limit=None):
     """Generate with `big` (kwargs) under a limit that `small` exactly fits (set by `set_limit(bytes)`, default
     memory_limit_bytes); return big's spec and estimate, the limit and the ResourceLimitError message. No program
     may be compiled or fetched."""
-    from kdtree_jax.engine import ResourceLimitError, estimate_bytes
+    from kdtree_jax.decode.engine import ResourceLimitError, estimate_bytes
 
     specs = {}
     for name, kw in (("small", small), ("big", big)):

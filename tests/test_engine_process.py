@@ -42,8 +42,8 @@ from test_server import (  # noqa: F401  (engine, reference: fixtures)
 )
 
 from kdtree_jax import serve
-from kdtree_jax.budget import DEFAULT_BUDGET
 from kdtree_jax.cli import UsageError
+from kdtree_jax.decode.budget import DEFAULT_BUDGET
 from kdtree_jax.server import build_app
 from kdtree_jax.serving import AsyncServingEngine, RequestParams, RequestRecord, ServeConfig, StepReport, TokenDelta
 from kdtree_jax.serving.engine_process import DEFAULT_STEP_TIMEOUT_S, EngineProcessClient

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kdtree_jax.config import ConfigError, tiny
-from kdtree_jax.hf_checkpoint import (
+from kdtree_jax.checkpoint.hf import (
     CheckpointError,
     HFCheckpoint,
     expected_names,
     expected_shapes,
     tokenizer_files,
 )
-from kdtree_jax.quant import Int4Packed, dequant_int4
-from kdtree_jax.reference import reference_forward, reference_weights
-from kdtree_jax.synthetic import write_synthetic_checkpoint
+from kdtree_jax.checkpoint.synthetic import write_synthetic_checkpoint
+from kdtree_jax.model.config import ConfigError, tiny
+from kdtree_jax.model.quant import Int4Packed, dequant_int4
+from kdtree_jax.oracles.reference import reference_forward, reference_weights
 
 FORMATS = ("bf16", "fp8", "int4")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,10 +27,10 @@ import json
 import numpy as np
 import pytest
 
-from kdtree_jax.config import ModelConfig, RopeScaling, tiny
-from kdtree_jax.hf_checkpoint import HFCheckpoint
-from kdtree_jax.reference import reference_forward, reference_weights, softmax_scale, yarn_inv_freq
-from kdtree_jax.synthetic import synthetic_config, write_synthetic_checkpoint
+from kdtree_jax.checkpoint.hf import HFCheckpoint
+from kdtree_jax.checkpoint.synthetic import synthetic_config, write_synthetic_checkpoint
+from kdtree_jax.model.config import ModelConfig, RopeScaling, tiny
+from kdtree_jax.oracles.reference import reference_forward, reference_weights, softmax_scale, yarn_inv_freq
 
 REL_TOL = 1e-4
 T = 12
@@ -269,7 +269,7 @@ def _assert_same_tokens(model, prompts, ours, theirs, label: str) -> None:
 
 
 def _engine_greedy(path, prompts) -> list[list[int]]:
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
 
     engine = Engine.load(path, dtype="float32")
     res = engine.generate(prompts, NEW_TOKENS, mode="ar", temperature=0.0)

@@ -7,12 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax.quant import quant_int4
+from kdtree_jax.model.quant import quant_int4
 from pallas_kernels import int4_moe
 from pallas_kernels._pallas import lower_for_h200
-from pallas_kernels.int4_moe import (bf16_gather_ffn, bf16_ragged_dot_ffn, dequant_then_matmul_ffn,
-                                     grouped_int4_matmul, int4_expert_matmul, int4_moe_ffn, route_layout,
-                                     route_layout_pairwise, route_layout_sorted)
+from pallas_kernels.int4_moe import (
+    bf16_gather_ffn,
+    bf16_ragged_dot_ffn,
+    dequant_then_matmul_ffn,
+    grouped_int4_matmul,
+    int4_expert_matmul,
+    int4_moe_ffn,
+    route_layout,
+    route_layout_pairwise,
+    route_layout_sorted,
+)
 from pallas_kernels.int4_moe_ref import int4_expert_matmul_ref, int4_moe_ffn_ref
 
 TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
@@ -151,7 +159,7 @@ def test_xla_baselines_match_reference(rng):
     ref = int4_moe_ffn_ref(x, idx, weights, *w)
     args = (jnp.asarray(x), jnp.asarray(idx), jnp.asarray(weights))
     assert_close(dequant_then_matmul_ffn(*args, *map(jnp.asarray, w)), ref, 1e-5, "dequant_then_matmul")
-    from kdtree_jax.quant import dequant_int4
+    from kdtree_jax.model.quant import dequant_int4
     dense = [jnp.asarray(np.swapaxes(dequant_int4(w[i], w[i + 1], GROUP), -1, -2)) for i in (0, 2, 4)]  # [E, in, out]
     assert_close(bf16_ragged_dot_ffn(*args, *dense), ref, 1e-5, "ragged_dot")
     assert_close(bf16_gather_ffn(*args, *dense), ref, 1e-5, "gather")

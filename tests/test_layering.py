@@ -53,7 +53,7 @@ def _imports(module: str) -> list[tuple[str, int, bool]]:
 
 
 def _resolve(name: str) -> str | None:
-    """The project module an imported name lives in (`kdtree_jax.moe.route` -> `kdtree_jax.moe`), else None."""
+    """The project module an imported name lives in (`kdtree_jax.model.moe.route` -> `kdtree_jax.model.moe`), else None."""
     while name and name not in MODULES:
         name = name.rpartition(".")[0]
     return name or None
@@ -101,8 +101,8 @@ def _where(module: str, dep: str, graph) -> str:
 
 def test_graph_covers_both_packages():
     graph = import_graph()
-    assert {"kdtree_jax.model", "kdtree_jax.train", "pallas_kernels.verify_attn"} <= graph.keys()
-    assert "kdtree_jax.layers" in graph["kdtree_jax.mla"]  # an edge the reader must see
+    assert {"kdtree_jax.model.target", "kdtree_jax.train", "pallas_kernels.verify_attn"} <= graph.keys()
+    assert "kdtree_jax.model.layers" in graph["kdtree_jax.model.mla"]  # an edge the reader must see
 
 
 def test_no_import_cycles():
@@ -135,3 +135,31 @@ def test_function_level_imports_only_for_optional_dependencies():
     bad = [f"{os.path.relpath(MODULES[m], ROOT)}:{line} imports {name}"
            for m in MODULES for name, line, top in _imports(m) if not top and name.split(".")[0] not in OPTIONAL]
     assert not bad, "import these at the top of the module: " + "; ".join(sorted(bad))
+
+
+# The parts of kdtree_jax, lowest first: a part imports only from parts below it (docs/DESIGN.md, Modules). The
+# `python -m` entry points and the shared CLI flags sit at the top level, above every part.
+PARTS = ("parallel", "model", "checkpoint", "constrain", "decode", "oracles", "serving", "server", "train")
+
+
+def _part(module: str) -> str | None:
+    """`kdtree_jax.model.mla` -> "model"; None for pallas_kernels and the top-level modules."""
+    parts = module.split(".")
+    if parts[0] != "kdtree_jax" or len(parts) < 2 or parts[1] not in PARTS:
+        return None
+    return parts[1]
+
+
+def test_every_kdtree_jax_module_belongs_to_a_part_or_is_an_entry_point():
+    top = {m for m in MODULES if m.startswith("kdtree_jax.") and _part(m) is None}
+    assert top == {"kdtree_jax.cli", "kdtree_jax.convert", "kdtree_jax.generate", "kdtree_jax.serve"}, top
+
+
+def test_parts_import_only_downward():
+    graph = import_graph()
+    rank = {p: i for i, p in enumerate(PARTS)}
+    bad = [_where(m, d, graph) for m in graph for d in graph[m]
+           if _part(m) and _part(d) and rank[_part(d)] > rank[_part(m)]]
+    bad += [_where(m, d, graph) for m in graph for d in graph[m]
+            if _part(m) and d.startswith("kdtree_jax") and d != "kdtree_jax" and _part(d) is None]
+    assert not bad, "a part imports from a part above it: " + "; ".join(sorted(bad))

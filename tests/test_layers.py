@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import reference
-from kdtree_jax.config import RopeScaling, kimi_k2_6, tiny
-from kdtree_jax.layers import apply_rope, rms_norm, rope_cos_sin, swiglu, yarn_correction_range, yarn_inv_freq
-from kdtree_jax.mla import absorbed_attention_jnp, mla_verify
-from kdtree_jax.moe import route
-from kdtree_jax.quant import Int4Packed
-from kdtree_jax.weights import init_random, random_hf_weights
+from kdtree_jax.checkpoint.weights import init_random, random_hf_weights
+from kdtree_jax.model.config import RopeScaling, kimi_k2_6, tiny
+from kdtree_jax.model.layers import apply_rope, rms_norm, rope_cos_sin, swiglu, yarn_correction_range, yarn_inv_freq
+from kdtree_jax.model.mla import absorbed_attention_jnp, mla_verify
+from kdtree_jax.model.moe import route
+from kdtree_jax.model.quant import Int4Packed
+from kdtree_jax.oracles import reference
 
 
 def _rel(got, want) -> float:

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdtree_jax.config import RopeScaling, tiny
-from kdtree_jax.hf_checkpoint import HFCheckpoint
-from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
-from kdtree_jax.reference import reference_forward
-from kdtree_jax.synthetic import write_synthetic_checkpoint
-from kdtree_jax.weights import WeightError, load_model, params_from_hf
+from kdtree_jax.checkpoint.hf import HFCheckpoint
+from kdtree_jax.checkpoint.synthetic import write_synthetic_checkpoint
+from kdtree_jax.checkpoint.weights import WeightError, load_model, params_from_hf
+from kdtree_jax.model.config import RopeScaling, tiny
+from kdtree_jax.model.target import LatentCache, forward_prefill, forward_verify
+from kdtree_jax.oracles.reference import reference_forward
 
 B, S = 2, 16  # batch, cache capacity
 CHUNK = 4  # traced-start prefill chunk
@@ -317,8 +317,8 @@ def test_bf16_model_stays_close_to_reference(loaded, rng):
 # ---- full-size structure ---------------------------------------------------------------------------------------
 def test_kimi_k2_6_abstract_model_has_the_int4_checkpoint_size():
     """Shapes only (nnx.eval_shape): bf16 everywhere except packed INT4 routed experts ≈ the 594 GB K2.6 release."""
-    from kdtree_jax.config import kimi_k2_6
-    from kdtree_jax.model import KimiModel
+    from kdtree_jax.model.config import kimi_k2_6
+    from kdtree_jax.model.target import KimiModel
 
     cfg = kimi_k2_6()
     abstract = nnx.eval_shape(lambda: KimiModel(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,

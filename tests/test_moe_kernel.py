@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdtree_jax import reference
-from kdtree_jax.config import tiny
-from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify
-from kdtree_jax.moe import INT4_ARRAYS, MoE, experts_int4_kernel, resolve_impl, route, tile_experts
-from kdtree_jax.quant import Int4Packed
-from kdtree_jax.weights import build_model, random_hf_weights
+from kdtree_jax.checkpoint.weights import build_model, random_hf_weights
+from kdtree_jax.model.config import tiny
+from kdtree_jax.model.moe import INT4_ARRAYS, MoE, experts_int4_kernel, resolve_impl, route, tile_experts
+from kdtree_jax.model.quant import Int4Packed
+from kdtree_jax.model.target import KimiModel, LatentCache, forward_prefill, forward_verify
+from kdtree_jax.oracles import reference
 from pallas_kernels._pallas import lower_for_h200
 from pallas_kernels.int4_moe_ref import int4_moe_ffn_ref
 

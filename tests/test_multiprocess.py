@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from kdtree_jax.distributed import DistributedConfigError, settings_from_env
+from kdtree_jax.parallel.distributed import DistributedConfigError, settings_from_env
 
 N_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 MESH = (1, 2, 4)  # expert axis spans both processes; tensor pairs stay inside one
@@ -50,7 +50,7 @@ def _free_port() -> int:
 def test_two_processes_match_one(rng, tmp_path):
     from test_sharding import CFG, make_inputs, run_forward
 
-    from kdtree_jax.weights import init_random
+    from kdtree_jax.checkpoint.weights import init_random
 
     seed = int(rng.integers(1 << 30))
     port = _free_port()
@@ -85,14 +85,14 @@ def test_two_processes_match_one(rng, tmp_path):
 
 def _worker(out_path: str, seed: int) -> None:
     """One process of the group: join, build the same model, run the sharded forward on the global mesh."""
-    from kdtree_jax.distributed import initialize_from_env
+    from kdtree_jax.parallel.distributed import initialize_from_env
 
     assert initialize_from_env(timeout_s=TIMEOUT_S), "KDTREE_* environment not set"
     import jax
     from test_sharding import CFG, make_inputs, run_forward
 
-    from kdtree_jax import sharding as sh
-    from kdtree_jax.weights import init_random
+    from kdtree_jax.checkpoint.weights import init_random
+    from kdtree_jax.parallel import sharding as sh
 
     mesh = sh.make_mesh(MESH)
     model = sh.shard_model(init_random(CFG, seed, moe_impl="dense"), mesh)

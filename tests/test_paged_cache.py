@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from engine_utils import drafter_config, random_drafter
-from kdtree_jax import cache_update, config, paged
-from kdtree_jax.drafter import DrafterCache, draft
-from kdtree_jax.model import LatentCache, forward_verify
-from kdtree_jax.weights import init_random
+
+from kdtree_jax.checkpoint.weights import init_random
+from kdtree_jax.model import cache_update, config, paged
+from kdtree_jax.model.drafter import DrafterCache, draft
+from kdtree_jax.model.target import LatentCache, forward_verify
 
 B, N, P, W = 3, 4, 8, 5  # requests, tree rows, page size, pages per request
 S = W * P

@@ -111,8 +111,8 @@ def test_layer_kernels_attribute_to_step_parts(rng):
     name every part (attention, routed experts, shared expert, router, dense MLP, head), and kernels sum per part."""
     import jax.numpy as jnp
 
-    from kdtree_jax.config import tiny
-    from kdtree_jax.model import LatentCache
+    from kdtree_jax.model.config import tiny
+    from kdtree_jax.model.target import LatentCache
 
     cfg = dataclasses.replace(tiny(), num_hidden_layers=2)  # layer 0 dense, layer 1 MoE with a shared expert
     graphdef, state = bench_kimi_layer.build_model(cfg, jnp.float32)
@@ -229,7 +229,7 @@ def test_part_roofline_takes_each_part_at_its_bound(rng):
 def test_step_flops_count_every_matmul_once():
     """step_flops at K2.6 width: 2 FLOPs per non-routed bf16 weight per token, 3 expert matrices per routed pair per
     MoE layer, and the attention core of `attn_flops`."""
-    from kdtree_jax.config import kimi_k2_6
+    from kdtree_jax.model.config import kimi_k2_6
 
     cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=2)  # layer 0 dense, layer 1 MoE
     wbytes = dict(attention=4.0e8, other=3.2e9)
@@ -243,7 +243,7 @@ def test_refit_fits_several_runs_as_one(rng, tmp_path):
     """bench_kimi_layer --refit A B: the AR-step run and the verify run share one cost model; points made by a known
     model of all four terms (fresh random coefficients), each run's attention roofline at that run's own copy rate and
     matmul peak, are fitted exactly, and runs of other layer counts refuse."""
-    from kdtree_jax.config import kimi_k2_6
+    from kdtree_jax.model.config import kimi_k2_6
 
     cfg = dataclasses.replace(kimi_k2_6(), num_hidden_layers=2)
     coef = rng.uniform(0.5, 2.0, 4) * np.array([1e-3, 1.5, 1 / 2e12, 2e-6])
@@ -287,7 +287,7 @@ def test_predicted_step_reads_each_data_groups_cache(rng):
     over the model-parallel ways. A decode step (N = 1) is bound by the cache bytes, a 257-node tree by the FLOPs.
     Old fits' terms are refused."""
     predict = _load("predict_k26")
-    from kdtree_jax.config import kimi_k2_6
+    from kdtree_jax.model.config import kimi_k2_6
 
     cfg = kimi_k2_6()
     coef, bw, peak = float(rng.uniform(1.0, 2.0)), 4.2e12, 670e12
@@ -313,7 +313,7 @@ def test_bytes_model_reads_each_data_groups_cache_and_experts(rng):
     """predict_k26's bytes-and-FLOPs model: a GPU reads its non-routed weights, the experts its data group's tokens
     touch and that group's whole cache; with 2 data groups an odd batch's busiest group holds one more request."""
     predict = _load("predict_k26")
-    from kdtree_jax.config import kimi_k2_6
+    from kdtree_jax.model.config import kimi_k2_6
 
     cfg = kimi_k2_6()
     w = {"other": 4e9, "expert_bytes": 24.77e6, "other_params": 2e9, "expert_params": 44e6}

@@ -22,11 +22,11 @@ from test_int4_moe import assert_close as assert_int4_close
 from test_topk import check as check_topk
 from test_topk import tied_logits
 
-from kdtree_jax import config
-from kdtree_jax.engine import Engine
-from kdtree_jax.quant import quant_int4
-from kdtree_jax.reference import reference_forward
-from kdtree_jax.weights import init_random, random_hf_weights
+from kdtree_jax.checkpoint.weights import init_random, random_hf_weights
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.model import config
+from kdtree_jax.model.quant import quant_int4
+from kdtree_jax.oracles.reference import reference_forward
 from pallas_kernels import int4_moe
 from pallas_kernels.int4_moe import int4_expert_matmul, int4_moe_ffn
 from pallas_kernels.int4_moe_ref import int4_expert_matmul_ref, int4_moe_ffn_ref

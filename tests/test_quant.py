@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kdtree_jax.quant import (
+from kdtree_jax.model.quant import (
     Int4Packed,
     dequant_fp8_block,
     dequant_int4,

@@ -5,9 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from kdtree_jax.config import RopeScaling, kimi_k2_6, tiny
-from kdtree_jax.hf_checkpoint import HFCheckpoint
-from kdtree_jax.reference import (
+from kdtree_jax.checkpoint.hf import HFCheckpoint
+from kdtree_jax.checkpoint.synthetic import write_synthetic_checkpoint
+from kdtree_jax.model.config import RopeScaling, kimi_k2_6, tiny
+from kdtree_jax.oracles.reference import (
     apply_rope,
     mla_attention,
     moe,
@@ -19,7 +20,6 @@ from kdtree_jax.reference import (
     yarn_correction_range,
     yarn_inv_freq,
 )
-from kdtree_jax.synthetic import write_synthetic_checkpoint
 
 K2_ROPE = RopeScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
                       mscale_all_dim=1.0)

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from engine_utils import drafter_config, random_drafter
 
-from kdtree_jax import config
-from kdtree_jax.config import ConfigError
-from kdtree_jax.engine import ContextTooLongError, Engine
-from kdtree_jax.reference import reference_forward
-from kdtree_jax.sampling import SamplingParams
-from kdtree_jax.weights import init_random, random_hf_weights
+from kdtree_jax.checkpoint.weights import init_random, random_hf_weights
+from kdtree_jax.decode.engine import ContextTooLongError, Engine
+from kdtree_jax.decode.sampling import SamplingParams
+from kdtree_jax.model import config
+from kdtree_jax.model.config import ConfigError
+from kdtree_jax.oracles.reference import reference_forward
 
 CONTEXT = 48  # max_position_embeddings of the small target: a full-context run stays cheap on CPU
 PROMPT_LENS = (6, 8, 7, 5)  # ragged; the longest is request 1, so errors must name the right prompt
@@ -240,7 +240,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import conftest  # noqa: F401  (the XLA flags and compilation cache of the test process)
 from test_reliability import make_pair, small_config
-from kdtree_jax.engine import Engine
+from kdtree_jax.decode.engine import Engine
 a = json.loads(sys.argv[2])
 engine = Engine(*make_pair(small_config(), a["seed"]), None)
 print(json.dumps(engine.generate(a["prompts"], a["n"], **a["kw"]).token_ids))

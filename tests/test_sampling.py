@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import sampling
-from kdtree_jax.sampling import SamplingParams, SamplingRows
+from kdtree_jax.decode import sampling
+from kdtree_jax.decode.sampling import SamplingParams, SamplingRows
 
 CAP = 8
 

@@ -28,9 +28,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kdtree_jax import serve
-from kdtree_jax.budget import DEFAULT_BUDGET
 from kdtree_jax.cli import UsageError
-from kdtree_jax.engine import Engine
+from kdtree_jax.decode.budget import DEFAULT_BUDGET
+from kdtree_jax.decode.engine import Engine
 from kdtree_jax.generate import DEFAULT_DRAFTER, DEFAULT_TARGET
 from kdtree_jax.serve import DEFAULT_HOST, DEFAULT_PORT, _check_args, build_parser, make_server
 from kdtree_jax.server import ServerSettings, build_app

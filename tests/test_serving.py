@@ -21,9 +21,11 @@ from engine_utils import CompileCounter, chi_square_p, drafter_config, exact_pai
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kdtree_jax import config
-from kdtree_jax.constrain import ConstraintSpec
-from kdtree_jax.engine import Engine
+from kdtree_jax.checkpoint.weights import init_random
+from kdtree_jax.constrain.automaton import ConstraintSpec
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.decode.speculative import RUNNING
+from kdtree_jax.model import config
 from kdtree_jax.serving import (
     AsyncServingEngine,
     EngineClosedError,
@@ -34,11 +36,9 @@ from kdtree_jax.serving import (
     RequestRecord,
     ServeConfig,
     ServingEngine,
+    programs,
 )
-from kdtree_jax.serving import programs
 from kdtree_jax.serving.programs import StepKind
-from kdtree_jax.speculative import RUNNING
-from kdtree_jax.weights import init_random
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "kdtree-mini")
@@ -731,8 +731,8 @@ def test_async_front_streams_deltas_then_the_record(pair, expected):
 # ---- row programs ------------------------------------------------------------------------------------------------
 def test_move_copies_a_whole_row_and_put_rows_writes_back_only_its_rows(pair, rng):
     """A row is the request's small state and its page-table row; the page pools are nobody's row."""
+    from kdtree_jax.decode.speculative import FINISH_LENGTH
     from kdtree_jax.serving import programs
-    from kdtree_jax.speculative import FINISH_LENGTH
 
     empty = programs.empty_table(pair.target, pair.drafter, slots=5, capacity=32, n_pages=6, page_size=16, n_stop=3,
                                  depth=3, draft_k=4, rounds=2)

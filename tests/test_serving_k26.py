@@ -5,7 +5,7 @@ import json
 import pytest
 from script_loader import load_script
 
-from kdtree_jax import budget as budget_mod
+from kdtree_jax.decode import budget as budget_mod
 
 
 def _load():

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from kdtree_jax.engine import Engine
+from kdtree_jax.decode.engine import Engine
 from kdtree_jax.serving import ServeConfig, ServingEngine, memory_plan, programs
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdtree-mini")

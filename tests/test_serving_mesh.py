@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from kdtree_jax import sharding
-from kdtree_jax.engine import Engine
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.parallel import sharding
 from kdtree_jax.serving import RequestParams, RequestRecord, ServeConfig, ServingEngine, programs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,12 +13,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kdtree_jax import sharding as sh
-from kdtree_jax.checkpoint_io import abstract_sharded_state, restore_sharded
-from kdtree_jax.config import QuantConfig, kimi_k2_6, tiny
-from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify
-from kdtree_jax.moe import moe_expert_parallel
-from kdtree_jax.weights import init_random
+from kdtree_jax.checkpoint.io import abstract_sharded_state, restore_sharded
+from kdtree_jax.checkpoint.weights import init_random
+from kdtree_jax.model.config import QuantConfig, kimi_k2_6, tiny
+from kdtree_jax.model.moe import moe_expert_parallel
+from kdtree_jax.model.target import KimiModel, LatentCache, forward_prefill, forward_verify
+from kdtree_jax.parallel import sharding as sh
 
 # 8 heads so attention really splits 8 ways; expert width 112 appears in no other tensor, so a collective carrying
 # routed-expert weights is recognisable in the HLO (112, its tensor shards 56/28/14, INT4 words / groups 14, 7);
@@ -232,7 +232,7 @@ def test_moe_expert_parallel_matches_moe(rng, shape, fmt):
 def test_moe_expert_parallel_int4_kernel_matches_moe(rng, monkeypatch, shape):
     """On GPU each device runs its local INT4 experts through the grouped kernel, other devices' pairs passed as
     absent ids; forced here (the kernel runs in the Pallas interpreter) against the single-device dense MoE."""
-    import kdtree_jax.moe as moe_mod
+    import kdtree_jax.model.moe as moe_mod
 
     model = init_random(CFG, int(rng.integers(1 << 30)), expert_format="int4", moe_impl="dense")
     x = jnp.asarray(rng.standard_normal((2, 5, CFG.hidden_size)), jnp.float32)
@@ -300,9 +300,9 @@ def test_k2_6_int4_per_device_bytes(shape):
 @pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 8, 1), (2, 4, 1)])
 def test_sharded_ddtree_generation_matches_unsharded(rng, shape):
-    from kdtree_jax.drafter import DFlashDrafter
-    from kdtree_jax.drafter_config import DrafterConfig
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
+    from kdtree_jax.model.drafter import DFlashDrafter
+    from kdtree_jax.model.drafter_config import DrafterConfig
 
     if "mesh" not in Engine.__init__.__code__.co_varnames:
         pytest.skip("Engine has no mesh argument yet")

@@ -13,8 +13,8 @@ import pytest
 import regex
 from script_loader import load_script
 
-from kdtree_jax import tokenizer as tk
-from kdtree_jax.tokenizer import KIMI_PAT_STR, KIMI_SPECIAL_OFFSETS, KimiTokenizer, TokenizerFileError
+from kdtree_jax.checkpoint import tokenizer as tk
+from kdtree_jax.checkpoint.tokenizer import KIMI_PAT_STR, KIMI_SPECIAL_OFFSETS, KimiTokenizer, TokenizerFileError
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TOY_DIR = os.path.join(REPO, "tests", "data", "kimi_toy")

@@ -16,20 +16,14 @@ from flax import nnx
 from script_loader import load_script
 
 from kdtree_jax import train as T
-from kdtree_jax.config import tiny
-from kdtree_jax.drafter import (
-    DFlashDrafter,
-    drafter_from_hf_tensors,
-    hf_tensors,
-    load_drafter,
-    save_drafter,
-    train_logits,
-)
-from kdtree_jax.drafter_config import DrafterConfig
-from kdtree_jax.hf_checkpoint import HFCheckpoint
-from kdtree_jax.model import LatentCache, forward_prefill
-from kdtree_jax.tokenizer import KimiTokenizer
-from kdtree_jax.weights import load_model, params_from_hf
+from kdtree_jax.checkpoint.drafter import drafter_from_hf_tensors, hf_tensors, load_drafter, save_drafter
+from kdtree_jax.checkpoint.hf import HFCheckpoint
+from kdtree_jax.checkpoint.tokenizer import KimiTokenizer
+from kdtree_jax.checkpoint.weights import load_model, params_from_hf
+from kdtree_jax.model.config import tiny
+from kdtree_jax.model.drafter import DFlashDrafter, train_logits
+from kdtree_jax.model.drafter_config import DrafterConfig
+from kdtree_jax.model.target import LatentCache, forward_prefill
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER_DIR = os.path.join(ROOT, "checkpoints", "kdtree-mini", "tokenizer")

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 
 from pallas_kernels._pallas import lower_for_h200
 from pallas_kernels.tree_build import Tree, topk_logprobs, tree_build
-from pallas_kernels.tree_build_ref import tree_build_ref, topk_logprobs_ref
+from pallas_kernels.tree_build_ref import topk_logprobs_ref, tree_build_ref
 
 VOCAB = 1000
 TRIALS = 6  # fresh inputs per compiled shape

@@ -216,8 +216,8 @@ def _wide_pair(seed: int, **overrides):
     """A tiny Kimi-shaped pair whose verify calls take the wgmma path: 64 heads, 128 + 64 latent, bf16 cache."""
     from engine_utils import drafter_config, random_drafter
 
-    from kdtree_jax import config
-    from kdtree_jax.weights import init_random
+    from kdtree_jax.checkpoint.weights import init_random
+    from kdtree_jax.model import config
 
     cfg = config.tiny(eos_token_id=(), num_attention_heads=H, kv_lora_rank=128, qk_rope_head_dim=64,
                       num_hidden_layers=2, **overrides)
@@ -229,7 +229,7 @@ def test_engine_refuses_a_backend_that_cannot_serve_the_target(rng):
     """Checked when the engine is built, naming the config fields, before any compile."""
     from engine_utils import random_pair
 
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
     from kdtree_jax.generate import ATTENTION_BACKENDS
     from pallas_kernels.verify_attn import BACKENDS
 
@@ -247,7 +247,7 @@ def test_model_forward_takes_the_chosen_backend(rng, interpret):
     a backend that does not exist is refused from inside the forward). Every layer is dense: the two backends
     round differently in bf16, and a random router's near-tie then picks other experts (logits 27% apart for a
     seed that CI drew), which says nothing about attention."""
-    from kdtree_jax.model import LatentCache, forward_verify
+    from kdtree_jax.model.target import LatentCache, forward_verify
 
     target, _ = _wide_pair(int(rng.integers(1 << 30)), first_k_dense_replace=2)
     cfg, bt, n, s = target.cfg, 2, 3, 64
@@ -268,7 +268,7 @@ def test_model_forward_takes_the_chosen_backend(rng, interpret):
 
 @pytest.mark.gpu
 def test_engine_greedy_ddtree_equals_ar_on_the_wgmma_kernel(rng):
-    from kdtree_jax.engine import Engine
+    from kdtree_jax.decode.engine import Engine
 
     target, drafter = _wide_pair(int(rng.integers(1 << 30)))
     engine = Engine(target, drafter, None, attn_backend="mosaic")

@@ -38,8 +38,8 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from jinja2.exceptions import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kdtree_jax import constrain_device as cd
-from kdtree_jax.constrain import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
+from kdtree_jax.constrain import device as cd
+from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
 from kdtree_jax.server import constraints
 from kdtree_jax.server.chat_output import ChatOutputParser, parse_chat_output
 from kdtree_jax.server.metrics import CONTENT_TYPE, ServerMetrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kdtree_jax.constrain import ConstraintSpec, spec_from_response_format
+from kdtree_jax.constrain.automaton import ConstraintSpec, spec_from_response_format
 from kdtree_jax.server.reasoning import THINK_END
 from kdtree_jax.server.tool_calls import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
 

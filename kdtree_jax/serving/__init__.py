@@ -7,7 +7,6 @@
     frontend.py       the async front: submit, iterate deltas, read the record
     engine_process.py the same front over the engine in its own process (the server's default)
 """
-from kdtree_jax.serving.frontend import AsyncServingEngine, RequestStream
 from kdtree_jax.serving.core import (
     EngineClosedError,
     PromptTooLongError,
@@ -22,6 +21,7 @@ from kdtree_jax.serving.core import (
     enable_compilation_cache,
     enable_loop_graphs,
 )
+from kdtree_jax.serving.frontend import AsyncServingEngine, RequestStream
 
 __all__ = [
     "AsyncServingEngine", "EngineClosedError", "PromptTooLongError", "QueueFullError", "RequestError",

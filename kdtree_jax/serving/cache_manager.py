@@ -31,7 +31,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from kdtree_jax.paged import UNOWNED
+from kdtree_jax.model.paged import UNOWNED
 from kdtree_jax.serving.prefix_cache import ROOT, PrefixIndex, page_keys
 
 

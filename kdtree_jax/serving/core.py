@@ -7,7 +7,7 @@ Three roles, as vLLM v1 and nano-vllm separate them:
 - the runner (`runner.py`, device) holds the table and runs its compiled programs.
 `ServingEngine` joins them: requests in, token deltas and final records out. Each `step()` prefills one chunk,
 grows every running request's pages (preempting if it must), keeps the running requests in the lowest slots, picks
-the step program for the number of running requests (the budget follows the load, `kdtree_jax/budget.py`) and the
+the step program for the number of running requests (the budget follows the load, `kdtree_jax/decode/budget.py`) and the
 narrowest compiled width that holds them, and runs k rounds. With `overlap` the step runs on a device thread while
 the host reads the previous step's tokens. Everything a request asks for is runtime data, so after `warm_up()`
 nothing compiles.
@@ -38,17 +38,17 @@ import jax
 import numpy as np
 from jax._src import xla_bridge
 
-from kdtree_jax import budget as budget_mod
-from kdtree_jax import constrain_device as cd
-from kdtree_jax import sampling
-from kdtree_jax.constrain import ConstraintSpec, TokenAutomaton
-from kdtree_jax.engine import ContextTooLongError, Engine
+from kdtree_jax.constrain import device as cd
+from kdtree_jax.constrain.automaton import ConstraintSpec, TokenAutomaton
+from kdtree_jax.decode import budget as budget_mod
+from kdtree_jax.decode import sampling
+from kdtree_jax.decode.engine import ContextTooLongError, Engine
+from kdtree_jax.decode.speculative import FINISH_NONFINITE, FINISH_REASONS, MODES, RUNNING, RequestRows, aligned_rows
 from kdtree_jax.serving import memory_plan, programs
 from kdtree_jax.serving.cache_manager import CacheManager
 from kdtree_jax.serving.programs import StepKind
 from kdtree_jax.serving.runner import ModelRunner
 from kdtree_jax.serving.scheduler import Chunk, PrefillPlan, Request, Scheduler
-from kdtree_jax.speculative import FINISH_NONFINITE, FINISH_REASONS, MODES, RUNNING, RequestRows, aligned_rows
 from pallas_kernels.verify_attn import PAGE_SIZES
 
 log = logging.getLogger(__name__)

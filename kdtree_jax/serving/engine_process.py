@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from jax._src import xla_bridge
 
-from kdtree_jax.cli import UsageError
 from kdtree_jax.serving.core import (
     EngineClosedError,
     QueueFullError,
@@ -118,7 +117,7 @@ def engine_main(build: Callable[[], ServingEngine], jax_options: dict, inbox, ou
     try:
         core = build()
     except BaseException as e:
-        if not isinstance(e, (UsageError, ValueError, FileNotFoundError)):  # bad input is one line, where raised again
+        if not isinstance(e, (ValueError, FileNotFoundError)):  # bad input is one line, where raised again
             log.exception("the engine process could not start")
         outbox.send(Failed(_picklable(e)))
         raise SystemExit(1) from None

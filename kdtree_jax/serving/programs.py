@@ -3,7 +3,7 @@ move a slot, release a slot.
 
 The table is one `DecodeState` whose batch rows are request slots (tokens, lengths, draft lists, rules, keys) over
 one page pool per cache: the target's latent and the drafter's context, both addressed by the same page table
-(`kdtree_jax/paged.py`). The host's cache manager owns the pages, and every program takes its page table as an
+(`kdtree_jax/model/paged.py`). The host's cache manager owns the pages, and every program takes its page table as an
 argument, so pages change hands without touching the device's rows. Every program takes the table and gives it
 back (donated), so a request joins or leaves between steps by writing its own row and its own pages. Per-request
 values (prompt length, sampling rule, token limit, stop ids, seed) are rows of the table, so no request compiles
@@ -36,11 +36,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax import cache_update, paged, sampling
-from kdtree_jax import constrain_device as cd
-from kdtree_jax.drafter import DrafterCache
-from kdtree_jax.model import LatentCache, forward_verify
-from kdtree_jax.speculative import (
+from kdtree_jax.constrain import device as cd
+from kdtree_jax.decode import sampling
+from kdtree_jax.decode.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
     FINISH_STOP,
@@ -55,6 +53,9 @@ from kdtree_jax.speculative import (
     speculative_round,
     verify_and_commit,
 )
+from kdtree_jax.model import cache_update, paged
+from kdtree_jax.model.drafter import DrafterCache
+from kdtree_jax.model.target import LatentCache, forward_verify
 
 
 @dataclasses.dataclass(frozen=True, order=True)

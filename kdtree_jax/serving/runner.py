@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kdtree_jax import constrain_device as cd
-from kdtree_jax import sharding
+from kdtree_jax.constrain import device as cd
+from kdtree_jax.decode.speculative import DecodeSpec, RequestRows
+from kdtree_jax.parallel import sharding
 from kdtree_jax.serving import programs
-from kdtree_jax.speculative import DecodeSpec, RequestRows
 
 _TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 

@@ -13,18 +13,61 @@ Needs the `train` extra (optax; matplotlib for the curve PNGs).
 """
 from __future__ import annotations
 
-from kdtree_jax.train.common import (CurveLog, add_config_args, config_from_args, device_summary, global_norm,
-                                     perplexity, write_json)
-from kdtree_jax.train.data import (FINGERPRINT_CHARS, TOKEN_CACHE_SUFFIX, PackedBatches, corpus_info, eval_windows,
-                                   load_tokens, tokenizer_fingerprint, unigram_log_probs, unigram_nll)
-from kdtree_jax.train.dflash import (block_labels, block_target_logits, chain_acceptance, chain_walk, dflash_loss,
-                                     dflash_position_weights, drafter_agreement, drafter_block_argmax_fn,
-                                     sample_anchors)
-from kdtree_jax.train.target import (BF16, DECAY, FROZEN, NO_DECAY, ROUTER_BIAS, OptimConfig, TrainForward,
-                                     apply_bias_updates, aux_free_bias_update, expert_load, greedy_continue,
-                                     greedy_continue_fn, heldout_nll, hf_tensors_from_model, init_target,
-                                     make_optimizer, moe_layers, param_labels, round_params_bf16, save_target_hf,
-                                     target_forward, token_nll)
+from kdtree_jax.train.common import (
+                                     CurveLog,
+                                     add_config_args,
+                                     config_from_args,
+                                     device_summary,
+                                     global_norm,
+                                     perplexity,
+                                     write_json,
+)
+from kdtree_jax.train.data import (
+                                     FINGERPRINT_CHARS,
+                                     TOKEN_CACHE_SUFFIX,
+                                     PackedBatches,
+                                     corpus_info,
+                                     eval_windows,
+                                     load_tokens,
+                                     tokenizer_fingerprint,
+                                     unigram_log_probs,
+                                     unigram_nll,
+)
+from kdtree_jax.train.dflash import (
+                                     block_labels,
+                                     block_target_logits,
+                                     chain_acceptance,
+                                     chain_walk,
+                                     dflash_loss,
+                                     dflash_position_weights,
+                                     drafter_agreement,
+                                     drafter_block_argmax_fn,
+                                     sample_anchors,
+)
+from kdtree_jax.train.target import (
+                                     BF16,
+                                     DECAY,
+                                     FROZEN,
+                                     NO_DECAY,
+                                     ROUTER_BIAS,
+                                     OptimConfig,
+                                     TrainForward,
+                                     apply_bias_updates,
+                                     aux_free_bias_update,
+                                     expert_load,
+                                     greedy_continue,
+                                     greedy_continue_fn,
+                                     heldout_nll,
+                                     hf_tensors_from_model,
+                                     init_target,
+                                     make_optimizer,
+                                     moe_layers,
+                                     param_labels,
+                                     round_params_bf16,
+                                     save_target_hf,
+                                     target_forward,
+                                     token_nll,
+)
 
 __all__ = [
     "BF16", "CurveLog", "DECAY", "FINGERPRINT_CHARS", "FROZEN", "NO_DECAY", "OptimConfig", "PackedBatches",

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from kdtree_jax.checkpoint_io import file_sha256
-from kdtree_jax.hf_checkpoint import TOKENIZER_FILES
+from kdtree_jax.checkpoint.hf import TOKENIZER_FILES
+from kdtree_jax.checkpoint.io import file_sha256
 
 TOKEN_CACHE_SUFFIX = ".tokens.npy"
 FINGERPRINT_CHARS = 16

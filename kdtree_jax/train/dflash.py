@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kdtree_jax.drafter import train_logits
-from kdtree_jax.model import KimiModel, LatentCache, forward_prefill
+from kdtree_jax.model.drafter import train_logits
+from kdtree_jax.model.target import KimiModel, LatentCache, forward_prefill
 from kdtree_jax.train.target import token_nll
 
 

@@ -24,14 +24,14 @@ import optax
 from flax import nnx
 from safetensors.numpy import save_file
 
-from kdtree_jax.atomic import atomic_dir
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.hf_checkpoint import LM_HEAD, SINGLE_FILE, TOKENIZER_FILES, expected_shapes
-from kdtree_jax.layers import rms_norm, rope_cos_sin, yarn_inv_freq
-from kdtree_jax.mla import mla_prefill
-from kdtree_jax.model import KimiModel, LatentCache, forward_prefill, forward_verify
-from kdtree_jax.moe import route
-from kdtree_jax.weights import build_model, random_hf_weights
+from kdtree_jax.checkpoint.atomic import atomic_dir
+from kdtree_jax.checkpoint.hf import LM_HEAD, SINGLE_FILE, TOKENIZER_FILES, expected_shapes
+from kdtree_jax.checkpoint.weights import build_model, random_hf_weights
+from kdtree_jax.model.config import ModelConfig
+from kdtree_jax.model.layers import rms_norm, rope_cos_sin, yarn_inv_freq
+from kdtree_jax.model.mla import mla_prefill
+from kdtree_jax.model.moe import route
+from kdtree_jax.model.target import KimiModel, LatentCache, forward_prefill, forward_verify
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FROZEN, DECAY, NO_DECAY = "frozen", "decay", "no_decay"

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from kdtree_jax.tokenizer import KIMI_SPECIAL_OFFSETS, write_tiktoken_ranks  # noqa: E402
+from kdtree_jax.checkpoint.tokenizer import KIMI_SPECIAL_OFFSETS, write_tiktoken_ranks  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kimi_toy")
 KIMI_SPECIAL_BASE = 163584

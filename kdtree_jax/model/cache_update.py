@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax import paged
+from kdtree_jax.model import paged
 
 
 def write_rows(buffer: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:

@@ -21,9 +21,9 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.layers import init_normal, swiglu
-from kdtree_jax.quant import NIBBLES_PER_WORD, dequant_int4_jnp
+from kdtree_jax.model.config import ModelConfig
+from kdtree_jax.model.layers import init_normal, swiglu
+from kdtree_jax.model.quant import NIBBLES_PER_WORD, dequant_int4_jnp
 from pallas_kernels.int4_moe import ffn_tiles, int4_moe_ffn, tile_ffn_int4, tile_int4, untile_int4
 
 MOE_IMPLS = ("auto", "dense", "gather", "kernel", "ep")  # ep: expert-parallel over the mesh set by jax.set_mesh

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kdtree_jax.config import ConfigError, ModelConfig, read_config_json
+from kdtree_jax.model.config import ConfigError, ModelConfig, read_config_json
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

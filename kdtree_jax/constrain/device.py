@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.constrain import WORD_BITS, ConstraintTooLarge, TokenAutomaton
+from kdtree_jax.constrain.automaton import WORD_BITS, ConstraintTooLarge, TokenAutomaton
 
 STATES_CAP = 1024  # global states (all rows' automata + the free state); a table of V / 8 bytes each
 EXCEPTIONS_CAP = 1 << 18  # global exception entries (tokens whose next state is not their state's default)
@@ -80,10 +80,10 @@ def pack_tables_at(automata: Sequence[TokenAutomaton], bases: Sequence[int], voc
     n_exc = sum(a.exc_tokens.size for a in automata)
     if end > caps.states:
         raise ConstraintTooLarge(f"constraint: {end} states in all (free state included) exceed the states cap "
-                                 f"of {caps.states} (kdtree_jax.constrain_device.STATES_CAP)")
+                                 f"of {caps.states} (kdtree_jax.constrain.device.STATES_CAP)")
     if n_exc > caps.exceptions:
         raise ConstraintTooLarge(f"constraint: {n_exc} transition exceptions in all exceed the exceptions cap of "
-                                 f"{caps.exceptions} (kdtree_jax.constrain_device.EXCEPTIONS_CAP)")
+                                 f"{caps.exceptions} (kdtree_jax.constrain.device.EXCEPTIONS_CAP)")
     allowed = np.zeros((caps.states, words), np.uint32)
     allowed[:] = np.uint32(0xFFFFFFFF)  # free states: every token (bits past V are never read)
     default_next = np.full(caps.states, FREE_STATE, np.int32)

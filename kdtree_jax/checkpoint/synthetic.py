@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from kdtree_jax.config import ModelConfig, QuantConfig
-from kdtree_jax.hf_checkpoint import INDEX_FILE, LM_HEAD, SINGLE_FILE, expected_shapes
-from kdtree_jax.quant import dequant_fp8_block, dequant_int4, quant_fp8_block, quant_int4
+from kdtree_jax.checkpoint.hf import INDEX_FILE, LM_HEAD, SINGLE_FILE, expected_shapes
+from kdtree_jax.model.config import ModelConfig, QuantConfig
+from kdtree_jax.model.quant import dequant_fp8_block, dequant_int4, quant_fp8_block, quant_int4
 
 FORMATS = ("bf16", "fp8", "int4")
 DEFAULT_FP8_BLOCK = (16, 16)  # small so tiny dims get several tiles and ragged edges

@@ -21,14 +21,12 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from kdtree_jax import budget as budget_mod
-from kdtree_jax import constrain_device as cd
-from kdtree_jax import sampling
-from kdtree_jax.checkpoint_io import load_drafter_any, load_target_any, load_tokenizer_any
-from kdtree_jax.constrain import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary, TokenAutomaton
-from kdtree_jax.drafter import DrafterCache
-from kdtree_jax.model import LatentCache, forward_prefill, forward_verify
-from kdtree_jax.speculative import (
+from kdtree_jax.checkpoint.io import load_drafter_any, load_target_any, load_tokenizer_any
+from kdtree_jax.constrain import device as cd
+from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary, TokenAutomaton
+from kdtree_jax.decode import budget as budget_mod
+from kdtree_jax.decode import sampling
+from kdtree_jax.decode.speculative import (
     CACHE_ROW_ALIGN,
     FINISH_LENGTH,
     FINISH_NONFINITE,
@@ -43,6 +41,8 @@ from kdtree_jax.speculative import (
     is_stop_token,
     speculative_round,
 )
+from kdtree_jax.model.drafter import DrafterCache
+from kdtree_jax.model.target import LatentCache, forward_prefill, forward_verify
 from pallas_kernels import verify_attn_mgpu
 from pallas_kernels.verify_attn import BACKENDS as ATTN_BACKENDS
 from pallas_kernels.verify_attn import SM_COUNT
@@ -308,7 +308,7 @@ class Engine:
         self.matmul_precision = matmul_precision
         self.memory_limit_bytes = memory_limit_bytes  # None: the device's free memory at generate time
         self.progress = progress  # progress bars while compiling (the CLI turns them on)
-        # budget="auto": a profile path or BudgetProfile (kdtree_jax/budget.py); read on first use, then kept
+        # budget="auto": a profile path or BudgetProfile (kdtree_jax/decode/budget.py); read on first use, then kept
         self.budget_profile = budget_profile
         self.checkpoint_names: tuple[str | None, str | None] = (None, None)  # (target, drafter): set by load()
         self._auto_profile: tuple[bool, budget_mod.BudgetProfile | None] = (False, None)  # (resolved, profile)

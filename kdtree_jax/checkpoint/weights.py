@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.hf_checkpoint import expected_shapes
-from kdtree_jax.layers import NORM_INIT_NOISE
-from kdtree_jax.model import KimiModel
-from kdtree_jax.quant import Int4Packed, quant_int4
+from kdtree_jax.checkpoint.hf import expected_shapes
+from kdtree_jax.model.config import ModelConfig
+from kdtree_jax.model.layers import NORM_INIT_NOISE
+from kdtree_jax.model.quant import Int4Packed, quant_int4
+from kdtree_jax.model.target import KimiModel
 
 BIAS_INIT_STD = 0.1  # router correction bias: large enough to change some expert choices
 

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import cache_update, sampling
-from kdtree_jax import constrain_device as cd
-from kdtree_jax.drafter import DrafterCache, draft
-from kdtree_jax.model import LatentCache, forward_verify
+from kdtree_jax.constrain import device as cd
+from kdtree_jax.decode import sampling
+from kdtree_jax.model import cache_update
+from kdtree_jax.model.drafter import DrafterCache, draft
+from kdtree_jax.model.target import LatentCache, forward_verify
 from pallas_kernels import verify_attn_mgpu
 from pallas_kernels.tree_accept import tree_accept
 from pallas_kernels.tree_build import Tree, topk_logprobs, tree_build

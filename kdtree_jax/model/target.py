@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdtree_jax.cache_update import write_cache_rows
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.layers import init_norm_weight, init_normal, rms_norm, rope_cos_sin, yarn_inv_freq
-from kdtree_jax.mla import MLA, mla_prefill, mla_verify
-from kdtree_jax.moe import MLP, MoE
+from kdtree_jax.model.cache_update import write_cache_rows
+from kdtree_jax.model.config import ModelConfig
+from kdtree_jax.model.layers import init_norm_weight, init_normal, rms_norm, rope_cos_sin, yarn_inv_freq
+from kdtree_jax.model.mla import MLA, mla_prefill, mla_verify
+from kdtree_jax.model.moe import MLP, MoE
 
 
 @flax.struct.dataclass
@@ -29,7 +29,7 @@ class LatentCache:
     One array per layer, so that a layer's write never shares a buffer with another layer's reads: XLA then updates
     each in place instead of copying a stacked [L, ...] array around the write (docs/DESIGN.md, "Serving").
     Contiguous: latent[l] is [B, S, A], request b's rows in latent[l][b]. Paged: latent[l] is a pool [n_pages, P, A]
-    and row s of request b lives in page page_table[b, s // P] (`kdtree_jax/paged.py`)."""
+    and row s of request b lives in page page_table[b, s // P] (`kdtree_jax/model/paged.py`)."""
 
     latent: tuple[jax.Array, ...]  # valid length per request is tracked by the engine
     page_table: jax.Array | None = None  # [B, W] int32 (paged), -1 where the request owns no page

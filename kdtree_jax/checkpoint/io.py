@@ -28,15 +28,15 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from kdtree_jax.atomic import atomic_dir
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.drafter import load_drafter
-from kdtree_jax.hf_checkpoint import HFCheckpoint
-from kdtree_jax.model import KimiModel
-from kdtree_jax.moe import tile_experts
-from kdtree_jax.sharding import shard_model, state_shardings
-from kdtree_jax.tokenizer import KimiTokenizer
-from kdtree_jax.weights import load_model
+from kdtree_jax.checkpoint.atomic import atomic_dir
+from kdtree_jax.checkpoint.drafter import load_drafter
+from kdtree_jax.checkpoint.hf import HFCheckpoint
+from kdtree_jax.checkpoint.tokenizer import KimiTokenizer
+from kdtree_jax.checkpoint.weights import load_model
+from kdtree_jax.model.config import ModelConfig
+from kdtree_jax.model.moe import tile_experts
+from kdtree_jax.model.target import KimiModel
+from kdtree_jax.parallel.sharding import shard_model, state_shardings
 
 FORMAT = "kdtree-jax/orbax-v2"  # v2: fused qkv_a [D, Rq + A] and MLP gate_up [D, 2, I] (v1 stored them apart)
 META = "kdtree_meta.json"

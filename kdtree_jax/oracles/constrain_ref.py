@@ -1,6 +1,6 @@
 """Greedy constrained decoding, one step, in float64 numpy: the definition a device implementation is tested against.
 
-Inputs are the `TokenAutomaton` tables (`kdtree_jax/constrain.py`) as plain arrays. Rule: tokens whose bit is clear
+Inputs are the `TokenAutomaton` tables (`kdtree_jax/constrain/automaton.py`) as plain arrays. Rule: tokens whose bit is clear
 in `allowed[state]` are out; among the rest the highest logit wins, ties to the lowest token id; NaN counts as -inf.
 If every allowed logit is -inf (or NaN) the lowest allowed id wins. A state with no allowed token is an error.
 The next state is `default_next[state]` unless the token is one of the state's exceptions.

@@ -15,8 +15,14 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels.int4_layout import (INT4_OFFSET, INT4_QMAX, NIBBLES_PER_WORD, dequant_int4, dequant_int4_jnp,
-                                        quant_int4)
+from pallas_kernels.int4_layout import (
+    INT4_OFFSET,
+    INT4_QMAX,
+    NIBBLES_PER_WORD,
+    dequant_int4,
+    dequant_int4_jnp,
+    quant_int4,
+)
 
 __all__ = ["FP8_MAX", "INT4_OFFSET", "INT4_QMAX", "NIBBLES_PER_WORD", "Int4Packed", "dequant_fp8_block",
            "dequant_int4", "dequant_int4_jnp", "fp8_scale_shape", "quant_fp8_block", "quant_int4", "stack_int4"]

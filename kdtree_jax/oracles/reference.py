@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.hf_checkpoint import HFCheckpoint, expected_shapes
+from kdtree_jax.checkpoint.hf import HFCheckpoint, expected_shapes
+from kdtree_jax.model.config import ModelConfig
 
 GROUP_TOP = 2  # noaux_tc group score = sum of the top-2 biased scores in the group
 NORM_EPS = 1e-20  # HF's denominator guard in norm_topk_prob

@@ -36,7 +36,7 @@ import numpy as np
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
 
-from kdtree_jax.schema_regex import _literal, schema_to_regex
+from kdtree_jax.constrain.schema_regex import _literal, schema_to_regex
 
 WORD_BITS = 32
 MAX_STATES = 2048  # default cap: 2048 states x 20 KiB of mask at V = 163,840 is 40 MiB
@@ -269,7 +269,7 @@ def compile_constraint(spec: ConstraintSpec, vocab: ConstraintVocabulary, max_st
     order = _reachable_states(index.get_initial_state(), transitions)
     if len(order) > max_states:
         raise ConstraintTooLarge(f"{spec.describe()}: the automaton has {len(order)} states, over the cap of "
-                                 f"{max_states} (kdtree_jax.constrain.MAX_STATES)")
+                                 f"{max_states} (kdtree_jax.constrain.automaton.MAX_STATES)")
     number = {s: i for i, s in enumerate(order)}
     final = np.array([index.is_final_state(s) for s in order], dtype=bool)
     eos = min(vocab.stop_ids)

@@ -21,7 +21,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from kdtree_jax.atomic import write_text_atomic
+from kdtree_jax.checkpoint.atomic import write_text_atomic
 
 PROFILE_VERSION = 1
 DEFAULT_BUDGET = 32  # the fixed budget used when no profile applies (and the engine's default)

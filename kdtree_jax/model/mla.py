@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kdtree_jax import paged
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.layers import apply_rope, init_norm_weight, init_normal, rms_norm
-from kdtree_jax.sharding import verify_attn_on_mesh
+from kdtree_jax.model import paged
+from kdtree_jax.model.config import ModelConfig
+from kdtree_jax.model.layers import apply_rope, init_norm_weight, init_normal, rms_norm
+from kdtree_jax.parallel.sharding import verify_attn_on_mesh
 from pallas_kernels.verify_attn import verify_attn
 
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row never turns into NaN

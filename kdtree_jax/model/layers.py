@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.config import ModelConfig
 
 NORM_INIT_NOISE = 0.2  # random norm weights 1 + 0.2·N(0,1): a skipped or misplaced norm changes the output
 

@@ -19,8 +19,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from kdtree_jax.config import ConfigError, ModelConfig
-from kdtree_jax.quant import Int4Packed, dequant_fp8_block, fp8_scale_shape
+from kdtree_jax.model.config import ConfigError, ModelConfig
+from kdtree_jax.model.quant import Int4Packed, dequant_fp8_block, fp8_scale_shape
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

@@ -1,0 +1,1 @@
+"""Checkpoints: HF ingestion, the native format, weights, tokenizers and synthetic checkpoints."""

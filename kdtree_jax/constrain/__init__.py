@@ -1,0 +1,1 @@
+"""Structured output: regex / JSON schema to a token automaton, and its device tables."""

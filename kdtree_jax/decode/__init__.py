@@ -1,0 +1,1 @@
+"""One speculative round and the batch engine: sampling, budgets, the round, the engine."""

@@ -1,0 +1,1 @@
+"""Float64 / numpy references that only tests and scripts import."""

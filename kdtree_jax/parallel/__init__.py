@@ -1,0 +1,1 @@
+"""Device meshes, shardings and multi-host start-up."""
