@@ -32,7 +32,8 @@ from flax import nnx  # noqa: E402
 
 from kdtree_jax.checkpoint.weights import init_random  # noqa: E402
 from kdtree_jax.decode import sampling  # noqa: E402
-from kdtree_jax.decode.engine import Engine, decode_loop, prefill  # noqa: E402
+from kdtree_jax.decode.engine import Engine  # noqa: E402
+from kdtree_jax.decode.programs import decode_loop, prefill  # noqa: E402
 from kdtree_jax.decode.speculative import RequestRows  # noqa: E402
 from kdtree_jax.model import config  # noqa: E402
 from kdtree_jax.serving.memory_plan import ProgramMemory  # noqa: E402
@@ -112,7 +113,7 @@ def serving_programs(mode: str, n_pages: int, budget: int = 16, steps_only: bool
                                              rounds_per_step=2, num_pages=n_pages, page_size=64))
     if steps_only:
         for key in core.runner.step_specs:
-            core.runner._program("step", key)
+            core.runner.step_program(key)
     else:
         core.warm_up()
     return dict(core.runner._programs)

@@ -53,7 +53,7 @@ from kdtree_jax.decode.engine import Engine  # noqa: E402
 from kdtree_jax.decode.speculative import aligned_rows  # noqa: E402
 from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.serving import RequestParams, RequestRecord, ServeConfig, ServingEngine  # noqa: E402
-from kdtree_jax.serving.core import CACHE_ENV, enable_compilation_cache  # noqa: E402
+from kdtree_jax.serving.xla_options import CACHE_ENV, enable_compilation_cache  # noqa: E402
 from pallas_kernels.verify_attn import PAGE_SIZES  # noqa: E402
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}

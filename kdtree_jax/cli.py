@@ -43,6 +43,36 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+MODES = ("ddtree", "chain", "ar")
+
+
+def add_model_flags(group, *, mesh_help: str = "") -> None:
+    """The flags that pick the pair, its dtype, the device layout and the attention kernel."""
+    group.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
+                       help="target: an HF safetensors directory (converted on the fly) or a converted checkpoint")
+    group.add_argument("--drafter", "--speculative-model", dest="drafter", default=None,
+                       help="DFlash drafter directory (z-lab HF layout); default: the shipped drafter when the "
+                            "checkpoint is the shipped target")
+    group.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter/compute dtype")
+    group.add_argument("--mesh", default=None,
+                       help=f"device layout as data x tensor x expert, e.g. 1x8x1 or 2x4{mesh_help}; default: one "
+                            "device")
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                       help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16 cache, "
+                            "query rows padded to 64-row tiles) or auto = mosaic on an H100/H200 where the tokens x "
+                            "heads of a request fill whole tiles (e.g. 64 heads)")
+
+
+def add_mode_flags(group) -> None:
+    """The decoding mode and the budget profile that --budget auto reads (each program's --budget differs)."""
+    group.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower, choices=MODES,
+                       default="ddtree", help="ddtree: draft tree; chain: DFlash block; ar: one token per target "
+                                              "forward")
+    group.add_argument("--budget-profile", default=None,
+                       help="budget profile JSON for --budget auto and the default budget; default: "
+                            "budget_profile.<device kind>.json in the checkpoint's parent directory")
+
+
 def parse_budget(text: str) -> int | str:
     """--budget: an integer B or 'auto' (the measured best B for this device and batch size)."""
     if text.strip().lower() == "auto":
@@ -104,8 +134,8 @@ class TerminalFormatter(logging.Formatter):
 
 def configure_logging(level: str = "info", *, server: bool = False) -> None:
     """How the programs' log records read, set once at startup. Importing orbax (through absl) has already installed
-    logging's bare handler, which prints 'WARNING:kdtree_jax.decode.budget:...'; this replaces it. `server`: every logger at
-    `level`, each record with its time, level and logger; else kdtree_jax's records at `level` in
+    logging's bare handler, which prints 'WARNING:kdtree_jax.decode.budget:...'; this replaces it. `server`: every
+    logger at `level`, each record with its time, level and logger; else kdtree_jax's records at `level` in
     `TerminalFormatter`'s form, and other libraries' from warning up only. JAX stays at warning and above either way:
     it probes for backends at info."""
     numeric = logging.getLevelName(level.upper())

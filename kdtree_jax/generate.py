@@ -20,6 +20,8 @@ from kdtree_jax.cli import (  # noqa: F401 (UsageError, ATTENTION_BACKENDS: part
     HelpFormatter,
     Parser,
     UsageError,
+    add_mode_flags,
+    add_model_flags,
     configure_logging,
     default_budget,
     parse_budget,
@@ -42,14 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=CACHE_HELP,
     )
     io = p.add_argument_group("model")
-    io.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
-                    help="target: an HF safetensors directory (converted on the fly) or a converted checkpoint")
-    io.add_argument("--drafter", "--speculative-model", dest="drafter", default=None,
-                    help="DFlash drafter directory (z-lab HF layout); default: the shipped drafter when the "
-                         "checkpoint is the shipped target")
-    io.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter/compute dtype")
-    io.add_argument("--mesh", default=None,
-                    help="device layout as data x tensor x expert, e.g. 1x8x1 or 2x4; default: one device")
+    add_model_flags(io)
     pr = p.add_argument_group("prompts")
     pr.add_argument("--prompt", action="append", default=None,
                     help=f"prompt text (repeatable); default without any prompt flag: {DEFAULT_PROMPT!r}")
@@ -58,18 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated token ids (repeatable)")
     pr.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template as a user turn")
     sm = p.add_argument_group("decoding")
-    sm.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower,
-                    choices=("ddtree", "chain", "ar"), default="ddtree",
-                    help="ddtree: draft tree; chain: DFlash block; ar: one token per target forward")
+    add_mode_flags(sm)
     sm.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=parse_budget, default=None,
                     help="DDTree node budget B (tree tokens verified per round = 1 + B), or 'auto': the B with the "
                          "most measured tokens/s for this device and batch size, or plain ar where the profile "
                          "measured ar faster than every tree (scripts/profile_budget.py); default: auto where a "
                          "budget profile measured on this device applies (the shipped pair has one for the H200), "
                          "else 32")
-    sm.add_argument("--budget-profile", default=None,
-                    help="budget profile JSON for --budget auto and the default budget; default: "
-                         "budget_profile.<device kind>.json in the checkpoint's parent directory")
     sm.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=128,
                     help="most tokens generated per prompt")
     sm.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -82,10 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--stream-every", type=int, default=1, help="rounds between streamed updates")
     kn = p.add_argument_group("kernels")
     kn.add_argument("--no-pallas", action="store_true", help="jnp attention instead of the verify_attn kernel")
-    kn.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                    help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16 cache, "
-                         "query rows padded to 64-row tiles) or auto = mosaic on an H100/H200 where the tokens x "
-                         "heads of a request fill whole tiles (e.g. 64 heads)")
     return p
 
 

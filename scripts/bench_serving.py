@@ -1382,7 +1382,7 @@ def main(argv=None) -> dict:
         raise SystemExit("--serve starts the server --url would name; it does not apply with --url, --startup or "
                          "--trace")
     from kdtree_jax.serving import enable_compilation_cache, enable_loop_graphs
-    from kdtree_jax.serving.core import CACHE_ENV
+    from kdtree_jax.serving.xla_options import CACHE_ENV
 
     if args.loop_graphs and not args.url:
         enable_loop_graphs()

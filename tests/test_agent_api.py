@@ -26,7 +26,7 @@ from kdtree_jax.decode.engine import Engine
 from kdtree_jax.server import ServerSettings, build_app
 from kdtree_jax.server import constraints as agent_constraints
 from kdtree_jax.serving import AsyncServingEngine, RequestParams, RequestRecord, ServeConfig, ServingEngine
-from kdtree_jax.serving.core import TokenDelta
+from kdtree_jax.serving.request import TokenDelta
 from kdtree_jax.serving.frontend import EngineStats, ServingFront
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

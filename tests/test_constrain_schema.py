@@ -18,12 +18,12 @@ from fastapi.testclient import TestClient
 from test_agent_api import MODEL, USER, ScriptedFront
 
 from kdtree_jax.checkpoint.tokenizer import KimiTokenizer
-from kdtree_jax.constrain import schema_regex
+from kdtree_jax.constrain import regex_pieces, schema_regex
 from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
 from kdtree_jax.server import ServerSettings, build_app
 from kdtree_jax.server import constraints as agent_constraints
 from kdtree_jax.serving import RequestRecord, ServeConfig
-from kdtree_jax.serving.core import TokenDelta
+from kdtree_jax.serving.request import TokenDelta
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "kdtree-mini")
@@ -84,7 +84,7 @@ def test_integer_ranges_match_exactly_the_integers_between_their_bounds():
         lo, hi = (None if rng.random() < 0.25 else int(rng.integers(-1200, 1200)) for _ in range(2))
         if lo is not None and hi is not None and lo > hi:
             lo, hi = hi, lo
-        r = re.compile(schema_regex.integer_range(lo, hi))
+        r = re.compile(regex_pieces.integer_range(lo, hi))
         for s in window:
             want = (lo is None or int(s) >= lo) and (hi is None or int(s) <= hi)
             assert bool(r.fullmatch(s)) == want, (lo, hi, s)
@@ -105,7 +105,7 @@ def test_number_ranges_match_exactly_the_decimals_between_their_bounds():
         lo, hi = (None if rng.random() < 0.25 else (draw(), bool(rng.random() < 0.5)) for _ in range(2))
         if lo is not None and hi is not None and lo[0] > hi[0]:
             lo, hi = hi, lo
-        rx = schema_regex.number_range(lo, hi)
+        rx = regex_pieces.number_range(lo, hi)
         values = {draw() for _ in range(80)} | {D(0)}
         for b in (lo, hi):
             if b is not None:

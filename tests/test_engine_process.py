@@ -48,6 +48,7 @@ from kdtree_jax.server import build_app
 from kdtree_jax.serving import AsyncServingEngine, RequestParams, RequestRecord, ServeConfig, StepReport, TokenDelta
 from kdtree_jax.serving.engine_process import DEFAULT_STEP_TIMEOUT_S, EngineProcessClient
 from kdtree_jax.serving.frontend import EngineDeadError
+from kdtree_jax.serving.request import RequestLimits
 
 DEATH_DEADLINE_S = 10.0  # a killed engine: requests in flight end and new ones are refused within this
 DEATH_MESSAGE = "engine process exited with code -9"
@@ -223,6 +224,7 @@ class HangingCore:
     config = ServeConfig(max_slots=2, max_context=128)
     stop_ids = ()
     engine = types.SimpleNamespace(target=types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=16)))
+    limits = RequestLimits(16, config.max_context, config.top_k_cap, config.max_stop_ids, stop_ids)
     cache = types.SimpleNamespace(free_pages=1, num_pages=1, page_size=16, usage=0.0)
     n_running = n_waiting = n_preemptions = prefix_cache_queries = prefix_cache_hits = pool_bytes = 0
 

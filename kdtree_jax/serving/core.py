@@ -30,68 +30,36 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax._src import xla_bridge
 
 from kdtree_jax.constrain import device as cd
-from kdtree_jax.constrain.automaton import ConstraintSpec, TokenAutomaton
+from kdtree_jax.constrain.automaton import TokenAutomaton
 from kdtree_jax.decode import budget as budget_mod
 from kdtree_jax.decode import sampling
-from kdtree_jax.decode.engine import ContextTooLongError, Engine
-from kdtree_jax.decode.speculative import FINISH_NONFINITE, FINISH_REASONS, MODES, RUNNING, RequestRows, aligned_rows
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.decode.speculative import FINISH_NONFINITE, FINISH_REASONS, MODES, RUNNING, aligned_rows
 from kdtree_jax.serving import memory_plan, programs
 from kdtree_jax.serving.cache_manager import CacheManager
 from kdtree_jax.serving.programs import StepKind
-from kdtree_jax.serving.runner import ModelRunner
+from kdtree_jax.serving.request import (
+    EngineClosedError,
+    QueueFullError,
+    RequestLimits,
+    RequestParams,
+    RequestRecord,
+    TokenDelta,
+    check_request,
+    request_rows,
+)
+from kdtree_jax.serving.runner import ModelRunner, prefill_batch
 from kdtree_jax.serving.scheduler import Chunk, PrefillPlan, Request, Scheduler
 from pallas_kernels.verify_attn import PAGE_SIZES
 
 log = logging.getLogger(__name__)
-
-SEED_LIMIT = 1 << 32  # seeds are 32-bit: the request key is jax.random.key(seed)
-CACHE_ENV = "KDTREE_COMPILATION_CACHE"  # directory of JAX's persistent compilation cache; "off" disables it
-COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
-LOOP_GRAPHS_FLAG = f"{COMMAND_BUFFER_FLAG}=+WHILE,+CONDITIONAL"  # XLA's default command buffer types and these two
-
-
-def enable_compilation_cache(path: str | None = None) -> str | None:
-    """Use JAX's persistent compilation cache so a restart loads the warm-up's programs instead of compiling them.
-
-    Directory: `path`, else $KDTREE_COMPILATION_CACHE, else ~/.cache/kdtree-jax/xla; "off" disables. Every program
-    is cached, however quickly it compiled. Call before the first compile."""
-    path = path or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "kdtree-jax", "xla")
-    if path == "off":
-        return None
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
-
-
-def enable_loop_graphs() -> bool:
-    """Have XLA put while loops and conditionals into its CUDA graphs (command buffers) too, so that a step program's
-    call returns once its rounds are queued instead of after the last one.
-
-    By default XLA on a GPU copies every loop and branch predicate to the host and waits for it, so the call of a step
-    program blocks for the whole step, and the host can only prepare the next step once the device is idle. Measured
-    on one H200 with the shipped pair (ar, one request, 8 rounds per step): the call returned after 4.2 ms of its
-    4.8 ms by default and after 1.4 ms with loop graphs, and the serving loop went from 0.72x to 1.00x the tokens/s
-    of `Engine.generate` in the same process. A GPU-only setting; it must run before JAX creates its GPU client. An
-    XLA_FLAGS that already chooses command buffers is left alone. Returns whether it set the flag."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if COMMAND_BUFFER_FLAG in flags:
-        return False
-    if xla_bridge.backends_are_initialized():
-        log.warning("loop graphs not enabled: JAX's backends are initialised already (call enable_loop_graphs first)")
-        return False
-    os.environ["XLA_FLAGS"] = f"{flags} {LOOP_GRAPHS_FLAG}".strip()
-    return True
-
 
 # ---- configuration and requests --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -166,80 +134,6 @@ class ServeConfig:
         self.constraint_caps  # noqa: B018  (TableCaps checks the caps)
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestParams:
-    """One request's parameters; all of them are runtime data."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None  # None: drawn from the engine's own generator
-    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's stop ids
-    ignore_eos: bool = False  # do not stop at the model's own stop ids
-    constraint: ConstraintSpec | None = None  # the output must match it (structured output, forced tool calls)
-
-
-class RequestError(ValueError):
-    """A request refused before it reaches a slot; `field` names what was wrong."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-class PromptTooLongError(RequestError, ContextTooLongError):
-    """Prompt plus max_new_tokens over the table's max_context."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds max_queue requests."""
-
-
-class EngineClosedError(RuntimeError):
-    """The serving engine was shut down."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenDelta:
-    request_id: int
-    token_ids: list[int]
-    time: float  # perf_counter when the host received them
-
-
-@dataclasses.dataclass
-class RequestRecord:
-    """A finished request: its tokens, why it ended and its speculative statistics."""
-
-    request_id: int
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error" | "nonfinite"
-    prompt_tokens: int
-    # tokens each round emitted (accepted drafts + 1, cut where the request ended: at a stop or max_new_tokens), so
-    # that they add up to the tokens the rounds emitted (all but the first of each prefill)
-    accept_lengths: list[int]
-    num_draft_tokens: int  # tokens drafted and verified (B per DDTree round, L - 1 per chain round)
-    error: str | None = None
-    num_preemptions: int = 0  # times its pages were taken back and it was recomputed
-    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (usage's cached_tokens)
-    submit_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float = 0.0
-
-    @property
-    def rounds(self) -> int:
-        return len(self.accept_lengths)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        """Drafted tokens the target accepted (each round's bonus token is not a draft)."""
-        return int(sum(a - 1 for a in self.accept_lengths))
-
-
 @dataclasses.dataclass
 class _InFlight:
     """A step whose packed output the host has not read yet: its `future` (the device thread's, or one already
@@ -312,6 +206,8 @@ class ServingEngine:
         self.stop_ids = tuple(engine.stop_ids)
         if len(self.stop_ids) > config.max_stop_ids:
             raise ValueError(f"max_stop_ids {config.max_stop_ids} is below the model's {len(self.stop_ids)} stop ids")
+        self.limits = RequestLimits(cfg.vocab_size, config.max_context, config.top_k_cap, config.max_stop_ids,
+                                    self.stop_ids)
         self.layout = cd.TableLayout(cfg.vocab_size, config.constraint_caps)
         self.pool_plan: memory_plan.PoolPlan | None = None  # the planner's figures, where the device reports memory
         self.num_pages = self._num_pages()
@@ -354,7 +250,7 @@ class ServingEngine:
             self.engine, uses_drafter=self.uses_drafter, new_table=new_table, prefill_specs=prefill_specs,
             step_specs=step_specs, rounds=c.rounds_per_step, page_table_width=self.pages_per_request,
             max_slots=c.max_slots, overlap=overlap, groups=self.groups,
-            rows_for=lambda n: _rows([RequestParams()] * n, [self.stop_ids] * n, c.max_stop_ids),
+            rows_for=lambda n: request_rows([RequestParams()] * n, [self.stop_ids] * n, c.max_stop_ids),
             constraint_tables=self.layout.tables(), row_slack=self.row_slack)
 
     def probe_programs(self) -> dict[str, memory_plan.ProgramMemory]:
@@ -366,9 +262,9 @@ class ServingEngine:
         probe = self._runner(lambda: self._new_table(n), {prefill: self.prefill_specs[prefill]},
                              {step: self.specs[step]}, overlap=False)
         try:
-            return {f"step {step[0].name} x{step[1]}": memory_plan.ProgramMemory.of(probe._program("step", step)),
+            return {f"step {step[0].name} x{step[1]}": memory_plan.ProgramMemory.of(probe.step_program(step)),
                     f"prefill {prefill[0]} x{prefill[1]}": memory_plan.ProgramMemory.of(
-                        probe._program("prefill", prefill))}
+                        probe.prefill_program(prefill))}
         finally:
             probe.shutdown()
 
@@ -529,45 +425,7 @@ class ServingEngine:
     # ---- requests -------------------------------------------------------------------------------------------
     def check(self, prompt: Sequence[int], params: RequestParams) -> tuple[list[int], tuple[int, ...], int]:
         """Validate a request without touching the engine: (prompt ids, stop ids, seed). Raises RequestError."""
-        cfg, vocab = self.config, self.engine.target.cfg.vocab_size
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise RequestError("prompt", f"must be a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise RequestError("prompt", "is empty")
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            raise RequestError("prompt", "must hold integer token ids")
-        bad = [int(t) for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError("prompt", f"has token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
-        n = params.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise RequestError("max_new_tokens", f"must be an integer >= 1, got {n!r}")
-        if len(prompt) + n > cfg.max_context:
-            raise PromptTooLongError(
-                "prompt" if len(prompt) >= cfg.max_context else "max_new_tokens",
-                f"the prompt's {len(prompt)} tokens plus max_new_tokens {n} exceed max_context {cfg.max_context}")
-        try:
-            sampling.SamplingParams(params.temperature, params.top_k, params.top_p).check_cap(cfg.top_k_cap)
-        except sampling.ParamError as e:
-            raise RequestError(e.field, e.detail) from None
-        extra = tuple(params.stop_token_ids)
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in extra):
-            raise RequestError("stop_token_ids", f"must be integer token ids, got {extra!r}")
-        out = [t for t in extra if not 0 <= t < vocab]
-        if out:
-            raise RequestError("stop_token_ids", f"ids outside the vocabulary (0..{vocab - 1}): {out[:5]}")
-        stop = tuple(dict.fromkeys((() if params.ignore_eos else self.stop_ids) + tuple(int(t) for t in extra)))
-        if len(stop) > cfg.max_stop_ids:
-            raise RequestError("stop_token_ids", f"{len(stop)} stop ids (the model's included) exceed the table's "
-                                                 f"{cfg.max_stop_ids}")
-        if params.constraint is not None and not isinstance(params.constraint, ConstraintSpec):
-            raise RequestError("constraint", f"must be a ConstraintSpec, got {type(params.constraint).__name__}")
-        seed = params.seed
-        if seed is None:
-            seed = int(self._rng.integers(SEED_LIMIT))
-        elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
-            raise RequestError("seed", f"must be an integer in [0, 2**32), got {seed!r}")
-        return [int(t) for t in prompt], stop, int(seed)
+        return check_request(prompt, params, self.limits, self._rng)
 
     def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams(), *,
                request_id: int | None = None) -> int:
@@ -756,24 +614,22 @@ class ServingEngine:
             self._in_flight = None
             return self._fail_all(e)
         now = time.perf_counter()
-        rounds, n_draft = self.config.rounds_per_step, self.specs[(step.kind, len(step.owners))].n_slots - 1
+        n_draft = self.specs[(step.kind, len(step.owners))].n_slots - 1
         events = []
-        for row, owner in enumerate(step.owners):
-            r, epoch = (None, 0) if owner[0] is None else owner
+        for (r, epoch), out in zip(step.owners, programs.unpack_step(packed, self.config.rounds_per_step)):
             if r is None or r.ended or r.epoch != epoch:  # ended, or preempted: its tokens will be recomputed
                 continue
-            n_new, finish = int(packed[row, 0]), int(packed[row, 1])
-            acc = _emitted_lengths([int(a) for a in packed[row, 2: 2 + rounds] if a > 0], n_new)
+            acc = _emitted_lengths(list(out.accept), len(out.tokens))
             r.accept_lengths += acc
             self.scheduler.observe(acc)
+            finish = out.finish
             if finish == programs.PAUSED:  # its pages held no further round: grown before its next step
                 self.n_paused += 1
                 finish = RUNNING
             r.num_draft_tokens += n_draft * len(acc)
-            if n_new:
-                new = packed[row, 2 + rounds: 2 + rounds + n_new].tolist()
-                r.tokens += new
-                events.append(TokenDelta(r.rid, new, now))
+            if out.tokens:
+                r.tokens += out.tokens
+                events.append(TokenDelta(r.rid, list(out.tokens), now))
                 self.scheduler.committed(r)
             if finish != RUNNING:
                 self.scheduler.finish(self.scheduler.slots.index(r))  # its row is finished on the device already
@@ -791,16 +647,10 @@ class ServingEngine:
         row_reqs = [ch.request for ch in rows]
         self.prefill_calls[n] = self.prefill_calls.get(n, 0) + 1
         start_state, refused = self._start_states(rows)
+        batch = prefill_batch(rows, bucket, self.cache.page_table([r.rid for r in row_reqs]), c.max_slots,
+                              c.max_stop_ids, start_state)
         try:
-            out = self.runner.prefill(
-                bucket, self.cache.page_table([r.rid for r in row_reqs]),
-                np.stack([ch.tokens(bucket) for ch in rows]),
-                np.array([c.max_slots if ch.slot is None else ch.slot for ch in rows], np.int32),
-                np.array([ch.start for ch in rows], np.int32), np.array([ch.n_valid for ch in rows], np.int32),
-                np.array([len(r.prompt) for r in row_reqs], np.int32),
-                np.array([len(r.tokens) for r in row_reqs], np.int32),
-                np.array([r.seed for r in row_reqs], np.uint32),
-                _rows([r.params for r in row_reqs], [r.stop_ids for r in row_reqs], c.max_stop_ids), start_state)
+            out = self.runner.prefill(batch)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             failed = [r for r in reqs if r in self.scheduler.prefilling]
@@ -808,9 +658,10 @@ class ServingEngine:
             return [*events, *(self._record(r, "error", error=error) for r in failed if not r.ended)], 0
         now = time.perf_counter()
         events, admitted = [], 0
-        for ch, (first, finish) in zip(plan.rows, out.tolist()):
+        for ch, row in zip(plan.rows, out):
             if ch is None:
                 continue
+            first, finish = row.first, row.finish
             r = ch.request
             if not ch.last:
                 self.scheduler.prefilled(ch, running=False)
@@ -922,8 +773,3 @@ def _budget_int(b) -> int:
     if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
         raise ValueError(f"a DDTree budget must be an integer >= 1 or 'ar', got {b!r}")
     return int(b)
-
-
-def _rows(params: list[RequestParams], stop_ids: list[tuple[int, ...]], n_stop: int) -> RequestRows:
-    rules = [sampling.SamplingParams(p.temperature, p.top_k, p.top_p) for p in params]
-    return RequestRows.of(rules, [p.max_new_tokens for p in params], stop_ids, n_stop)

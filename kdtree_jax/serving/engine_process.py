@@ -28,22 +28,21 @@ import queue
 import signal
 import threading
 import time
-import types
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from jax._src import xla_bridge
 
-from kdtree_jax.serving.core import (
+from kdtree_jax.serving.core import ServeConfig, ServingEngine, StepReport
+from kdtree_jax.serving.frontend import EngineStats, ServingFront, refused
+from kdtree_jax.serving.request import (
     EngineClosedError,
     QueueFullError,
+    RequestLimits,
     RequestParams,
-    ServeConfig,
-    ServingEngine,
-    StepReport,
+    check_request,
 )
-from kdtree_jax.serving.frontend import EngineStats, ServingFront, refused
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +66,7 @@ class Ready:
     """The engine is warmed up; what the server needs of it to check requests and answer /health."""
 
     config: ServeConfig
-    vocab_size: int
-    stop_ids: tuple[int, ...]
+    limits: RequestLimits
     stats: EngineStats
 
 
@@ -121,7 +119,7 @@ def engine_main(build: Callable[[], ServingEngine], jax_options: dict, inbox, ou
             log.exception("the engine process could not start")
         outbox.send(Failed(_picklable(e)))
         raise SystemExit(1) from None
-    outbox.send(Ready(core.config, core.engine.target.cfg.vocab_size, tuple(core.stop_ids), EngineStats.of(core)))
+    outbox.send(Ready(core.config, core.limits, EngineStats.of(core)))
     _serve(core, inbox, outbox)
 
 
@@ -177,18 +175,6 @@ def _picklable(e: BaseException) -> BaseException:
 
 
 # ---- the server's side -----------------------------------------------------------------------------------------
-class _RequestLimits:
-    """What `ServingEngine.check` reads of its engine (config, vocabulary size, stop ids, the seed generator), from
-    the engine's `Ready`: requests are checked in the server process, so a bad one is refused before it is sent."""
-
-    def __init__(self, ready: Ready):
-        self.config = ready.config
-        self.stop_ids = ready.stop_ids
-        self.engine = types.SimpleNamespace(target=types.SimpleNamespace(
-            cfg=types.SimpleNamespace(vocab_size=ready.vocab_size)))
-        self._rng = np.random.default_rng()
-
-
 class EngineProcessClient(ServingFront):
     """A `ServingFront` over a `ServingEngine` in its own process. `launch()` starts the process and waits until the
     engine is warmed up (blocking: before the server opens its port); `start()` then connects it to the event
@@ -211,7 +197,8 @@ class EngineProcessClient(ServingFront):
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         self._stats: EngineStats | None = None
-        self._limits: _RequestLimits | None = None
+        self._limits: RequestLimits | None = None  # the engine's, from its Ready
+        self._rng = np.random.default_rng()  # seeds of requests that give none
         self._sent = 0  # submits posted to the engine
         self._last_heard = time.monotonic()  # the last message from the engine, or submit to it
 
@@ -243,7 +230,7 @@ class EngineProcessClient(ServingFront):
             raise msg.error
         self.config = msg.config
         self._stats = msg.stats
-        self._limits = _RequestLimits(msg)
+        self._limits = msg.limits
         log.info("engine process %d ready", self.process.pid)
 
     async def start(self) -> None:
@@ -260,7 +247,7 @@ class EngineProcessClient(ServingFront):
         return self._stats
 
     def _check(self, prompt: Sequence[int], params: RequestParams):
-        return ServingEngine.check(self._limits, prompt, params)
+        return check_request(prompt, params, self._limits, self._rng)
 
     def _queued(self) -> int:
         return self._stats.waiting + self._sent - self._stats.taken

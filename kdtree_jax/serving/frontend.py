@@ -19,16 +19,8 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from kdtree_jax.serving.core import (
-    EngineClosedError,
-    QueueFullError,
-    RequestParams,
-    RequestRecord,
-    ServeConfig,
-    ServingEngine,
-    StepReport,
-    TokenDelta,
-)
+from kdtree_jax.serving.core import ServeConfig, ServingEngine, StepReport
+from kdtree_jax.serving.request import EngineClosedError, QueueFullError, RequestParams, RequestRecord, TokenDelta
 
 log = logging.getLogger(__name__)
 

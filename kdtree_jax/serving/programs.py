@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kdtree_jax.constrain import device as cd
 from kdtree_jax.decode import sampling
@@ -112,10 +114,30 @@ def with_pages(table: DecodeState, page_table: jax.Array) -> DecodeState:
                          draft_cache=None if dc is None else dc.replace(page_table=page_table))
 
 
+class PrefillBatch(NamedTuple):
+    """A prefill chunk's inputs, one row per request (`prefill_chunk` says what each means)."""
+
+    page_rows: jax.Array  # [n, W] int32
+    tokens: jax.Array  # [n, T] int32
+    slots: jax.Array  # [n] int32
+    start: jax.Array  # [n] int32
+    n_valid: jax.Array  # [n] int32
+    prompt_len: jax.Array  # [n] int32
+    n_prev: jax.Array  # [n] int32
+    seeds: jax.Array  # [n] uint32
+    params: RequestRows
+    start_state: jax.Array  # [n] int32
+
+    @classmethod
+    def example(cls, n: int, bucket: int, page_width: int, params: RequestRows) -> PrefillBatch:
+        """A batch of n rows of `bucket` tokens to compile with (its values are never run)."""
+        ints = np.zeros((n,), np.int32)
+        return cls(np.zeros((n, page_width), np.int32), np.zeros((n, bucket), np.int32), ints, ints, ints + 1, ints,
+                   ints, np.zeros((n,), np.uint32), params, ints)
+
+
 def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.AutomatonTables,
-                  page_rows: jax.Array, tokens: jax.Array, slots: jax.Array, start: jax.Array, n_valid: jax.Array,
-                  prompt_len: jax.Array, n_prev: jax.Array, seeds: jax.Array, params: RequestRows,
-                  start_state: jax.Array):
+                  batch: PrefillBatch):
     """One chunk of n requests' contexts: tokens [n, T] at positions start[i] + t, the first n_valid[i] real,
     written into request i's pages page_rows[i] ([n, W]); the drafter's context takes the chunk's features.
 
@@ -128,8 +150,8 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, tables:
     (slots[i] out of range): its writes to the table's rows are dropped.
 
     Returns (table, [n, 2] int32 of first token and finish code; meaningful where the context ended)."""
+    rows, tokens, slots, start, n_valid, prompt_len, n_prev, seeds, params, start_state = batch
     n, t = tokens.shape
-    rows = page_rows
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < n_valid[:, None]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (n, t, t))
@@ -307,6 +329,39 @@ def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.Au
     packed = jnp.concatenate([(state.n_generated - before)[:, None], reported[:, None], state.accept_len,
                               new_tokens], axis=1)
     return state, packed
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRow:
+    """One row of a step's packed output, as the host reads it."""
+
+    finish: int  # its finish code: RUNNING, PAUSED or why it ended
+    accept: tuple[int, ...]  # each round's acceptance length, for the rounds that ran
+    tokens: tuple[int, ...]  # the tokens it committed this step
+
+
+def unpack_step(packed: np.ndarray, rounds: int) -> list[StepRow]:
+    """The rows of `step`'s packed output [rows, 2 + rounds + rounds * L], in order."""
+    rows = []
+    for row in np.asarray(packed).tolist():
+        n_new, finish = row[0], row[1]
+        rows.append(StepRow(finish, tuple(a for a in row[2: 2 + rounds] if a > 0),
+                            tuple(row[2 + rounds: 2 + rounds + n_new])))
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRow:
+    """One row of a prefill chunk's output: its first generated token and finish code (meaningful on a request's
+    last chunk)."""
+
+    first: int
+    finish: int
+
+
+def unpack_prefill(packed: np.ndarray) -> list[PrefillRow]:
+    """The rows of `prefill_chunk`'s packed output [rows, 2], in order."""
+    return [PrefillRow(first, finish) for first, finish in np.asarray(packed).tolist()]
 
 
 def _ar_rounds_keeping_the_draft(spec, target, drafter, state: DecodeState, tables: cd.AutomatonTables, more,

@@ -19,9 +19,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kdtree_jax.constrain import device as cd
-from kdtree_jax.decode.speculative import DecodeSpec, RequestRows
+from kdtree_jax.decode.speculative import DecodeSpec
 from kdtree_jax.parallel import sharding
 from kdtree_jax.serving import programs
+from kdtree_jax.serving.request import request_rows
 
 _TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 
@@ -86,57 +87,58 @@ class ModelRunner:
     def _modules(self, w):
         return self.engine.merged(*jax.tree.unflatten(self._weight_def, w), self.uses_drafter)
 
-    def _program(self, name: str, key):
-        """The compiled program `name` for `key` ((bucket, rows) or (StepKind, width)), compiled on first use."""
-        if (name, key) in self._programs:
-            return self._programs[(name, key)]
+    def _compile(self, name: str, key, fn, args: tuple, desc: str):
+        """`fn(weights, table, *args)` compiled once for (name, key), donating the table."""
+        if (name, key) not in self._programs:
+            compiled, seconds = self.engine.compile(fn, (self._weight_leaves, self.table, *args),
+                                                    ("serve", self._uid, name, key), desc=desc, donate=(1,))
+            self.warmup_s[desc] = seconds
+            self._programs[(name, key)] = compiled
+        return self._programs[(name, key)]
+
+    def prefill_program(self, key: tuple[int, int]):
+        """The chunk program for (bucket, rows)."""
+        spec, (bucket, n) = self.prefill_specs[key], key
+
+        def fn(w, table, tables, batch):
+            return self._pinned(programs.prefill_chunk(spec, *self._modules(w), table, tables, batch))
+
+        example = programs.PrefillBatch.example(n, bucket, self.width_pages, self._rows_for(n))
+        return self._compile("prefill", key, fn, (self.tables, example), f"prefill {bucket} x{n}")
+
+    def step_program(self, key):
+        """The step program for (StepKind, width): k rounds over the host's page table."""
+        spec, rounds, groups, slack = self.step_specs[key], self.rounds, self.groups, self.row_slack
+
+        def fn(w, table, tables, page_table):
+            return self._pinned(programs.step(spec, *self._modules(w), table, tables, page_table, rounds, groups,
+                                              slack))
+
         pages = np.zeros((self.max_slots, self.width_pages), np.int32)
-        if name == "prefill":
-            spec, (bucket, n) = self.prefill_specs[key], key
+        return self._compile("step", key, fn, (self.tables, pages), f"step {key[0].name} x{key[1]}")
 
-            def fn(w, table, tables, page_rows, tokens, slots, start, n_valid, prompt_len, n_prev, seeds, rows,
-                   start_state):
-                return self._pinned(programs.prefill_chunk(spec, *self._modules(w), table, tables, page_rows, tokens,
-                                                           slots, start, n_valid, prompt_len, n_prev, seeds, rows,
-                                                           start_state))
+    def move_program(self):
+        def fn(w, table, src, dst):
+            return self._pinned(programs.move(table, src, dst))
 
-            ints = np.zeros((n,), np.int32)
-            args = (self.tables, pages[:n], np.zeros((n, bucket), np.int32), ints, ints, ints + 1, ints, ints,
-                    np.zeros((n,), np.uint32), self._rows_for(n), ints)
-            desc = f"prefill {bucket} x{n}"
-        elif name == "step":
-            spec, rounds, groups, slack = self.step_specs[key], self.rounds, self.groups, self.row_slack
+        return self._compile("move", None, fn, (np.int32(0), np.int32(0)), "move")
 
-            def fn(w, table, tables, page_table):
-                return self._pinned(programs.step(spec, *self._modules(w), table, tables, page_table, rounds, groups,
-                                                  slack))
+    def release_program(self):
+        def fn(w, table, slot):
+            return self._pinned(programs.release(table, slot))
 
-            args = (self.tables, pages)
-            desc = f"step {key[0].name} x{key[1]}"
-        elif name == "move":
-            def fn(w, table, src, dst):
-                return self._pinned(programs.move(table, src, dst))
-
-            args, desc = (np.int32(0), np.int32(0)), name
-        else:
-            def fn(w, table, slot):
-                return self._pinned(programs.release(table, slot))
-
-            args, desc = (np.int32(0),), name
-        compiled, seconds = self.engine.compile(fn, (self._weight_leaves, self.table, *args),
-                                                ("serve", self._uid, name, key), desc=desc, donate=(1,))
-        self.warmup_s[desc] = seconds
-        self._programs[(name, key)] = compiled
-        return compiled
+        return self._compile("release", None, fn, (np.int32(0),), "release")
 
     def warm_up(self, on_program=None) -> dict[str, float]:
         """Compile every program: one prefill per (bucket, rows), one step per (kind, width), move and release.
         `on_program(desc, seconds)` is called after each. Returns the seconds each took (near zero where JAX's
         persistent compilation cache had it)."""
-        keys = [("prefill", k) for k in self.prefill_specs] + [("step", k) for k in self.step_specs]
-        for name, key in [*keys, ("move", None), ("release", None)]:
+        builders = [*(functools.partial(self.prefill_program, k) for k in self.prefill_specs),
+                    *(functools.partial(self.step_program, k) for k in self.step_specs),
+                    self.move_program, self.release_program]
+        for build in builders:
             before = set(self.warmup_s)
-            self._program(name, key)
+            build()
             if on_program is not None:
                 for desc in set(self.warmup_s) - before:
                     on_program(desc, self.warmup_s[desc])
@@ -149,20 +151,16 @@ class ModelRunner:
         return {descs.get(key, key[0]): program for key, program in self._programs.items()}
 
     # ---- running --------------------------------------------------------------------------------------------
-    def prefill(self, bucket: int, page_rows: np.ndarray, tokens: np.ndarray, slots: np.ndarray, start: np.ndarray,
-                n_valid: np.ndarray, prompt_len: np.ndarray, n_prev: np.ndarray, seeds: np.ndarray,
-                rows: RequestRows, start_state: np.ndarray) -> np.ndarray:
-        """One chunk program over len(slots) requests (start_state: each one's automaton state after its context);
-        returns [n, 2] (first token, finish) from the device."""
-        program = self._program("prefill", (bucket, len(slots)))
-        self.table, out = program(self._weight_leaves, self.table, self.tables, page_rows, tokens, slots, start,
-                                  n_valid, prompt_len, n_prev, seeds, rows, start_state)
-        return np.asarray(jax.device_get(out))
+    def prefill(self, batch: programs.PrefillBatch) -> list[programs.PrefillRow]:
+        """One chunk program over the batch's rows; each row's first token and finish code, from the device."""
+        program = self.prefill_program((batch.tokens.shape[1], len(batch.slots)))
+        self.table, out = program(self._weight_leaves, self.table, self.tables, batch)
+        return programs.unpack_prefill(np.asarray(jax.device_get(out)))
 
     def queue_step(self, key, page_table: np.ndarray) -> concurrent.futures.Future:
         """Start a step (k rounds over the first width / groups slots of each data group); the table is the step's
         until `settle`."""
-        run = functools.partial(self._program("step", key), self._weight_leaves, self.table, self.tables, page_table)
+        run = functools.partial(self.step_program(key), self._weight_leaves, self.table, self.tables, page_table)
         self.table = None
         return self._device.submit(run) if self._device is not None else _run_now(run)
 
@@ -173,10 +171,10 @@ class ModelRunner:
         return packed
 
     def move(self, src: int, dst: int) -> None:
-        self.table = self._program("move", None)(self._weight_leaves, self.table, np.int32(src), np.int32(dst))
+        self.table = self.move_program()(self._weight_leaves, self.table, np.int32(src), np.int32(dst))
 
     def release(self, slot: int) -> None:
-        self.table = self._program("release", None)(self._weight_leaves, self.table, np.int32(slot))
+        self.table = self.release_program()(self._weight_leaves, self.table, np.int32(slot))
 
     def reset(self) -> None:
         """A fresh table, after a program that raised took the donated one with it."""
@@ -189,6 +187,20 @@ class ModelRunner:
     @property
     def overlap(self) -> bool:
         return self._device is not None
+
+
+def prefill_batch(chunks: list, bucket: int, page_rows: np.ndarray, max_slots: int, n_stop: int,
+                  start_state: np.ndarray) -> programs.PrefillBatch:
+    """The chunk program's inputs for the scheduler's chunks (`scheduler.Chunk`), one row each: a chunk that does not
+    end its request's context gets slot `max_slots`, out of range, so its writes to the table's rows drop."""
+    reqs = [ch.request for ch in chunks]
+    return programs.PrefillBatch(
+        page_rows, np.stack([ch.tokens(bucket) for ch in chunks]),
+        np.array([max_slots if ch.slot is None else ch.slot for ch in chunks], np.int32),
+        np.array([ch.start for ch in chunks], np.int32), np.array([ch.n_valid for ch in chunks], np.int32),
+        np.array([len(r.prompt) for r in reqs], np.int32), np.array([len(r.tokens) for r in reqs], np.int32),
+        np.array([r.seed for r in reqs], np.uint32),
+        request_rows([r.params for r in reqs], [r.stop_ids for r in reqs], n_stop), np.asarray(start_state, np.int32))
 
 
 def table_shardings(table, mesh):
