@@ -58,7 +58,8 @@ from bench_util import median_s, write_results  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdtree_jax.decode import sampling  # noqa: E402
-from kdtree_jax.decode.engine import Engine, prefill  # noqa: E402
+from kdtree_jax.decode.engine import Engine  # noqa: E402
+from kdtree_jax.decode.programs import prefill  # noqa: E402
 from kdtree_jax.decode.speculative import (  # noqa: E402
     DecodeSpec,
     DecodeState,

@@ -51,7 +51,7 @@ from bench_util import median_s, write_results  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdtree_jax.decode import sampling  # noqa: E402
-from kdtree_jax.decode.engine import decode_loop, prefill  # noqa: E402
+from kdtree_jax.decode.programs import decode_loop, prefill  # noqa: E402
 from kdtree_jax.decode.speculative import DecodeSpec, RequestRows  # noqa: E402
 from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.model.drafter import DFlashDrafter  # noqa: E402

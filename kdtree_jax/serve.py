@@ -32,7 +32,6 @@ import uvicorn
 
 from kdtree_jax.checkpoint.io import load_tokenizer_any
 from kdtree_jax.cli import (
-    ATTENTION_BACKENDS,
     CACHE_HELP,
     DEFAULT_DIR,
     DEFAULT_DRAFTER,
@@ -40,6 +39,8 @@ from kdtree_jax.cli import (
     HelpFormatter,
     Parser,
     UsageError,
+    add_mode_flags,
+    add_model_flags,
     configure_logging,
     default_budget,
     parse_budget,
@@ -50,7 +51,7 @@ from kdtree_jax.cli import (
 from kdtree_jax.decode.engine import Engine
 from kdtree_jax.parallel.sharding import parse_mesh
 from kdtree_jax.server import ServerSettings, build_app
-from kdtree_jax.server.app import REASONING_PARSERS, TOOL_CALL_PARSERS
+from kdtree_jax.server.serving_common import REASONING_PARSERS, TOOL_CALL_PARSERS
 from kdtree_jax.serving import (
     AsyncServingEngine,
     ServeConfig,
@@ -84,34 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
                 "speculative decoding over a paged latent cache.", formatter_class=HelpFormatter,
                 epilog=CACHE_HELP)
     m = p.add_argument_group("model")
-    m.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
-                   help="target: an HF safetensors directory (converted on the fly) or a converted checkpoint")
-    m.add_argument("--drafter", "--speculative-model", dest="drafter", default=None,
-                   help="DFlash drafter directory; default: the shipped drafter when the checkpoint is the shipped "
-                        "target")
     m.add_argument("--served-model-name", nargs="+", default=None,
                    help="the names requests may give as 'model' (responses use the first); default: the --model "
                         "value as given, or 'kdtree-mini' for the shipped pair")
-    m.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter/compute dtype")
-    m.add_argument("--mesh", default=None,
-                   help="device layout as data x tensor x expert, e.g. 1x8x1 or 2x2x2; data > 1 splits the slots and "
-                        "the page pool into that many groups, one per data shard (--max-slots, --num-pages and "
-                        "--step-widths must be multiples of it); default: one device")
-    m.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto", help="verify_attn kernel")
+    add_model_flags(m, mesh_help="; data > 1 splits the slots and the page pool into that many groups, one per "
+                                 "data shard (--max-slots, --num-pages and --step-widths must be multiples of it)")
     m.add_argument("--loop-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU: XLA captures the step's round loop in its CUDA graphs, so a step call returns before "
                         "the step ends and the host prepares the next one meanwhile (no effect when XLA_FLAGS sets "
                         "--xla_gpu_enable_command_buffer)")
     d = p.add_argument_group("decoding")
-    d.add_argument("--mode", "--speculative-algorithm", dest="mode", type=str.lower,
-                   choices=("ddtree", "chain", "ar"), default="ddtree",
-                   help="ddtree: draft tree; chain: DFlash block; ar: one token per target forward")
+    add_mode_flags(d)
     d.add_argument("--budget", "--speculative-num-draft-tokens", dest="budget", type=_serve_budget, default=None,
                    help="DDTree node budget: B, 'auto' (per step, from the budget profile and the number of active "
                         "slots), or a table by active slots such as 1:64,4:32,8:ar; default: auto where a budget "
                         "profile measured on this device applies, else 32")
-    d.add_argument("--budget-profile", default=None, help="budget profile JSON for --budget auto; default: "
-                   "budget_profile.<device kind>.json beside the checkpoint")
     d.add_argument("--rounds-per-step", type=int, default=None,
                    help="rounds per step: tokens reach the host (and clients) once per step; default: "
                         f"{SERVE_DEFAULTS['rounds_per_step']}")

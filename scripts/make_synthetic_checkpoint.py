@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from kdtree_jax.checkpoint.hf import tokenizer_files  # noqa: E402
 from kdtree_jax.checkpoint.synthetic import FORMATS, write_synthetic_checkpoint  # noqa: E402
-from kdtree_jax.model.config import ModelConfig, tiny  # noqa: E402
+from kdtree_jax.model.config import tiny  # noqa: E402
+from kdtree_jax.model.hf_config import config_from_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-from", help="directory whose tokenizer files are copied along")
     args = ap.parse_args(argv)
 
-    cfg = ModelConfig.from_json(args.config) if args.config else tiny()
+    cfg = config_from_json(args.config) if args.config else tiny()
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers)
     extra = {}

@@ -10,16 +10,8 @@ import warnings
 import numpy as np
 import pytest
 
-from kdtree_jax.model.config import (
-    IGNORED_KEYS,
-    READ_KEYS,
-    ConfigError,
-    ModelConfig,
-    QuantConfig,
-    RopeScaling,
-    kimi_k2_6,
-    tiny,
-)
+from kdtree_jax.model.config import ConfigError, ModelConfig, QuantConfig, RopeScaling, kimi_k2_6, tiny
+from kdtree_jax.model.hf_config import IGNORED_KEYS, READ_KEYS, config_from_hf_dict, config_from_json
 from kdtree_jax.model.layers import yarn_inv_freq
 
 SOURCE = "ckpt/config.json"
@@ -35,7 +27,7 @@ def _expect(raw: dict, field: str, wrapped: bool, why: str = "") -> None:
     """Parsing `raw` fails with a ConfigError naming the file and the (text_config.-prefixed) field."""
     prefix = "text_config." if wrapped else ""
     with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: {prefix}{field}") + why) as e:
-        ModelConfig.from_hf_dict(raw, source=SOURCE)
+        config_from_hf_dict(raw, source=SOURCE)
     if not wrapped:
         assert "text_config" not in str(e.value)
 
@@ -64,14 +56,14 @@ def test_null_means_missing_except_where_null_has_a_meaning(wrapped):
     _expect(raw, "n_group", wrapped, " is missing")
     raw = tiny().to_hf_dict(wrapped=wrapped)
     _text(raw)["q_lora_rank"] = None  # DeepSeek-V2-Lite style: a direct q_proj
-    assert ModelConfig.from_hf_dict(raw).q_lora_rank is None
+    assert config_from_hf_dict(raw).q_lora_rank is None
     raw = tiny().to_hf_dict(wrapped=wrapped)
     text = _text(raw)
     text["n_routed_experts"] = None  # dense model: the MoE fields are not needed
     for name in ("moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group", "norm_topk_prob",
                  "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace"):
         del text[name]
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = config_from_hf_dict(raw)
     assert cfg.n_routed_experts == 0 and not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
@@ -147,33 +139,33 @@ def test_top_level_fields_of_the_wrapper_are_named_without_prefix():
     raw = tiny().to_hf_dict(wrapped=True)  # the wrapper keeps tie_word_embeddings at its top level
     raw["tie_word_embeddings"] = True
     with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: tie_word_embeddings is true")):
-        ModelConfig.from_hf_dict(raw, source=SOURCE)
+        config_from_hf_dict(raw, source=SOURCE)
     raw = tiny().to_hf_dict(wrapped=True)
     raw["quantization_config"] = {"quant_method": "gptq"}  # only at the top level: named there
     with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: quantization_config.quant_method 'gptq'")):
-        ModelConfig.from_hf_dict(raw, source=SOURCE)
+        config_from_hf_dict(raw, source=SOURCE)
     raw = tiny().to_hf_dict(wrapped=True)
     del raw["text_config"]["eos_token_id"]
     raw["eos_token_id"] = 9999  # taken from the top level when text_config has none
     with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: eos_token_id 9999 is outside")):
-        ModelConfig.from_hf_dict(raw, source=SOURCE)
+        config_from_hf_dict(raw, source=SOURCE)
     for bad, what in (([], "top level must be a JSON object"), ({"text_config": 3}, "'text_config' must be")):
         with pytest.raises(ConfigError, match=re.escape(f"{SOURCE}: ") + ".*" + re.escape(what)):
-            ModelConfig.from_hf_dict(bad, source=SOURCE)
+            config_from_hf_dict(bad, source=SOURCE)
 
 
 def test_errors_from_a_file_name_its_path(tmp_path):
     path = tmp_path / "config.json"
     with pytest.raises(ConfigError, match=re.escape(f"{path}: config.json not found")):
-        ModelConfig.from_json(tmp_path)
+        config_from_json(tmp_path)
     path.write_text("{not json")
     with pytest.raises(ConfigError, match=re.escape(f"{path}: not valid JSON")):
-        ModelConfig.from_json(tmp_path)
+        config_from_json(tmp_path)
     raw = tiny().to_hf_dict(wrapped=True)
     del raw["text_config"]["kv_lora_rank"]
     path.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=re.escape(f"{path}: text_config.kv_lora_rank is missing")):
-        ModelConfig.from_json(tmp_path)
+        config_from_json(tmp_path)
 
 
 def _random_config(rng) -> ModelConfig:
@@ -205,7 +197,7 @@ def test_to_hf_dict_round_trip(rng, wrapped):
             cfg = dataclasses.replace(cfg, tensor_prefix="language_model.model.",
                                       lm_head_name="language_model.lm_head.weight")
         raw = json.loads(json.dumps(cfg.to_hf_dict(wrapped=wrapped)))  # through JSON, as on disk
-        assert ModelConfig.from_hf_dict(raw) == cfg
+        assert config_from_hf_dict(raw) == cfg
 
 
 # moonshotai/Kimi-K2.6 config.json with its published values (the model card's files on the Hugging Face hub):
@@ -252,7 +244,7 @@ K26 = {
 
 def test_published_k26_config_equals_preset(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(K26, indent=2))
-    cfg = ModelConfig.from_json(tmp_path)
+    cfg = config_from_json(tmp_path)
     assert cfg == kimi_k2_6()
     assert cfg.softmax_scale == pytest.approx(0.1446796, abs=1e-7)  # format doc §1.4
     assert cfg.rope_amplitude == 1.0 and cfg.latent_dim == 576
@@ -263,16 +255,16 @@ def test_quantization_config_inside_or_outside_text_config():
     inner = copy.deepcopy(K26)
     outer = copy.deepcopy(K26)
     outer["quantization_config"] = outer["text_config"].pop("quantization_config")
-    a, b = ModelConfig.from_hf_dict(inner), ModelConfig.from_hf_dict(outer)
+    a, b = config_from_hf_dict(inner), config_from_hf_dict(outer)
     assert a == b == kimi_k2_6()
     assert b.quantization.method == "compressed-tensors" and b.quantization.group_size == 32
     assert "re:.*lm_head.*" in b.quantization.ignore
     both = copy.deepcopy(inner)
     both["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    assert ModelConfig.from_hf_dict(both).quantization == a.quantization  # text_config's wins
+    assert config_from_hf_dict(both).quantization == a.quantization  # text_config's wins
     none = copy.deepcopy(outer)
     del none["quantization_config"]
-    assert ModelConfig.from_hf_dict(none).quantization == QuantConfig()
+    assert config_from_hf_dict(none).quantization == QuantConfig()
 
 
 # ---- RoPE as transformers >= 5 writes it (`rope_parameters`, `rope_interleave`) vs the legacy keys --------------
@@ -310,12 +302,12 @@ def _parse(raw: dict) -> ModelConfig:
     """Parse, failing on any warning: every key of these files is either read or known to be irrelevant."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        return ModelConfig.from_hf_dict(raw, source=SOURCE)
+        return config_from_hf_dict(raw, source=SOURCE)
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3_yarn", "deepseek_v3_plain"])
 def test_transformers_5_config_gives_transformers_numbers(name):
-    cfg = ModelConfig.from_json(os.path.join(HF5_DIR, name))
+    cfg = config_from_json(os.path.join(HF5_DIR, name))
     want = HF5_EXPECTED[name]
     np.testing.assert_allclose(yarn_inv_freq(cfg), want["inv_freq"], rtol=1e-6)
     assert cfg.rope_amplitude == pytest.approx(want["attention_scaling"], rel=1e-12)
@@ -356,7 +348,7 @@ def test_transformers_5_plain_rope():
 
 
 def test_every_key_transformers_writes_is_classified():
-    """The one list in config.py (IGNORED_KEYS, with reasons) plus what the reader reads covers every key."""
+    """The one list in hf_config.py (IGNORED_KEYS, with reasons) plus what the reader reads covers every key."""
     for name in ("deepseek_v3_yarn", "deepseek_v3_plain", "deepseek_v3_kimi_keys"):
         assert set(_hf5(name)) <= READ_KEYS | set(IGNORED_KEYS), name
     assert set(K26_TEXT) <= READ_KEYS | set(IGNORED_KEYS)
@@ -370,7 +362,7 @@ def test_unclassified_key_warns_naming_it(wrapped):
     _text(raw)["rope_scaling_mode"] = "ntk"
     with pytest.warns(UserWarning, match=re.escape(f"{SOURCE}: {'text_config.' if wrapped else ''}fields "
                                                    "['rope_scaling_mode'] are not read")):
-        ModelConfig.from_hf_dict(raw, source=SOURCE)
+        config_from_hf_dict(raw, source=SOURCE)
 
 
 def test_k26_wrapper_with_rope_parameters_equals_preset():
@@ -528,4 +520,4 @@ def test_derived_dims_must_match(wrapped):
 def test_no_stop_token_round_trips():
     raw = tiny(eos_token_id=()).to_hf_dict()
     assert raw["eos_token_id"] is None
-    assert ModelConfig.from_hf_dict(json.loads(json.dumps(raw))).eos_token_id == ()
+    assert config_from_hf_dict(json.loads(json.dumps(raw))).eos_token_id == ()

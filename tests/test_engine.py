@@ -13,7 +13,9 @@ import pytest
 from engine_utils import TARGET_CONFIGS, chi_square_p, exact_pair_distribution, random_pair
 
 from kdtree_jax.decode import engine as engine_mod
+from kdtree_jax.decode import memory_fit, programs
 from kdtree_jax.decode.engine import ContextTooLongError, Engine
+from kdtree_jax.decode.memory_fit import ResourceLimitError, estimate_bytes
 
 BLOCK = 4  # drafter block L: depth D = 3
 BUDGETS = (1, 4, 16, 64)
@@ -160,7 +162,7 @@ def test_one_compiled_computation_without_host_callbacks(grouped, rng, monkeypat
     spec = run.spec
 
     def fn(t_state, d_state, *inputs):
-        return engine_mod.generate_device(spec, *eng.merged(t_state, d_state, True), *inputs)
+        return programs.generate_device(spec, *eng.merged(t_state, d_state, True), *inputs)
 
     jaxpr = jax.make_jaxpr(fn)(*eng.weights, *run.inputs)
     text = str(jaxpr)
@@ -268,8 +270,6 @@ def test_sampling_matches_target_distribution(mode, rng):
 
 
 def test_generation_that_does_not_fit_is_refused_up_front(grouped, rng, monkeypatch):
-    from kdtree_jax.decode.engine import ResourceLimitError, estimate_bytes
-
     eng = grouped  # test_greedy_modes_equal_ar's ddtree program
     prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
     spec = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=10, budget=4)).spec
@@ -291,8 +291,6 @@ def _refusal(eng, monkeypatch, prompts, small, big, set_limit=None):
     """Generate with `big` (kwargs) under a limit that `small` exactly fits (set by `set_limit(bytes)`, default
     memory_limit_bytes); return big's spec and estimate, the limit and the ResourceLimitError message. No program
     may be compiled or fetched."""
-    from kdtree_jax.decode.engine import ResourceLimitError, estimate_bytes
-
     specs = {}
     for name, kw in (("small", small), ("big", big)):
         specs[name] = eng._prepare(prompts, engine_mod.DecodeOptions(**kw)).spec
@@ -361,11 +359,11 @@ def test_free_device_memory_is_the_default_limit(grouped, rng, monkeypatch):
         def __str__(self):
             return "cuda:0"
 
-    free, where = engine_mod.free_device_bytes()  # the real device: CPU reads the host's available memory
+    free, where = memory_fit.free_device_bytes()  # the real device: CPU reads the host's available memory
     assert free > 0 and where
-    monkeypatch.setattr(engine_mod.jax, "devices", lambda *a, **k: [FakeGpu()])
+    monkeypatch.setattr(memory_fit.jax, "devices", lambda *a, **k: [FakeGpu()])
     FakeGpu.free = 1 << 40  # room for _refusal's specs; it then lowers this to what the smaller one needs
-    assert engine_mod.free_device_bytes() == (1 << 40, "cuda:0")
+    assert memory_fit.free_device_bytes() == (1 << 40, "cuda:0")
     _, need, limit, msg = _refusal(eng, monkeypatch, prompts, {"mode": "ddtree", "budget": 1, "max_new_tokens": 8},
                                    {"mode": "ddtree", "budget": 64, "max_new_tokens": 8},
                                    set_limit=lambda n: setattr(FakeGpu, "free", n))
@@ -441,7 +439,7 @@ def test_prefill_through_the_verify_kernel_equals_plain_mla(rng):
         run = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=6, budget=4))
         spec, lens = run.spec, run.inputs[1]
         assert spec.prompt_cap // spec.prefill_chunk == 3
-        states[use_pallas] = jax.jit(lambda *x, spec=spec: engine_mod.prefill(spec, target, drafter, *x))(*run.inputs)
+        states[use_pallas] = jax.jit(lambda *x, spec=spec: programs.prefill(spec, target, drafter, *x))(*run.inputs)
     kernel, plain = states[True], states[False]
     np.testing.assert_array_equal(np.asarray(kernel.tokens), np.asarray(plain.tokens))  # same first token
     lat_k, lat_p = np.asarray(kernel.cache.stacked()), np.asarray(plain.cache.stacked())

@@ -12,7 +12,8 @@ from script_loader import load_script
 import pallas_kernels._pallas as pallas_mod
 from kdtree_jax.checkpoint.weights import init_random
 from kdtree_jax.decode import sampling
-from kdtree_jax.decode.engine import Engine, generate_device
+from kdtree_jax.decode.engine import Engine
+from kdtree_jax.decode.programs import generate_device
 from kdtree_jax.decode.speculative import RequestRows
 from kdtree_jax.model import config
 from pallas_kernels._pallas import lower_for_h200

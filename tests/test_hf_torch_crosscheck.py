@@ -30,6 +30,7 @@ import pytest
 from kdtree_jax.checkpoint.hf import HFCheckpoint
 from kdtree_jax.checkpoint.synthetic import synthetic_config, write_synthetic_checkpoint
 from kdtree_jax.model.config import ModelConfig, RopeScaling, tiny
+from kdtree_jax.model.hf_config import config_from_json
 from kdtree_jax.oracles.reference import reference_forward, reference_weights, softmax_scale, yarn_inv_freq
 
 REL_TOL = 1e-4
@@ -286,7 +287,7 @@ def test_engine_greedy_equals_transformers_flat(tmp_path, rng, name):
     with open(tmp_path / "hf" / "config.json") as f:
         written = json.load(f)
     print(f"{name}: transformers wrote rope keys {sorted(k for k in written if k.startswith('rope'))}")
-    parsed = ModelConfig.from_json(tmp_path / "hf")
+    parsed = config_from_json(tmp_path / "hf")
     _same_model(parsed, cfg)
     _check_rope_matches(model, parsed)
     prompts = _prompts(rng, cfg.vocab_size)

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from kdtree_jax.model.config import ConfigError, ModelConfig
+from kdtree_jax.model.hf_config import config_from_json
 from kdtree_jax.model.quant import Int4Packed, dequant_fp8_block, fp8_scale_shape
 
 CONFIG_FILE = "config.json"
@@ -208,7 +209,7 @@ class HFCheckpoint:
         if not os.path.isdir(path):
             raise CheckpointError(f"{path}: not a checkpoint directory")
         try:
-            config = ModelConfig.from_json(os.path.join(path, CONFIG_FILE))
+            config = config_from_json(os.path.join(path, CONFIG_FILE))
         except ConfigError as e:
             msg = str(e)
             raise ConfigError(msg if CONFIG_FILE in msg else f"{os.path.join(path, CONFIG_FILE)}: {msg}") from None

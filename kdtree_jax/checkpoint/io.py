@@ -34,6 +34,7 @@ from kdtree_jax.checkpoint.hf import HFCheckpoint
 from kdtree_jax.checkpoint.tokenizer import KimiTokenizer
 from kdtree_jax.checkpoint.weights import load_model
 from kdtree_jax.model.config import ModelConfig
+from kdtree_jax.model.hf_config import config_from_json
 from kdtree_jax.model.moe import tile_experts
 from kdtree_jax.model.target import KimiModel
 from kdtree_jax.parallel.sharding import shard_model, state_shardings
@@ -203,7 +204,7 @@ def load_converted(path: str | os.PathLike, *, dtype: str | None = None, mesh=No
     """Restore a converted target; with a mesh, each parameter is restored straight into its sharded layout."""
     path = os.path.abspath(os.fspath(path))
     meta = read_meta(path, verify=verify)
-    cfg = ModelConfig.from_json(os.path.join(path, "config.json"))
+    cfg = config_from_json(os.path.join(path, "config.json"))
     stored = _stored_params(path)
     _check_meta(path, meta, stored)
     param_dtype = DTYPES[meta["param_dtype"]]

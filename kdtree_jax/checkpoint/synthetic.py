@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 
 from kdtree_jax.checkpoint.hf import INDEX_FILE, LM_HEAD, SINGLE_FILE, expected_shapes
 from kdtree_jax.model.config import ModelConfig, QuantConfig
+from kdtree_jax.model.hf_config import config_from_hf_dict
 from kdtree_jax.model.quant import dequant_fp8_block, dequant_int4, quant_fp8_block, quant_int4
 
 FORMATS = ("bf16", "fp8", "int4")
@@ -97,7 +98,7 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: ModelConfig, *, fmt
     os.makedirs(path, exist_ok=True)
     cfg = synthetic_config(cfg, fmt, fp8_block=fp8_block)
     hf = cfg.to_hf_dict(wrapped=wrapped)
-    cfg = ModelConfig.from_hf_dict(hf)  # the prefixes the reader will use
+    cfg = config_from_hf_dict(hf)  # the prefixes the reader will use
     rng = np.random.default_rng(seed)
 
     stored: list[tuple[str, np.ndarray]] = []

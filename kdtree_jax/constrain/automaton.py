@@ -36,7 +36,8 @@ import numpy as np
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
 
-from kdtree_jax.constrain.schema_regex import _literal, schema_to_regex
+from kdtree_jax.constrain.regex_pieces import literal
+from kdtree_jax.constrain.schema_regex import schema_to_regex
 
 WORD_BITS = 32
 MAX_STATES = 2048  # default cap: 2048 states x 20 KiB of mask at V = 163,840 is 40 MiB
@@ -109,7 +110,7 @@ class ConstraintSpec:
         if self.kind == "regex":
             return self.text
         if self.kind == "choice":
-            return "|".join(_literal(c) for c in json.loads(self.text))
+            return "|".join(literal(c) for c in json.loads(self.text))
         if self.kind == "json_object":
             return _json_object_regex(JSON_OBJECT_DEPTH)
         if self.kind == "json_schema":

@@ -4,10 +4,9 @@ in silence. `KEYWORDS` is the table of what is enforced, refused, or an annotati
 
 The regex matches a subset of the schema's instances (never a value the schema refuses): properties come in the
 order declared and no undeclared property is generated, integers and bounded numbers carry no exponent, formats
-take their common form (a date is a real calendar date, an IPv6 address its full or `::` form). Bounds are exact:
-an integer range becomes digit-by-digit alternatives (`[0, 99]` -> `0|[1-9][0-9]?`), a bounded number the
-integer part's range and, where the integer part meets a bound, the fraction's digits against the bound's.
-`check_schema` validates the schema against its metaschema (the `jsonschema` package) first.
+take their common form (a date is a real calendar date, an IPv6 address its full or `::` form). Bounds are exact
+(digit by digit, in `regex_pieces`). `check_schema` validates the schema against its metaschema (the `jsonschema`
+package) first.
 """
 from __future__ import annotations
 
@@ -21,6 +20,8 @@ from typing import Any
 
 import jsonschema
 from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, STRING_INNER
+
+from kdtree_jax.constrain.regex_pieces import alt, integer_range, literal, number_range, trie
 
 ENFORCED, REFUSED, ANNOTATION = "enforced", "refused", "annotation"
 KEYWORDS = {  # keyword -> how the generated regex treats it; a keyword missing here is refused as unknown
@@ -59,7 +60,6 @@ ANY_VALUE_DEPTH = 2  # `{}`, `true` and an object or array with no item schema: 
 MAX_BOUND_DIGITS = 18  # a number bound's integer digits and fraction digits, each (past it: refused)
 MAX_MULTIPLES = 256  # multipleOf between finite bounds: the multiples spelled out, at most this many (~0.7 states each)
 STRING_UNSAFE = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x9F))  # never raw inside a JSON string
-REGEX_META = set(r"\.+*?()|[]{}^$#&-~")  # characters escaped in literals of outlines-core's (Rust) regex syntax
 
 DATE = (r"[1-9][0-9]{3}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
         r"|(?:0[13578]|1[02])-31)")  # every month's days, February to the 28th: each is a real date
@@ -139,14 +139,14 @@ class _Translator:
                                                                                          "definitions"))
             if siblings:
                 self.refuse((*path, siblings[0]), f"{siblings[0]} beside anyOf: move it into each branch")
-            return _alt([self.value(s, (*path, "anyOf", i)) for i, s in enumerate(schema["anyOf"])])
+            return alt([self.value(s, (*path, "anyOf", i)) for i, s in enumerate(schema["anyOf"])])
         types = schema.get("type")
         types = [types] if isinstance(types, str) else types
         if types is None:  # the types its keywords speak of, else every type
             types = [t for t, keys in TYPE_KEYWORDS.items() if any(k in schema for k in keys)] or list(TYPES)
         if "number" in types and "integer" in types:
             types = [t for t in types if t != "integer"]
-        return _alt([self.typed(t, schema, path) for t in types])
+        return alt([self.typed(t, schema, path) for t in types])
 
     def typed(self, t: str, schema: dict, path: tuple) -> str:
         if t == "boolean":
@@ -185,7 +185,7 @@ class _Translator:
         keep = [v for v in values if check.is_valid(v)]
         if not keep:
             self.refuse((*path, key), f"{key}: no value satisfies the rest of the schema")
-        return _alt([_literal(json.dumps(v, ensure_ascii=False, separators=(",", ":"))) for v in keep])
+        return alt([literal(json.dumps(v, ensure_ascii=False, separators=(",", ":"))) for v in keep])
 
     def any_value(self, depth: int) -> str:
         """Any JSON value with objects and arrays nested `depth` levels in all."""
@@ -219,7 +219,7 @@ class _Translator:
         for name, sub in props.items():
             if sub is False:
                 continue
-            key = _literal(json.dumps(name, ensure_ascii=False))
+            key = literal(json.dumps(name, ensure_ascii=False))
             members.append((f"{key}{ws}:{ws}{self.value(sub, (*path, 'properties', name))}", name in required))
         alts = []  # by the first member present: every member before it is optional and absent
         for i, (first, _) in enumerate(members):
@@ -229,7 +229,7 @@ class _Translator:
                 break
         else:
             alts.append("")
-        return rf"\{{{ws}{_alt(alts)}{ws}\}}"
+        return rf"\{{{ws}{alt(alts)}{ws}\}}"
 
     def array(self, schema: dict, path: tuple) -> str:
         ws = self.ws
@@ -294,7 +294,7 @@ class _Translator:
                             f"of {MAX_MULTIPLES}; narrow the bounds")
         if last < first:
             self.refuse(at, f"multipleOf {step}: no multiple lies between the bounds")
-        return _trie([str(k * step) for k in range(first, last + 1)])
+        return trie([str(k * step) for k in range(first, last + 1)])
 
     def number(self, schema: dict, path: tuple) -> str:
         step = schema.get("multipleOf")
@@ -333,193 +333,6 @@ class _Translator:
 def _is_noop(keyword: str, value) -> bool:
     """A refused keyword at the value that constrains nothing (uniqueItems false, minProperties 0)."""
     return (keyword == "uniqueItems" and value is False) or (keyword == "minProperties" and value == 0)
-
-
-# ---- regex pieces --------------------------------------------------------------------------------------------
-def _alt(parts: list[str]) -> str:
-    parts = list(dict.fromkeys(parts))
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
-
-
-def _literal(text: str) -> str:
-    """`text` as a regex that matches exactly it."""
-    out = []
-    for ch in text:
-        if ch in REGEX_META:
-            out.append("\\" + ch)
-        elif ch.isprintable() or ch == " ":
-            out.append(ch)
-        else:
-            out.append(f"\\x{{{ord(ch):X}}}")
-    return "".join(out)
-
-
-def _trie(words: list[str]) -> str:
-    """Words as one regex that shares their prefixes (a compact alternation)."""
-    if words == [""]:
-        return ""
-    heads: dict[str, list[str]] = {}
-    for w in words:
-        heads.setdefault(w[:1], []).append(w[1:])
-    parts = [_literal(h) + (_group(_trie(rest)) if rest != [""] else "") for h, rest in heads.items() if h]
-    body = _alt(parts)
-    return f"(?:{body})?" if "" in heads else body
-
-
-def _group(r: str) -> str:
-    return r if not r or re.fullmatch(r"[^|()]*", r) else f"(?:{r})"
-
-
-def _cls(a: int, b: int) -> str:
-    return str(a) if a == b else f"[{a}-{b}]"
-
-
-def _same_length(lo: str, hi: str) -> str:
-    """Numerals of len(lo) digits from lo to hi (same length, lo <= hi), digit by digit."""
-    if lo == hi:
-        return lo
-    if lo[0] == hi[0]:
-        return lo[0] + _group(_same_length(lo[1:], hi[1:]))
-    n = len(lo) - 1
-    tail = f"[0-9]{{{n}}}" if n > 1 else ("[0-9]" if n else "")
-    alts, start, end = [], int(lo[0]), int(hi[0])
-    if lo[1:] != "0" * n:
-        alts.append(lo[0] + _group(_same_length(lo[1:], "9" * n)))
-        start += 1
-    last = None
-    if hi[1:] != "9" * n:
-        last = hi[0] + _group(_same_length("0" * n, hi[1:]))
-        end -= 1
-    if start <= end:
-        alts.append(_cls(start, end) + tail)
-    if last:
-        alts.append(last)
-    return _alt(alts)
-
-
-def natural_range(lo: int, hi: int | None) -> str | None:
-    """Numerals without leading zeros from lo >= 0 to hi (None: no end); None where the range is empty."""
-    if hi is not None and lo > hi:
-        return None
-    alts = []
-    if lo == 0:
-        alts.append("0")
-        lo = 1
-        if hi == 0:
-            return "0"
-    top = len(str(hi)) if hi is not None else len(str(lo))
-    for n in range(len(str(lo)), top + 1):
-        a = str(lo) if n == len(str(lo)) else "1" + "0" * (n - 1)
-        b = str(hi) if hi is not None and n == top else "9" * n
-        alts.append(_same_length(a, b))
-    if hi is None:
-        alts.append(f"[1-9][0-9]{{{top},}}")
-    return _alt(alts)
-
-
-def integer_range(lo: int | None, hi: int | None) -> str:
-    """JSON integers from lo to hi (None: unbounded on that side), exactly."""
-    alts = []
-    if hi is None or hi >= 0:
-        alts.append(natural_range(max(lo, 0) if lo is not None else 0, hi))
-    if lo is None or lo < 0:
-        mag = natural_range(max(1, -hi) if hi is not None else 1, None if lo is None else -lo)
-        if mag is not None:
-            alts.append("-" + _group(mag))
-    return _alt([a for a in alts if a is not None])
-
-
-def _digits(v: decimal.Decimal) -> tuple[int, str]:
-    """v >= 0 -> (integer part, fraction digits without trailing zeros)."""
-    whole = int(v)
-    frac = format(v - whole, "f").partition(".")[2].rstrip("0")
-    return whole, frac
-
-
-def _tail(lo: str, hi: str | None, lo_inc: bool, hi_inc: bool) -> str | None:
-    """Non-empty digit strings T with lo <= .T <= hi as fractions (exclusive where *_inc is false); hi None: no
-    upper bound below 1; lo and hi carry no trailing zeros ("" is 0). None where no T qualifies."""
-    if hi == "":
-        return "0+" if lo == "" and lo_inc and hi_inc else None
-    if hi is None and lo == "":
-        return "[0-9]+" if lo_inc else "[0-9]*[1-9][0-9]*"
-    l0, h0 = (int(lo[0]) if lo else 0), (int(hi[0]) if hi else 10)
-    alts = []
-    if l0 == h0:
-        rest = _rest(lo[1:], hi[1:], lo_inc, hi_inc)
-        return None if rest is None else str(l0) + _group(rest)
-    low = _rest(lo[1:], None, lo_inc, True)
-    if low is not None:
-        alts.append(str(l0) + _group(low))
-    if l0 + 1 <= h0 - 1:
-        alts.append(_cls(l0 + 1, h0 - 1) + "[0-9]*")
-    if h0 <= 9:
-        high = _rest("", hi[1:], True, hi_inc)
-        if high is not None:
-            alts.append(str(h0) + _group(high))
-    return _alt(alts) if alts else None
-
-
-def _rest(lo: str, hi: str | None, lo_inc: bool, hi_inc: bool) -> str | None:
-    """Like `_tail`, but T may be empty (it follows digits already matched)."""
-    empty = lo == "" and lo_inc and (hi is None or hi != "" or hi_inc)
-    more = _tail(lo, hi, lo_inc, hi_inc)
-    if more is None:
-        return "" if empty else None
-    return f"(?:{more})?" if empty else more
-
-
-def _fraction(lo: str, hi: str | None, lo_inc: bool, hi_inc: bool) -> str | None:
-    """The optional `.digits` of a number whose integer part is fixed, the fraction bounded as in `_tail`."""
-    empty = lo == "" and lo_inc and (hi is None or hi != "" or hi_inc)
-    more = _tail(lo, hi, lo_inc, hi_inc)
-    if more is None:
-        return "" if empty else None
-    return rf"(?:\.{_group(more)})?" if empty else rf"\.{_group(more)}"
-
-
-def _magnitudes(lo, hi) -> str | None:
-    """Decimal numerals y >= 0 (no exponent) with lo <= y <= hi; lo, hi: (Decimal >= 0, inclusive), hi may be
-    None (no end)."""
-    a, alpha = _digits(lo[0])
-    alts = []
-    if hi is not None:
-        b, beta = _digits(hi[0])
-        if a == b:
-            f = _fraction(alpha, beta, lo[1], hi[1])
-            return None if f is None else f"{a}{f}"
-        high = _fraction("", beta, True, hi[1])
-        if high is not None:
-            alts.append(f"{b}{high}")
-    low = _fraction(alpha, None, lo[1], True)
-    if low is not None:
-        alts.insert(0, f"{a}{low}")
-    middle = natural_range(a + 1, None if hi is None else b - 1)
-    if middle is not None:
-        alts.insert(1 if low is not None else 0, _group(middle) + r"(?:\.[0-9]+)?")
-    return _alt(alts) if alts else None
-
-
-def number_range(lo, hi) -> str | None:
-    """JSON numbers (no exponent) within the bounds ((Decimal, inclusive) or None each); None where none lies
-    between them."""
-    zero = decimal.Decimal(0)
-    if lo is not None and hi is not None and (lo[0] > hi[0] or (lo[0] == hi[0] and not (lo[1] and hi[1]))):
-        return None
-    alts = []
-    if hi is None or hi[0] > 0 or (hi[0] == 0 and hi[1]):
-        floor = lo if lo is not None and lo[0] >= 0 else (zero, True)
-        pos = _magnitudes(floor, hi)
-        if pos is not None:
-            alts.append(pos)
-    if lo is None or lo[0] < 0:
-        top = None if lo is None else (-lo[0], lo[1])
-        bottom = (-hi[0], hi[1]) if hi is not None and hi[0] < 0 else (zero, False)  # -0 is 0: not below zero
-        if top is None or bottom[0] < top[0] or (bottom[0] == top[0] and bottom[1] and top[1]):
-            neg = _magnitudes(bottom, top)
-            if neg is not None:
-                alts.append("-" + _group(neg))
-    return _alt(alts) if alts else None
 
 
 # ---- pattern -----------------------------------------------------------------------------------------------

@@ -1,14 +1,13 @@
-"""Prefill, the on-device decode loop, and the public `Engine` API.
+"""The public `Engine` API: load a target (+ drafter), compile, and generate for a batch of prompts.
 
-A whole generation is one compiled computation: chunked prefill, then `lax.while_loop` over speculative rounds
-until every request has hit a stop token or `max_new_tokens`. The streaming variant runs the same loop body
+A whole generation is one compiled computation (`programs`: chunked prefill, then `lax.while_loop` over speculative
+rounds until every request has hit a stop token or `max_new_tokens`). The streaming variant runs the same loop body
 `stream_every` rounds per call and hands the new tokens back in between.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -26,133 +25,13 @@ from kdtree_jax.constrain import device as cd
 from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary, TokenAutomaton
 from kdtree_jax.decode import budget as budget_mod
 from kdtree_jax.decode import sampling
-from kdtree_jax.decode.speculative import (
-    CACHE_ROW_ALIGN,
-    FINISH_LENGTH,
-    FINISH_NONFINITE,
-    FINISH_REASONS,
-    FINISH_STOP,
-    RUNNING,
-    DecodeSpec,
-    DecodeState,
-    RequestRows,
-    choose_tokens,
-    drafter_pass,
-    is_stop_token,
-    speculative_round,
-)
-from kdtree_jax.model.drafter import DrafterCache
-from kdtree_jax.model.target import LatentCache, forward_prefill, forward_verify
+from kdtree_jax.decode.memory_fit import check_fits
+from kdtree_jax.decode.programs import decode_loop, generate_device, prefill
+from kdtree_jax.decode.speculative import CACHE_ROW_ALIGN, FINISH_REASONS, DecodeSpec, DecodeState, RequestRows
 from pallas_kernels import verify_attn_mgpu
 from pallas_kernels.verify_attn import BACKENDS as ATTN_BACKENDS
-from pallas_kernels.verify_attn import SM_COUNT
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Device side: prefill and the round loop (pure functions of modules + state)
-# ---------------------------------------------------------------------------------------------------------------
-def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: jax.Array, keys: jax.Array,
-            params: RequestRows, tables: cd.AutomatonTables | None = None,
-            start_state: jax.Array | None = None) -> DecodeState:
-    """Fill the target (and drafter) caches from right-padded prompts and pick the first token.
-
-    prompts: [Bt, prompt_cap] int32, prompt_len: [Bt], keys: [Bt, 2] raw PRNG keys, params: what each request asks
-    for; tables + start_state [Bt]: each row's automaton start state (`cd.FREE_STATE`: unconstrained), which
-    constrains the first token. Chunks run through the verify path (absorbed MLA, causal mask, the verify_attn kernel) when the spec uses
-    Pallas: a chunk at a traced start in plain MLA would expand every cache row through kv_b and materialise
-    [Bt, H, chunk, S] scores (~17 GB per layer for K2.6 at batch 8 and 32k); the kernel streams the prefix instead.
-    Without Pallas, plain MLA.
-    """
-    bt, cap = prompts.shape
-    chunk = spec.prefill_chunk
-    cache = LatentCache.zeros(target.cfg, bt, spec.capacity, target.cache_dtype)
-    draft_cache = None if drafter is None else DrafterCache.zeros(drafter.cfg, bt, spec.capacity, drafter.compute_dtype)
-    dummy_bonus = jnp.zeros((bt,), jnp.int32)
-
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (bt, chunk, chunk))
-
-    def one_chunk(carry, c):
-        cache, draft_cache, last = carry
-        start = c * chunk
-        tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
-        valid = start + jnp.arange(chunk)[None, :] < prompt_len[:, None]  # [Bt, chunk]
-        if spec.use_pallas:  # a causal "tree" over the cached prefix: flash-style kernel, no [S]-sized temporaries
-            positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (bt, chunk))
-            out = forward_verify(target, tokens, positions, jnp.full((bt,), start, jnp.int32), causal, cache,
-                                 taps=spec.taps, use_pallas=True, valid=valid, attn_backend=spec.attn_backend)
-        else:
-            out = forward_prefill(target, tokens, start, cache, taps=spec.taps, valid=valid)
-        row = prompt_len - 1 - start  # [Bt] the prompt's last row, if it is in this chunk
-        here = (row >= 0) & (row < chunk)
-        logits = jnp.take_along_axis(out.logits, jnp.clip(row, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-        last = jnp.where(here[:, None], logits, last)
-        if draft_cache is not None:  # commit the chunk's features; the block drafted alongside is discarded
-            n_ctx = jnp.clip(prompt_len - start, 0, chunk)
-            _, _, draft_cache = drafter_pass(spec, drafter, target, draft_cache, out.hidden, n_ctx, dummy_bonus)
-        return (out.cache, draft_cache, last), None
-
-    last0 = jnp.zeros((bt, target.cfg.vocab_size), jnp.float32)
-    (cache, draft_cache, last), _ = jax.lax.scan(one_chunk, (cache, draft_cache, last0), jnp.arange(cap // chunk))
-
-    first_keys = sampling.position_keys(jax.random.wrap_key_data(keys), (prompt_len - 1)[:, None])
-    start = None if tables is None else start_state.astype(jnp.int32)
-    first = choose_tokens(last[:, None, :], params.sampling, first_keys, spec.top_k_cap, tables,
-                          None if start is None else start[:, None])[:, 0]
-    state_after = None if tables is None else cd.next_state(tables, start, first)
-    tokens = jnp.zeros((bt, spec.capacity), jnp.int32).at[:, :cap].set(prompts)
-    tokens = jax.vmap(lambda t, i, v: t.at[i].set(v))(tokens, prompt_len, first)
-    is_stop = is_stop_token(first[:, None], params.stop_ids)[:, 0]
-    nonfinite = ~jnp.all(jnp.isfinite(last), axis=-1)
-    finish = jnp.where(nonfinite, FINISH_NONFINITE, jnp.where(
-        is_stop, FINISH_STOP, jnp.where(params.max_new_tokens <= 1, FINISH_LENGTH, RUNNING)))
-
-    depth, k = max(spec.depth, 1), spec.top_k
-    lp = jnp.zeros((bt, depth, k), jnp.float32)
-    ids = jnp.zeros((bt, depth, k), jnp.int32)
-    if drafter is not None:
-        feat = jnp.zeros((bt, 1, drafter.cfg.feature_dim), cache.dtype)
-        first_allowed = None if tables is None else cd.allowed_mask(tables, state_after)
-        lp, ids, draft_cache = drafter_pass(spec, drafter, target, draft_cache, feat, jnp.zeros((bt,), jnp.int32), first,
-                                            first_allowed)
-    return DecodeState(
-        tokens=tokens,
-        length=prompt_len.astype(jnp.int32),
-        prompt_len=prompt_len.astype(jnp.int32),
-        n_generated=jnp.where(nonfinite, 0, 1).astype(jnp.int32),
-        finish=finish.astype(jnp.int32),
-        cache=cache,
-        draft_cache=draft_cache,
-        draft_lp=lp,
-        draft_ids=ids,
-        keys=keys,
-        params=params,
-        round=jnp.int32(0),
-        accept_len=jnp.zeros((bt, spec.max_rounds), jnp.int32),
-        constraint_state=state_after,
-    )
-
-
-def decode_loop(spec: DecodeSpec, target, drafter, state: DecodeState, round_limit: jax.Array,
-                tables: cd.AutomatonTables | None = None) -> DecodeState:
-    """Rounds on the device until every request is done or `round_limit` rounds have run in total."""
-
-    def cond(s: DecodeState):
-        return (s.round < jnp.minimum(round_limit, spec.max_rounds)) & jnp.any(~s.done)
-
-    body = functools.partial(speculative_round, spec, target, drafter, tables=tables)
-    return jax.lax.while_loop(cond, body, state)
-
-
-def generate_device(spec, target, drafter, prompts, prompt_len, keys, params, tables=None,
-                    start_state=None) -> DecodeState:
-    """Prefill + every round: one compiled computation."""
-    state = prefill(spec, target, drafter, prompts, prompt_len, keys, params, tables, start_state)
-    return decode_loop(spec, target, drafter, state, jnp.int32(spec.max_rounds), tables)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Host side: the public API
-# ---------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class GenerationStats:
     rounds: int  # rounds run (max over the batch)
@@ -232,54 +111,6 @@ class GenerationStream:
 class ContextTooLongError(ValueError):
     """A prompt plus max_new_tokens does not fit the model's context."""
 
-
-class ResourceLimitError(ValueError):
-    """A generation whose caches and activations would not fit the device's free memory."""
-
-
-def estimate_bytes(spec: DecodeSpec, target, drafter) -> dict[str, int]:
-    """Device bytes a generation allocates beyond the weights: caches plus the larger of prefill and verify
-    activations (logits, attention scores unless the kernel streams them, and MoE intermediates of one forward as
-    the dense path would hold them, x2 for temporaries)."""
-    cfg = target.cfg
-    bt, cap = spec.batch, spec.capacity
-    itemsize = jnp.dtype(target.cache_dtype).itemsize
-    act = jnp.dtype(target.dtype).itemsize
-    out = {"latent cache": cfg.num_hidden_layers * bt * cap * cfg.latent_dim * itemsize}
-    if drafter is not None and spec.mode != "ar":
-        d = drafter.cfg
-        out["drafter cache"] = 2 * d.num_hidden_layers * bt * cap * d.num_key_value_heads * d.head_dim * act
-
-    def forward(tokens: int, keys: int) -> int:
-        logits = bt * tokens * cfg.vocab_size * 4
-        # the verify_attn kernel (verify and, with Pallas, prefill chunks) streams the cached keys: no [Bt, H, T, S]
-        # scores; its wgmma path keeps the [Bt, T, H, T] tree block and fp32 split partials (about two waves of
-        # 64-row programs at most, or the rows themselves)
-        heads = cfg.num_attention_heads
-        partials = max(bt * tokens * heads, 2 * SM_COUNT * verify_attn_mgpu.ROWS) * cfg.kv_lora_rank * 4
-        if spec.use_pallas:
-            scores = bt * heads * tokens * (tokens + 2) * 4 + partials
-        else:
-            scores = bt * heads * tokens * keys * 4
-        moe = bt * tokens * max(cfg.n_routed_experts, 1) * max(cfg.moe_intermediate_size, 1) * act
-        hidden = bt * tokens * max(cfg.intermediate_size, cfg.hidden_size) * act * 4
-        return 2 * (logits + scores + moe + hidden)
-
-    out["activations"] = max(forward(spec.prefill_chunk, cap), forward(spec.n_slots, cap))
-    return out
-
-
-def free_device_bytes() -> tuple[int, str]:
-    """Free memory of the default device (GPU: allocator limit minus use; CPU: the host's available memory)."""
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), str(dev)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, f"{dev} (host memory)"
-    return 1 << 62, str(dev)
 
 
 class Engine:
@@ -593,29 +424,8 @@ class Engine:
         )
 
     def _check_fits(self, spec: DecodeSpec) -> None:
-        """Refuse, before anything compiles, a generation whose estimate (`estimate_bytes`) exceeds the limit:
-        `memory_limit_bytes`, else the device's free memory. The message gives both in bytes (a human unit beside
-        them: tiny models need a few MiB, which GiB rounds to 0.00) and what to lower."""
-        need = estimate_bytes(spec, self.target, self.drafter if spec.mode != "ar" else None)
-        total = sum(need.values())
-        if self.memory_limit_bytes is not None:
-            limit = self.memory_limit_bytes
-            has = f"memory_limit_bytes is {limit} bytes ({_human_bytes(limit)})"
-        else:
-            limit, where = free_device_bytes()
-            has = f"{where} has {limit} bytes ({_human_bytes(limit)}) free"
-        if total > limit:
-            parts = ", ".join(f"{k} {v} bytes" for k, v in need.items())
-            lower = [f"the budget ({spec.budget}; activations grow with the {spec.n_slots} tokens verified per round)"]
-            lower = (lower if spec.mode == "ddtree" else []) + [
-                f"the batch size ({spec.batch})",
-                f"the context (prompt padded to {spec.prompt_cap} + max_new_tokens {spec.max_new_tokens}: "
-                f"{spec.capacity} cache rows per request)"]
-            raise ResourceLimitError(
-                f"mode {spec.mode}, batch {spec.batch} x {spec.capacity} cache rows needs about {total} bytes "
-                f"({_human_bytes(total)}: {parts}) but {has}; "
-                f"lower {', '.join(lower[:-1])} or {lower[-1]}"
-            )
+        """Refuse, before anything compiles, a generation that does not fit (`memory_fit.check_fits`)."""
+        check_fits(spec, self.target, self.drafter if spec.mode != "ar" else None, self.memory_limit_bytes)
 
     def _result(self, spec: DecodeSpec, state: DecodeState, wall: float, compile_s: float,
                 budget_source: str = "fixed") -> GenerationResult:
@@ -657,12 +467,6 @@ def _new_tokens(state: DecodeState, sent: np.ndarray) -> tuple[list[list[int]], 
     new = [tokens[b, plen[b] + sent[b] : plen[b] + ngen[b]].tolist() for b in range(tokens.shape[0])]
     return new, ngen.astype(np.int64)
 
-
-def _human_bytes(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def _pow2_at_least(n: int) -> int:

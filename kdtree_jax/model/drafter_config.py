@@ -1,7 +1,7 @@
 """DFlash drafter configuration read from a z-lab drafter `config.json` (Qwen3-style fields + `dflash_config`).
 
-`DrafterConfig.from_hf_dict` is the only place that knows the HF field names; every missing or bad field is a
-`ConfigError` naming it. The rotary tables (`inv_freq`, `rope_amplitude`) are derived here in float64 so the JAX
+`DrafterConfig.from_hf_dict` is the only place that knows the HF field names (the rope keys' two spellings are
+`rope_config`'s); every missing or bad field is a `ConfigError` naming it. The rotary tables (`inv_freq`, `rope_amplitude`) are derived here in float64 so the JAX
 drafter and the numpy reference share one definition of the *config*, not of the forward.
 """
 from __future__ import annotations
@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from kdtree_jax.model.config import ConfigError, ModelConfig, read_config_json
+from kdtree_jax.model.config import ConfigError, ModelConfig
+from kdtree_jax.model.hf_config import read_config_json
+from kdtree_jax.model.rope_config import read_rope
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -267,7 +269,7 @@ def _from_hf_dict(raw: Any, source: str, yarn_amplitude: str, sliding_causal: bo
     if window is None:  # HF Qwen3Config drops sliding_window when it is off; those layers then attend fully
         layer_types = [FULL_ATTENTION if t == SLIDING_ATTENTION else t for t in layer_types]
     is_causal = get("is_causal", bool, None)
-    theta, yarn = _rope_from_hf(raw, source)
+    theta, yarn = read_rope(raw, f"{source}: ", _yarn_from_hf, _describe, None, legacy="is the legacy rope_theta")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -300,43 +302,6 @@ def _from_hf_dict(raw: Any, source: str, yarn_amplitude: str, sliding_causal: bo
     )
 
 
-# transformers >= 5 (src/transformers/modeling_rope_utils.py) writes `rope_parameters` = {rope_type, rope_theta, ...};
-# z-lab drafter configs and transformers < 5 write top-level `rope_theta` + `rope_scaling`.
-ROPE_OBJECTS = ("rope_parameters", "rope_scaling")
-_ROPE_TYPE_KEYS = ("rope_type", "type")
-_ROPE_OTHER_KEYS = ("rope_theta", "partial_rotary_factor")
-
-
-def _rope_from_hf(raw: dict, source: str) -> tuple[float, DrafterYarn | None]:
-    """rope_theta and YaRN from either spelling; where both spell a value they must agree (transformers 5 lets a
-    legacy rope_scaling win over rope_parameters, transformers 4 never reads rope_parameters)."""
-    objects = {}
-    for name in ROPE_OBJECTS:
-        value = raw.get(name)
-        if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"{source}: {name} must be an object or null")
-        if value is not None:
-            objects[name] = value
-    thetas = [(f"{name}.rope_theta", d["rope_theta"]) for name, d in objects.items() if d.get("rope_theta") is not None]
-    if raw.get("rope_theta") is not None:
-        thetas.append(("rope_theta", raw["rope_theta"]))
-    if not thetas:  # transformers' Qwen3Config takes 10000, Qwen3 checkpoints 1e6 (Qwen/Qwen3-8B config.json): no guess
-        raise ConfigError(f"{source}: rope_parameters is missing (and so is the legacy rope_theta): the rotary base "
-                          "rope_theta is unknown")
-    for field, value in thetas:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{source}: {field} must be a number, got {value!r}")
-    (field, theta), *others = thetas
-    for other, value in others:
-        if value != theta:
-            raise ConfigError(f"{source}: {field} ({theta}) and {other} ({value}) disagree; remove one of them")
-    yarns = [(name, _yarn_from_hf(d, f"{source}: {name}")) for name, d in objects.items()]
-    if len(yarns) == 2 and yarns[0][1] != yarns[1][1]:
-        (a, ya), (b, yb) = yarns
-        raise ConfigError(f"{source}: {a} ({_describe(ya)}) and {b} ({_describe(yb)}) disagree; remove one of them")
-    return float(theta), yarns[0][1] if yarns else None
-
-
 def _describe(yarn: DrafterYarn | None) -> str:
     if yarn is None:
         return "plain RoPE"
@@ -344,14 +309,11 @@ def _describe(yarn: DrafterYarn | None) -> str:
 
 
 def _yarn_from_hf(rs: dict, label: str) -> DrafterYarn | None:
-    """One rope object (`label` names it): YaRN, or None for plain RoPE."""
+    """One rope object (`label` names it; `read_rope` has refused unknown keys): YaRN, or None for plain RoPE."""
     fields = {f.name for f in dataclasses.fields(DrafterYarn)}
-    unknown = sorted(set(rs) - fields - set(_ROPE_TYPE_KEYS) - set(_ROPE_OTHER_KEYS))
-    if unknown:
-        raise ConfigError(f"{label} has fields {unknown} that are not supported")
     if rs.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ConfigError(f"{label}.partial_rotary_factor {rs['partial_rotary_factor']!r} is not supported")
-    kinds = {rs[k] for k in _ROPE_TYPE_KEYS if rs.get(k) is not None}
+    kinds = {rs[k] for k in ("rope_type", "type") if rs.get(k) is not None}
     if len(kinds) > 1:
         raise ConfigError(f"{label}.rope_type {rs['rope_type']!r} disagrees with its type {rs['type']!r}")
     scaling = sorted(k for k in fields if rs.get(k) is not None)
