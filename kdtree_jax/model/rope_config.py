@@ -57,15 +57,17 @@ def read_rope[T](table: dict, where: str, parse: Callable[[dict, str], T], descr
         # transformers falls back to 10000, but every config it writes carries rope_theta (inside rope_parameters
         # since 5.0) and real bases differ (Kimi 50000, Qwen3 1e6): a config without one has an unknown base
         raise ConfigError(f"{where}rope_parameters is missing (and so {legacy}): the rotary base rope_theta is unknown")
+    prefix = where.split(": ", 1)[1] if ": " in where else ""  # the field path within the file, for a second field
     (field, theta), *others = thetas
     for other, value in others:
         if value != theta:
-            raise ConfigError(f"{where}{field} ({theta}) and {other} ({value}) disagree; remove one of them")
+            raise ConfigError(f"{where}{field} ({theta}) and {prefix}{other} ({value}) disagree; remove one of them")
     theta = float(theta)
     if theta <= 1.0:
         raise ConfigError(f"{where}{field} must be > 1, got {theta}")
     scalings = [(name, parse(d, f"{where}{name}")) for name, d in objects.items()]
     if len(scalings) == 2 and scalings[0][1] != scalings[1][1]:
         (a, ra), (b, rb) = scalings
-        raise ConfigError(f"{where}{a} ({describe(ra)}) and {b} ({describe(rb)}) disagree; remove one of them")
+        raise ConfigError(f"{where}{a} ({describe(ra)}) and {prefix}{b} ({describe(rb)}) disagree; remove one of "
+                          "them")
     return theta, scalings[0][1] if scalings else plain
