@@ -46,8 +46,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 MODES = ("ddtree", "chain", "ar")
 
 
-def add_model_flags(group, *, mesh_help: str = "") -> None:
-    """The flags that pick the pair, its dtype, the device layout and the attention kernel."""
+def add_model_flags(group, *, kernels=None, mesh_help: str = "") -> None:
+    """The flags that pick the pair, its dtype, the device layout and the attention kernel (in `kernels` where the
+    program groups its kernel flags apart)."""
     group.add_argument("--checkpoint", "--model", dest="checkpoint", default=DEFAULT_TARGET,
                        help="target: an HF safetensors directory (converted on the fly) or a converted checkpoint")
     group.add_argument("--drafter", "--speculative-model", dest="drafter", default=None,
@@ -57,10 +58,11 @@ def add_model_flags(group, *, mesh_help: str = "") -> None:
     group.add_argument("--mesh", default=None,
                        help=f"device layout as data x tensor x expert, e.g. 1x8x1 or 2x4{mesh_help}; default: one "
                             "device")
-    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                       help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16 cache, "
-                            "query rows padded to 64-row tiles) or auto = mosaic on an H100/H200 where the tokens x "
-                            "heads of a request fill whole tiles (e.g. 64 heads)")
+    kernels = group if kernels is None else kernels
+    kernels.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                         help="verify_attn kernel: triton (any GPU, any shape), mosaic (Hopper wgmma; bf16/fp16 "
+                              "cache, query rows padded to 64-row tiles) or auto = mosaic on an H100/H200 where the "
+                              "tokens x heads of a request fill whole tiles (e.g. 64 heads)")
 
 
 def add_mode_flags(group) -> None:

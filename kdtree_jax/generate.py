@@ -44,7 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=CACHE_HELP,
     )
     io = p.add_argument_group("model")
-    add_model_flags(io)
     pr = p.add_argument_group("prompts")
     pr.add_argument("--prompt", action="append", default=None,
                     help=f"prompt text (repeatable); default without any prompt flag: {DEFAULT_PROMPT!r}")
@@ -71,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="one JSON object per prompt per line, in prompt order")
     out.add_argument("--stream-every", type=int, default=1, help="rounds between streamed updates")
     kn = p.add_argument_group("kernels")
+    add_model_flags(io, kernels=kn)
     kn.add_argument("--no-pallas", action="store_true", help="jnp attention instead of the verify_attn kernel")
     return p
 
