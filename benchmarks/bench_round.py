@@ -59,6 +59,7 @@ from flax import nnx  # noqa: E402
 
 from kdtree_jax.decode import sampling  # noqa: E402
 from kdtree_jax.decode.engine import Engine  # noqa: E402
+from kdtree_jax.decode.params import RequestParams  # noqa: E402
 from kdtree_jax.decode.programs import prefill  # noqa: E402
 from kdtree_jax.decode.speculative import (  # noqa: E402
     DecodeSpec,
@@ -348,9 +349,10 @@ class Bench:
 
     def rows(self, batch: int) -> RequestRows:
         """Every request's decoding rule, token limit and stop ids, as the engine passes them to prefill."""
-        rule = sampling.SamplingParams(temperature=self.args.temperature, top_p=self.args.top_p)
+        rule = RequestParams(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
+                             top_p=self.args.top_p)
         stop = self.engine.stop_ids
-        return RequestRows.of([rule] * batch, [self.args.max_new_tokens] * batch, [stop] * batch, len(stop))
+        return RequestRows.of([rule] * batch, [stop] * batch, len(stop))
 
     def _prefill_lowered(self, spec: DecodeSpec):
         """The engine's prefill on the first `batch` held-out prompts: (lowered program, its arguments)."""

@@ -31,8 +31,8 @@ from engine_utils import drafter_config, random_drafter  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdtree_jax.checkpoint.weights import init_random  # noqa: E402
-from kdtree_jax.decode import sampling  # noqa: E402
 from kdtree_jax.decode.engine import Engine  # noqa: E402
+from kdtree_jax.decode.params import RequestParams  # noqa: E402
 from kdtree_jax.decode.programs import decode_loop, prefill  # noqa: E402
 from kdtree_jax.decode.speculative import RequestRows  # noqa: E402
 from kdtree_jax.model import config  # noqa: E402
@@ -45,7 +45,7 @@ def cache_copies(mode: str, use_pallas: bool, batch: int = 3) -> list[tuple[str,
     target, drafter = init_random(CFG, seed=0), random_drafter(drafter_config(CFG), 0)
     engine = Engine(target, drafter, use_pallas=use_pallas)
     spec = engine.spec_for(mode=mode, batch=batch, prompt_len=12, max_new_tokens=40, budget=16)
-    rows = RequestRows.of([sampling.SamplingParams()] * batch, [40] * batch, [engine.stop_ids] * batch, 1)
+    rows = RequestRows.of([RequestParams(max_new_tokens=40)] * batch, [engine.stop_ids] * batch, 1)
     (tg, ts), (dg, ds) = nnx.split(target), nnx.split(drafter)
     d = None if mode == "ar" else dg
 

@@ -50,7 +50,7 @@ from bench_kimi_layer import build_model, random_module  # noqa: E402
 from bench_util import median_s, write_results  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kdtree_jax.decode import sampling  # noqa: E402
+from kdtree_jax.decode.params import RequestParams  # noqa: E402
 from kdtree_jax.decode.programs import decode_loop, prefill  # noqa: E402
 from kdtree_jax.decode.speculative import DecodeSpec, RequestRows  # noqa: E402
 from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
@@ -143,8 +143,8 @@ def main(argv=None):
         def merged(ts, ds):
             return nnx.merge(t_graph, ts), (nnx.merge(d_graph, ds) if uses_drafter else None)
 
-        rows = RequestRows.of([sampling.SamplingParams()] * args.batch, [spec.max_new_tokens] * args.batch,
-                              [()] * args.batch, 1)  # greedy, no stop id: every round runs
+        rows = RequestRows.of([RequestParams(max_new_tokens=spec.max_new_tokens)] * args.batch, [()] * args.batch,
+                              1)  # greedy, no stop id: every round runs
         pre = jax.jit(lambda ts, ds, p, n, k: prefill(spec, *merged(ts, ds), p, n, k, rows))
         loop = jax.jit(lambda ts, ds, st, r: decode_loop(spec, *merged(ts, ds), st, r))
         tc = time.perf_counter()

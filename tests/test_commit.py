@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from kdtree_jax.decode import sampling
+from kdtree_jax.decode.params import RequestParams
 from kdtree_jax.decode.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
@@ -74,8 +74,7 @@ def build(rows: list[Row]):
         tokens[b, : r.length] = 100 + b  # prompt and earlier tokens
         tokens[b, r.length] = r.emitted[0]  # the root sits at the root's position
     accept_len = np.tile(np.array([3, 2, 0, 0], np.int32), (bt, 1))  # rounds 0 and 1 already committed
-    params = RequestRows.of([sampling.SamplingParams()] * bt, [r.max_new for r in rows], [r.stop for r in rows],
-                            N_STOP)
+    params = RequestRows.of([RequestParams(max_new_tokens=r.max_new) for r in rows], [r.stop for r in rows], N_STOP)
     state = DecodeState(
         tokens=tokens,
         length=np.array([r.length for r in rows], np.int32),
@@ -103,7 +102,7 @@ def test_stop_table_pads_with_minus_one():
     np.testing.assert_array_equal(np.asarray(params.stop_ids)[:4],
                                   [[9, PAD, PAD], [9, PAD, PAD], [7, 8, PAD], [PAD, PAD, PAD]])
     with pytest.raises(ValueError, match="request 0 has 4 stop ids; the table holds 3"):
-        RequestRows.of([sampling.SamplingParams()], [4], [(1, 2, 3, 4)], N_STOP)
+        RequestRows.of([RequestParams(max_new_tokens=4)], [(1, 2, 3, 4)], N_STOP)
 
 
 def test_padding_never_matches_a_token():

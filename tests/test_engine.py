@@ -158,7 +158,7 @@ def test_streaming_equals_one_shot(grouped, rng):
 def test_one_compiled_computation_without_host_callbacks(grouped, rng, monkeypatch):
     eng = grouped  # test_greedy_modes_equal_ar's ddtree program
     prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
-    run = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=10, budget=4))
+    run = eng._prepare(prompts, engine_mod.DecodeOptions.of(max_new_tokens=10, budget=4))
     spec = run.spec
 
     def fn(t_state, d_state, *inputs):
@@ -272,7 +272,7 @@ def test_sampling_matches_target_distribution(mode, rng):
 def test_generation_that_does_not_fit_is_refused_up_front(grouped, rng, monkeypatch):
     eng = grouped  # test_greedy_modes_equal_ar's ddtree program
     prompts = _prompts(rng, eng.target.cfg.vocab_size, 4)
-    spec = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=10, budget=4)).spec
+    spec = eng._prepare(prompts, engine_mod.DecodeOptions.of(max_new_tokens=10, budget=4)).spec
     need = estimate_bytes(spec, eng.target, eng.drafter)
     cfg = eng.target.cfg
     assert need["latent cache"] == cfg.num_hidden_layers * 4 * spec.capacity * cfg.latent_dim * 4
@@ -293,7 +293,7 @@ def _refusal(eng, monkeypatch, prompts, small, big, set_limit=None):
     may be compiled or fetched."""
     specs = {}
     for name, kw in (("small", small), ("big", big)):
-        specs[name] = eng._prepare(prompts, engine_mod.DecodeOptions(**kw)).spec
+        specs[name] = eng._prepare(prompts, engine_mod.DecodeOptions.of(**kw)).spec
     need = {k: estimate_bytes(s, eng.target, eng.drafter if s.mode != "ar" else None) for k, s in specs.items()}
     fits = sum(need["small"].values())
     assert sum(need["big"].values()) > fits
@@ -436,7 +436,7 @@ def test_prefill_through_the_verify_kernel_equals_plain_mla(rng):
     states = {}
     for use_pallas in (True, False):
         eng = Engine(target, drafter, None, use_pallas=use_pallas, prefill_chunk=8)
-        run = eng._prepare(prompts, engine_mod.DecodeOptions(max_new_tokens=6, budget=4))
+        run = eng._prepare(prompts, engine_mod.DecodeOptions.of(max_new_tokens=6, budget=4))
         spec, lens = run.spec, run.inputs[1]
         assert spec.prompt_cap // spec.prefill_chunk == 3
         states[use_pallas] = jax.jit(lambda *x, spec=spec: programs.prefill(spec, target, drafter, *x))(*run.inputs)

@@ -11,8 +11,8 @@ from script_loader import load_script
 
 import pallas_kernels._pallas as pallas_mod
 from kdtree_jax.checkpoint.weights import init_random
-from kdtree_jax.decode import sampling
 from kdtree_jax.decode.engine import Engine
+from kdtree_jax.decode.params import RequestParams
 from kdtree_jax.decode.programs import generate_device
 from kdtree_jax.decode.speculative import RequestRows
 from kdtree_jax.model import config
@@ -47,7 +47,7 @@ def test_generation_program_lowers_for_h200(monkeypatch, rng, mode, dtype):
     engine = Engine(target, drafter)
     spec = engine.spec_for(mode=mode, batch=3, prompt_len=12, max_new_tokens=20, budget=16)
     (tg, ts), (dg, ds) = nnx.split(target), nnx.split(drafter)
-    rows = RequestRows.of([sampling.SamplingParams(temperature=0.7, top_k=5, top_p=0.9)] * 3, [20] * 3,
+    rows = RequestRows.of([RequestParams(max_new_tokens=20, temperature=0.7, top_k=5, top_p=0.9)] * 3,
                           [engine.stop_ids] * 3, 2)
 
     def fn(ts, ds, prompts, lens, keys, rows):

@@ -22,7 +22,6 @@ from engine_utils import drafter_config, random_drafter
 
 from kdtree_jax.checkpoint.weights import init_random, random_hf_weights
 from kdtree_jax.decode.engine import ContextTooLongError, Engine
-from kdtree_jax.decode.sampling import SamplingParams
 from kdtree_jax.model import config
 from kdtree_jax.model.config import ConfigError
 from kdtree_jax.oracles.reference import reference_forward
@@ -391,10 +390,12 @@ def test_mismatched_drafter_refused_naming_the_field(small, change, match):
     assert isinstance(info.value, ValueError)
 
 
-def test_nan_temperature_refused():
-    """Checked on SamplingParams, which Engine.generate builds from its arguments before anything else runs."""
+def test_nan_temperature_refused(small):
+    """Checked by `RequestParams.check_sampling`, which Engine.generate runs before anything compiles."""
+    eng = Engine(small.engine.target, small.engine.drafter, None)
     with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=float("nan"))
+        eng.generate([[3]], 4, temperature=float("nan"))
+    assert not eng._compiled
 
 
 class _CharTokenizer:

@@ -1,13 +1,15 @@
 """The sampling filters: the same tokens as the plain formulation (argsort, and argsort again to undo it), with each
-filter's cost paid only when some row asks for the filter."""
+filter's cost paid only when some row asks for the filter; the checks of a request's sampling fields."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kdtree_jax.decode import sampling
-from kdtree_jax.decode.sampling import SamplingParams, SamplingRows
+from kdtree_jax.decode.params import ParamError, RequestParams
+from kdtree_jax.decode.sampling import SamplingRows
 
 CAP = 8
 
@@ -43,9 +45,9 @@ def _logits(rng, shape) -> np.ndarray:
 
 
 def test_filters_equal_the_plain_formulation_bit_for_bit(rng):
-    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
-              SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=0.5, top_k=3, top_p=0.6),
-              SamplingParams(temperature=2.0, top_p=0.05), SamplingParams(temperature=1.0, top_k=CAP)]
+    params = [RequestParams(), RequestParams(temperature=1.0), RequestParams(temperature=0.7, top_p=0.9),
+              RequestParams(temperature=1.3, top_k=5), RequestParams(temperature=0.5, top_k=3, top_p=0.6),
+              RequestParams(temperature=2.0, top_p=0.05), RequestParams(temperature=1.0, top_k=CAP)]
     logits = _logits(rng, (len(params), 3, 64))
     for batch in (params, params[:2], params[1:2], params[3:5]):  # every filter, one of them, none
         rows = SamplingRows.of(batch)
@@ -87,7 +89,7 @@ def test_each_filter_runs_only_when_a_row_asks_for_it():
     """Top-k and top-p's sort sit in branches of a conditional on the rows, so a batch with neither pays for neither
     (on a CPU they cost more than the draw), and no branch sorts the vocabulary twice (once to order it, again to
     undo the order)."""
-    rows = SamplingRows.of([SamplingParams(temperature=1.0)])
+    rows = SamplingRows.of([RequestParams(temperature=1.0)])
     logits = jnp.zeros((1, 3, 64), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, r: sampling.filtered_logits(x, r, CAP))(logits, rows).jaxpr
     found = _primitives(jaxpr)
@@ -95,3 +97,27 @@ def test_each_filter_runs_only_when_a_row_asks_for_it():
     assert filters and all(filters), found
     sorts = [sum(name == "sort" for name, _ in _primitives(branch)) for branch in _branches(jaxpr)]
     assert max(sorts) == 1, sorts
+
+
+@pytest.mark.parametrize("fields,cap,field,match", [
+    ({"temperature": float("nan")}, None, "temperature", "must be a finite number >= 0, got nan"),
+    ({"temperature": -1.0}, None, "temperature", "must be a finite number >= 0, got -1.0"),
+    ({"temperature": True}, None, "temperature", "must be a finite number >= 0, got True"),
+    ({"top_k": -1}, None, "top_k", r"must be an integer >= 0 \(0: off\), got -1"),
+    ({"top_k": 2.0}, None, "top_k", "must be an integer >= 0"),
+    ({"top_p": 0.0}, None, "top_p", r"must be in \(0, 1\], got 0.0"),
+    ({"top_p": float("nan")}, None, "top_p", r"must be in \(0, 1\], got nan"),
+    ({"top_k": CAP + 1}, CAP, "top_k", rf"must be <= {CAP} \(the compiled cap\), got {CAP + 1}"),
+])
+def test_sampling_checks_name_the_field(fields, cap, field, match):
+    """Construction checks nothing (each front raises its own error type at submit); `check_sampling` names the
+    field."""
+    params = RequestParams(**fields)
+    with pytest.raises(ParamError, match=match) as info:
+        params.check_sampling(cap)
+    assert info.value.field == field and str(info.value).startswith(field + " ")
+
+
+def test_sampling_checks_pass_in_range_values():
+    RequestParams(temperature=0.7, top_k=CAP, top_p=0.9).check_sampling(CAP)
+    RequestParams(top_k=np.int64(CAP + 1)).check_sampling()  # no cap: the engine sizes its program to top_k

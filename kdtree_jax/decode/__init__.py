@@ -1,1 +1,1 @@
-"""One speculative round and the batch engine: sampling, budgets, the round, the engine."""
+"""One speculative round and the batch engine: a request's parameters, sampling, budgets, the round, the engine."""

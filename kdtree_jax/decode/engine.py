@@ -26,6 +26,7 @@ from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, C
 from kdtree_jax.decode import budget as budget_mod
 from kdtree_jax.decode import sampling
 from kdtree_jax.decode.memory_fit import check_fits
+from kdtree_jax.decode.params import RequestParams
 from kdtree_jax.decode.programs import decode_loop, generate_device, prefill
 from kdtree_jax.decode.speculative import CACHE_ROW_ALIGN, FINISH_REASONS, DecodeSpec, DecodeState, RequestRows
 from pallas_kernels import verify_attn_mgpu
@@ -72,12 +73,12 @@ class GenerationResult:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """How to decode: the keyword arguments `Engine.generate` and `Engine.generate_stream` share."""
+    """How to decode a batch, from the keyword arguments `Engine.generate` and `Engine.generate_stream` share (`of`).
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
+    `request` gives every prompt its token limit and sampling rule. Seeds and constraints are the batch's own (one
+    for all prompts or one per prompt), so `request.seed` and `request.constraint` are unused."""
+
+    request: RequestParams = dataclasses.field(default_factory=RequestParams)
     mode: str = "ddtree"
     budget: int | str = budget_mod.DEFAULT_BUDGET  # DDTree node budget B, or "auto"
     seed: int | Sequence[int] = 0  # one seed (request i draws from fold_in(seed, i)) or one per request
@@ -85,6 +86,13 @@ class DecodeOptions:
     # structured output: a ConstraintSpec or TokenAutomaton for every prompt, or a list of them (None: that prompt
     # is free); the tables are data of the run (`constrain_device`), so no schema compiles a program
     constraint: Any = None
+
+    @classmethod
+    def of(cls, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           **batch) -> DecodeOptions:
+        """From the keyword arguments of `Engine.generate`; `batch` holds the fields other than `request`."""
+        return cls(RequestParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p),
+                   **batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,10 +258,10 @@ class Engine:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 64,
                  **options) -> GenerationResult:
         """Generate for a batch of prompts (text or token ids; a bare string is one prompt); one compiled computation
-        for all rounds. `options` are the fields of `DecodeOptions` (temperature, top_k, top_p, mode, budget, seed,
-        chat, constraint); budget "auto" is the measured best B for this device and batch size, or AR where the profile measured
-        AR faster (budget.py; `stats.mode` says what ran)."""
-        run = self._prepare(prompts, DecodeOptions(max_new_tokens=max_new_tokens, **options))
+        for all rounds. `options` are the arguments of `DecodeOptions.of` (temperature, top_k, top_p, mode, budget,
+        seed, chat, constraint); budget "auto" is the measured best B for this device and batch size, or AR where the
+        profile measured AR faster (budget.py; `stats.mode` says what ran)."""
+        run = self._prepare(prompts, DecodeOptions.of(max_new_tokens, **options))
         args = (*self.weights, *run.inputs)
         compiled, compile_s = self._compile(run.spec, "generate", *args)
         t0 = time.perf_counter()
@@ -268,7 +276,7 @@ class Engine:
         here, before anything runs."""
         if stream_every < 1:
             raise ValueError(f"stream_every must be >= 1, got {stream_every}")
-        run = self._prepare(prompts, DecodeOptions(max_new_tokens=max_new_tokens, **options))
+        run = self._prepare(prompts, DecodeOptions.of(max_new_tokens, **options))
         stream = GenerationStream()
         stream._chunks = self._stream_chunks(run, stream_every, stream)
         return stream
@@ -322,7 +330,8 @@ class Engine:
         if not ids:
             raise ValueError("no prompts given")
         cfg = self.target.cfg
-        max_new_tokens = options.max_new_tokens
+        request = options.request
+        max_new_tokens = request.max_new_tokens
         for i, p in enumerate(ids):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
@@ -340,9 +349,9 @@ class Engine:
             mode = "ar"
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
-        params = sampling.SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p)
+        request.check_sampling()
         spec = self.spec_for(mode=mode, batch=len(ids), prompt_len=max(map(len, ids)), max_new_tokens=max_new_tokens,
-                             budget=budget, top_k_cap=max(sampling.TOP_K_CAP, _pow2_at_least(params.top_k)))
+                             budget=budget, top_k_cap=max(sampling.TOP_K_CAP, _pow2_at_least(request.top_k)))
         self._check_fits(spec)
         arr = np.zeros((len(ids), spec.prompt_cap), np.int32)
         for i, p in enumerate(ids):
@@ -358,7 +367,7 @@ class Engine:
             keys = [jax.random.key(s) for s in seeds]
         keys = np.stack([np.asarray(jax.random.key_data(k)) for k in keys])
         stop = self.stop_ids
-        rows = RequestRows.of([params] * len(ids), [max_new_tokens] * len(ids), [stop] * len(ids), len(stop))
+        rows = RequestRows.of([request] * len(ids), [stop] * len(ids), len(stop))
         inputs = (jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(keys), jax.tree.map(jnp.asarray, rows))
         constraint = self.constraint_inputs(options.constraint, len(ids))
         return _PreparedRun(spec, inputs + constraint, source)

@@ -9,50 +9,14 @@ and alongside any other requests.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import numbers
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdtree_jax.decode.params import RequestParams
+
 TOP_K_CAP = 64  # the largest per-request top_k a compiled program accepts unless it is built with another cap
-
-
-class ParamError(ValueError):
-    """A decoding parameter out of range; `field` names it, `detail` says what is wrong with it."""
-
-    def __init__(self, field: str, detail: str):
-        super().__init__(f"{field} {detail}")
-        self.field, self.detail = field, detail
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """One request's decoding rule as the user gives it; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-
-    def __post_init__(self):
-        if not (_real(self.temperature) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ParamError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise ParamError("top_k", f"must be an integer >= 0 (0: off), got {self.top_k!r}")
-        if not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):  # also refuses NaN
-            raise ParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-
-    def check_cap(self, top_k_cap: int) -> None:
-        if self.top_k > top_k_cap:
-            raise ParamError("top_k", f"must be <= {top_k_cap} (the compiled cap), got {self.top_k}")
-
-
-def _real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @flax.struct.dataclass
@@ -64,7 +28,7 @@ class SamplingRows:
     top_p: jax.Array  # [Bt] float32 in (0, 1]; 1 = off
 
     @classmethod
-    def of(cls, params: list[SamplingParams]) -> "SamplingRows":
+    def of(cls, params: list[RequestParams]) -> "SamplingRows":
         return cls(temperature=np.array([p.temperature for p in params], np.float32),
                    top_k=np.array([p.top_k for p in params], np.int32),
                    top_p=np.array([p.top_p for p in params], np.float32))

@@ -17,6 +17,7 @@ import numpy as np
 
 from kdtree_jax.constrain import device as cd
 from kdtree_jax.decode import sampling
+from kdtree_jax.decode.params import RequestParams
 from kdtree_jax.model import cache_update
 from kdtree_jax.model.drafter import DrafterCache, draft
 from kdtree_jax.model.target import LatentCache, forward_verify
@@ -114,15 +115,16 @@ class RequestRows:
     stop_ids: jax.Array  # [Bt, n_stop] int32 token ids that end the request; -1 pads
 
     @classmethod
-    def of(cls, params: list[sampling.SamplingParams], max_new_tokens: list[int],
-           stop_ids: list[tuple[int, ...]], n_stop: int) -> "RequestRows":
+    def of(cls, params: list[RequestParams], stop_ids: list[tuple[int, ...]], n_stop: int) -> "RequestRows":
+        """The device rows of these requests. `stop_ids` come apart from `params`: the model's own stop ids join a
+        request's unless it ignores them."""
         table = np.full((len(params), max(n_stop, 1)), -1, np.int32)
         for i, ids in enumerate(stop_ids):
             if len(ids) > n_stop:
                 raise ValueError(f"request {i} has {len(ids)} stop ids; the table holds {n_stop}")
             table[i, : len(ids)] = ids
-        return cls(sampling=sampling.SamplingRows.of(params), max_new_tokens=np.asarray(max_new_tokens, np.int32),
-                   stop_ids=table)
+        return cls(sampling=sampling.SamplingRows.of(params),
+                   max_new_tokens=np.asarray([p.max_new_tokens for p in params], np.int32), stop_ids=table)
 
 
 @flax.struct.dataclass

@@ -1,5 +1,6 @@
-"""What a request is, from the server to the device: its parameters, the limits a serving engine sets, the one check
-every front runs before a request is sent, and what comes back (token deltas, the final record).
+"""What a request is, from the server to the device: its parameters (`RequestParams`, defined in `decode.params`
+because the batch engine and the device rows read them too), the limits a serving engine sets, the one check every
+front runs before a request is sent, and what comes back (token deltas, the final record).
 
 Every front checks with `check_request` against the engine's `RequestLimits`, so a bad request is refused where it
 was submitted, in the server process too, and never reaches a slot.
@@ -12,25 +13,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from kdtree_jax.constrain.automaton import ConstraintSpec
-from kdtree_jax.decode import sampling
 from kdtree_jax.decode.engine import ContextTooLongError
+from kdtree_jax.decode.params import ParamError, RequestParams
 from kdtree_jax.decode.speculative import RequestRows
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit: the request key is jax.random.key(seed)
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestParams:
-    """One request's parameters; all of them are runtime data."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None  # None: drawn from the engine's own generator
-    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's stop ids
-    ignore_eos: bool = False  # do not stop at the model's own stop ids
-    constraint: ConstraintSpec | None = None  # the output must match it (structured output, forced tool calls)
 
 
 class RequestError(ValueError):
@@ -131,8 +118,8 @@ def check_request(prompt: Sequence[int], params: RequestParams, limits: RequestL
             "prompt" if len(prompt) >= limits.max_context else "max_new_tokens",
             f"the prompt's {len(prompt)} tokens plus max_new_tokens {n} exceed max_context {limits.max_context}")
     try:
-        sampling.SamplingParams(params.temperature, params.top_k, params.top_p).check_cap(limits.top_k_cap)
-    except sampling.ParamError as e:
+        params.check_sampling(limits.top_k_cap)
+    except ParamError as e:
         raise RequestError(e.field, e.detail) from None
     extra = tuple(params.stop_token_ids)
     if not _token_ids(extra):
@@ -156,5 +143,4 @@ def check_request(prompt: Sequence[int], params: RequestParams, limits: RequestL
 
 def request_rows(params: list[RequestParams], stop_ids: list[tuple[int, ...]], n_stop: int) -> RequestRows:
     """The device's per-row decoding rule, token limit and stop ids of these requests."""
-    rules = [sampling.SamplingParams(p.temperature, p.top_k, p.top_p) for p in params]
-    return RequestRows.of(rules, [p.max_new_tokens for p in params], stop_ids, n_stop)
+    return RequestRows.of(params, stop_ids, n_stop)
