@@ -52,7 +52,7 @@ from flax import nnx  # noqa: E402
 from kdtree_jax.decode.engine import Engine  # noqa: E402
 from kdtree_jax.decode.speculative import aligned_rows  # noqa: E402
 from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
-from kdtree_jax.serving import RequestParams, RequestRecord, ServeConfig, ServingEngine  # noqa: E402
+from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine  # noqa: E402
 from kdtree_jax.serving.xla_options import CACHE_ENV, enable_compilation_cache  # noqa: E402
 from pallas_kernels.verify_attn import PAGE_SIZES  # noqa: E402
 
@@ -142,7 +142,7 @@ def run_request(core: ServingEngine, prompt: list[int], params: RequestParams) -
     while core.has_work:
         report = core.step()
         steps += 1
-        record = next((e for e in report.events if isinstance(e, RequestRecord) and e.request_id == rid), record)
+        record = next((e for e in report.records if e.request_id == rid), record)
     if record is None or record.finish_reason == "error":
         raise RequestFailed(record.error if record is not None else f"request {rid} never finished")
     ttft = record.first_token_time - record.submit_time

@@ -51,7 +51,7 @@ from kdtree_jax.decode.engine import Engine  # noqa: E402
 from kdtree_jax.decode.speculative import aligned_rows  # noqa: E402
 from kdtree_jax.model.config import kimi_k2_6, tiny  # noqa: E402
 from kdtree_jax.model.drafter import DFlashDrafter  # noqa: E402
-from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine, TokenDelta  # noqa: E402
+from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine  # noqa: E402
 from kdtree_jax.serving.xla_options import CACHE_ENV, enable_compilation_cache  # noqa: E402
 from pallas_kernels.verify_attn import PAGE_SIZES  # noqa: E402
 
@@ -171,7 +171,7 @@ def run_concurrency(core: ServingEngine, rng: np.random.Generator, args, vocab: 
         times.append(time.perf_counter() - t0)
         if report.active != c or report.width != c:
             raise RuntimeError(f"a timed step ran {report.active} requests over width {report.width}, not {c}")
-        tokens += sum(len(e.token_ids) for e in report.events if isinstance(e, TokenDelta))
+        tokens += sum(len(e.token_ids) for e in report.deltas)
     for rid in rids:
         core.cancel(rid)
     while core.has_work:

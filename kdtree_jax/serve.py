@@ -275,7 +275,7 @@ def load_core(args) -> ServingEngine:
     log.info("page pool: %s", core.capacity_summary())
     log.info("%d slots, max context %d tokens, %d prompt tokens prefilled per step, %d rounds per step; step per "
              "active slots: %s", cfg.max_slots, cfg.max_context, core.chunk_tokens, cfg.rounds_per_step,
-             ", ".join(f"{a}: {k.name}" for a, k in sorted(core.plan.items())))
+             ", ".join(f"{a}: {k.name}" for a, k in sorted(core.scheduler.kinds.items())))
     log.info("compiling %d prefill programs (chunk buckets %s, %s requests at once) and %d step programs "
              "(widths %s)", len(core.prefill_specs), core.buckets, core.prefill_sizes, len(core.step_keys), core.widths)
     t0 = time.perf_counter()

@@ -276,7 +276,7 @@ class StepLog:
 
     def __call__(self, report) -> None:
         if report.kind is not None:
-            self.steps.append((report.kind.name, report.active, frozenset(e.request_id for e in report.events)))
+            self.steps.append((report.kind.name, report.active, frozenset(e.request_id for e in [*report.deltas, *report.records])))
 
     def for_requests(self, ids: set) -> dict:
         """Step-kind histogram and mean active slots of the steps that carried any of these requests."""
@@ -336,7 +336,7 @@ async def run_setup(engine, setup: ServingSetup, points: list[LoadPoint], prompt
     programs = core.warm_up()
     warmup_s = time.perf_counter() - t0
     info = {"config": setup.name, "mode": setup.mode, "budget": _jsonable(setup.budget),
-            "plan": plan_summary(core.plan), "kind_at_one_slot": core.plan[1].name, "max_slots": max_slots,
+            "plan": plan_summary(core.scheduler.kinds), "kind_at_one_slot": core.scheduler.kinds[1].name, "max_slots": max_slots,
             "step_widths": core.widths,
             "max_context": core.config.max_context, "rounds_per_step": core.config.rounds_per_step,
             "warmup_s": warmup_s, "warmup_programs_s": programs}
@@ -358,7 +358,7 @@ async def run_setup(engine, setup: ServingSetup, points: list[LoadPoint], prompt
     await front.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # joins the worker: every step is in the log now
     for row, (results, _) in zip(rows, per_point):
         row.update(log.for_requests({r.request_id for r in results}))
-    return info, rows, per_point, core.plan[1]
+    return info, rows, per_point, core.scheduler.kinds[1]
 
 
 def generate_baseline(engine, kind, prompts, indices: list[int], args) -> dict:
@@ -698,8 +698,6 @@ class TraceStep:
 
 def run_steps(core, on_step=None, max_steps: int = 1_000_000) -> list[TraceStep]:
     """Step the engine while it has work; `on_step(steps so far)` runs before each step (it may submit)."""
-    from kdtree_jax.serving import RequestRecord, TokenDelta
-
     steps: list[TraceStep] = []
     while len(steps) < max_steps:
         if on_step is not None:
@@ -712,8 +710,8 @@ def run_steps(core, on_step=None, max_steps: int = 1_000_000) -> list[TraceStep]
         steps.append(TraceStep(
             t0, t1, rep.active, rep.width, rep.kind.name if rep.kind else None, rep.prefill_tokens, rep.preempted,
             core.cache.usage,
-            [(e.request_id, len(e.token_ids), e.time) for e in rep.events if isinstance(e, TokenDelta)],
-            [(e.request_id, e.finish_reason) for e in rep.events if isinstance(e, RequestRecord)]))
+            [(e.request_id, len(e.token_ids), e.time) for e in rep.deltas],
+            [(e.request_id, e.finish_reason) for e in rep.records]))
     return steps
 
 
@@ -975,7 +973,7 @@ def multi_turn_trace(args, tokenizer) -> tuple[list[int], list[list[int]], dict]
 def serve_conversations(core, system: list[int], users: list[list[int]], args) -> list[dict]:
     """Every conversation's turns through `core`; per request: turn, prompt and cached tokens, tokens shared with
     the conversation's previous turn (its whole context), TTFT, and the tokens it generated."""
-    from kdtree_jax.serving import RequestParams, RequestRecord
+    from kdtree_jax.serving import RequestParams
 
     n, turns = args.conversations, args.turns
     context = {c: list(system) for c in range(n)}
@@ -990,9 +988,7 @@ def serve_conversations(core, system: list[int], users: list[list[int]], args) -
     for c in range(n):
         submit(c, 0, 0)
     while core.has_work:
-        for e in core.step().events:
-            if not isinstance(e, RequestRecord):
-                continue
+        for e in core.step().records:
             c, t, shared = asked[e.request_id]
             out.append({"conversation": c, "turn": t, "prompt_tokens": e.prompt_tokens,
                         "cached_tokens": e.cached_tokens, "shared_tokens": shared, "finish_reason": e.finish_reason,

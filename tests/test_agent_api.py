@@ -348,4 +348,4 @@ def test_structured_outputs_of_the_shipped_pair_validate(served):
     pick = client.completions.create(model=MODEL, prompt="def f(x):\n    return", max_tokens=8, temperature=0,
                                      extra_body={"structured_outputs": {"choice": [" None", " x + 1", " True"]}})
     assert pick.choices[0].text in (" None", " x + 1", " True") and pick.choices[0].finish_reason == "stop"
-    assert core.layout.live == 0  # every placement freed with its request
+    assert core.automata.layout.live == 0  # every placement freed with its request

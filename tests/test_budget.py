@@ -294,7 +294,7 @@ def test_auto_plan_runs_ddtree_at_low_load_and_ar_at_high_load():
 def test_serving_engine_plan_follows_the_load(shipped):
     """ServingEngine's plan under budget="auto" with that profile: a tree at 1-5 running requests, ar above."""
     from kdtree_jax.serving import ServeConfig, ServingEngine
-    from kdtree_jax.serving.programs import StepKind
+    from kdtree_jax.decode.budget import StepKind
 
     eng0, _ = shipped
     eng = Engine(eng0.target, eng0.drafter, eng0.tokenizer,
@@ -302,9 +302,9 @@ def test_serving_engine_plan_follows_the_load(shipped):
     eng.checkpoint_names = eng0.checkpoint_names
     core = ServingEngine(eng, ServeConfig(max_slots=64, max_context=64, budget="auto", step_widths=(1, 64)))
     try:
-        assert core.plan[1] == StepKind("ddtree", 16)
-        assert {core.plan[a] for a in range(2, 6)} == {StepKind("ddtree", 4)}  # nearest measured: 2 and 4
-        assert {core.plan[a] for a in range(6, 65)} == {StepKind("ar")}  # 6/4 > 8/6: nearest is 8
+        assert core.scheduler.kinds[1] == StepKind("ddtree", 16)
+        assert {core.scheduler.kinds[a] for a in range(2, 6)} == {StepKind("ddtree", 4)}  # nearest measured: 2 and 4
+        assert {core.scheduler.kinds[a] for a in range(6, 65)} == {StepKind("ar")}  # 6/4 > 8/6: nearest is 8
     finally:
         core.shutdown()
 

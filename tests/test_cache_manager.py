@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kdtree_jax.serving.cache_manager import CacheManager, OutOfPagesError
-from kdtree_jax.serving.scheduler import Request, Scheduler
+from kdtree_jax.serving.plan import Request
+from kdtree_jax.serving.scheduler import Scheduler
 
 
 # ---- unit tests ------------------------------------------------------------------------------------------------

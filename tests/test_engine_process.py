@@ -250,7 +250,7 @@ class HangingCore:
             time.sleep(60)
         record = RequestRecord(request_id=rid, token_ids=[1], finish_reason="length", prompt_tokens=len(prompt),
                                accept_lengths=[], num_draft_tokens=0)
-        return StepReport(events=[TokenDelta(rid, [1], time.perf_counter()), record], kind=None, active=1,
+        return StepReport(deltas=[TokenDelta(rid, [1], time.perf_counter())], records=[record], kind=None, active=1,
                           admitted=0)
 
 

@@ -38,7 +38,7 @@ from kdtree_jax.serving import (
     ServingEngine,
     programs,
 )
-from kdtree_jax.serving.programs import StepKind
+from kdtree_jax.decode.budget import StepKind
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "kdtree-mini")
@@ -117,9 +117,9 @@ def _run(core: ServingEngine, schedule: dict[int, list[tuple[list[int], RequestP
         for prompt, params in schedule.get(i, []):
             ids[core.submit(prompt, params)] = (prompt, params)
         report = core.step()
-        assert report.width == (core.width_for(report.active) if report.active else 0)
+        assert report.width == (core.scheduler.width_for(report.active) if report.active else 0)
         kinds.append(report.kind)
-        records.update({e.request_id: e for e in report.events if isinstance(e, RequestRecord)})
+        records.update({e.request_id: e for e in report.records})
         _accounted(core, set(ids) - set(records) | held, set(records))
         i += 1
     held_pages = sum(len(core.cache.pages(rid)) for rid in held)
@@ -208,11 +208,10 @@ def test_preempted_requests_resume_with_exactly_their_tokens(tight, served, expe
         for prompt, params in schedule.get(i, []):
             ids[tight.submit(prompt, params)] = (prompt, params)
             live.add(max(ids))
-        for e in tight.step().events:
-            if isinstance(e, RequestRecord):
-                results[e.request_id] = e
-                live.discard(e.request_id)
-                ended.add(e.request_id)
+        for e in tight.step().records:
+            results[e.request_id] = e
+            live.discard(e.request_id)
+            ended.add(e.request_id)
         _accounted(tight, live, ended)
         sched = tight.scheduler
         now = {r.rid: r.num_preemptions for r in [*sched.waiting, *sched.prefilling, *sched.running]}
@@ -255,7 +254,7 @@ def _serve(core: ServingEngine, requests, check_cached=False) -> list[RequestRec
     for _ in range(MAX_STEPS):
         if not core.has_work:
             break
-        records.update({e.request_id: e for e in core.step().events if isinstance(e, RequestRecord)})
+        records.update({e.request_id: e for e in core.step().records})
         if check_cached:
             after = _cached_pages(core)
             changed = [k for k in before.keys() & after.keys() if before[k] != after[k]]
@@ -302,10 +301,10 @@ def _preempt_newest(core: ServingEngine) -> None:
     """Preempt the newest running request between steps, as `reserve` does when pages run out."""
     core._faults += core._settle()
     s = core.scheduler
-    slots = list(s.slots)
     victim = s._newest(s.running[0].group)
+    slot = s.slots.index(victim)
     s._preempt(victim)
-    core._release([victim], slots)
+    core.runner.release(slot)
 
 
 @pytest.mark.heavy
@@ -329,7 +328,7 @@ def test_a_preempted_request_resumes_from_its_own_cached_pages(served, expected)
         if step in (3, 5):  # after a few decode steps each: their reply's pages are cached by then
             _preempt_newest(served)
             preempted += 1
-        records.update({e.request_id: e for e in served.step().events if isinstance(e, RequestRecord)})
+        records.update({e.request_id: e for e in served.step().records})
         step += 1
     assert sum(records[rid].num_preemptions for rid in rids) == preempted == 2
     resumed_hits = served.resumed_prefix_hits - hits
@@ -525,7 +524,7 @@ def test_nothing_compiles_after_warm_up(served, expected):
             assert served.cancel(rid).finish_reason == "cancelled"
         results, _ = _run(served, schedule)
     assert events == []
-    assert ramp == [served.plan[a] for a in range(1, served.config.max_slots + 1)]
+    assert ramp == [served.scheduler.kinds[a] for a in range(1, served.config.max_slots + 1)]
     assert set(ramp) == set(served.kinds)
     assert len(results) == 24 and {r.finish_reason for r, *_ in results.values()} <= {"stop", "length"}
     assert {served.bucket_for(len(p)) for _, p, _ in results.values()} == set(served.buckets)
@@ -537,7 +536,7 @@ def test_nothing_compiles_after_warm_up(served, expected):
         for t in rec.token_ids:
             assert automaton.is_allowed(state, t), (spec, rec.token_ids)
             state = automaton.next_state(state, t)
-    assert served.layout.live == 0
+    assert served.automata.layout.live == 0
 
 
 # ---- pages and slots ---------------------------------------------------------------------------------------------
@@ -589,20 +588,20 @@ def test_random_submit_cancel_step_events_leak_no_page(served, expected, events)
                     report = served.step()
                 fail_next = False
                 if served.config.overlap and report.kind is not None:
-                    done([e for e in report.events if isinstance(e, RequestRecord)])
+                    done(report.records)
                     failed = set(served.running_ids())
                     report = served.step()  # settles the failed step first
-                    ended = {e.request_id: e.finish_reason for e in report.events if isinstance(e, RequestRecord)}
+                    ended = {e.request_id: e.finish_reason for e in report.records}
                     assert all(ended[rid] == "error" for rid in failed)
                 else:
-                    errors = [e for e in report.events if isinstance(e, RequestRecord) and e.finish_reason == "error"]
+                    errors = [e for e in report.records if e.finish_reason == "error"]
                     assert report.kind is None or (served.n_running == 0 and errors)  # no step: nothing to fail
             else:
                 report = served.step()
-            done([e for e in report.events if isinstance(e, RequestRecord)])
+            done(report.records)
         _accounted(served, set(requests) - set(finished), set(finished))
     while served.has_work:  # what is left runs to its end
-        done([e for e in served.step().events if isinstance(e, RequestRecord)])
+        done(served.step().records)
     assert served.n_running == 0 and served.n_waiting == 0
     assert served.cache.free_pages == served.num_pages
     assert set(finished) == set(requests)
@@ -620,18 +619,18 @@ def test_random_submit_cancel_step_events_leak_no_page(served, expected, events)
 @contextlib.contextmanager
 def _failing_steps(core: ServingEngine):
     """Every step program raises, as a device fault would, for the duration."""
-    saved = dict(core._programs)
+    saved = dict(core.runner._programs)
 
     def boom(*_args):
         raise RuntimeError("injected device fault")
 
     for key in saved:
         if key[0] == "step":
-            core._programs[key] = boom
+            core.runner._programs[key] = boom
     try:
         yield
     finally:
-        core._programs.update(saved)
+        core.runner._programs.update(saved)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
@@ -662,7 +661,7 @@ def _params(**kw) -> RequestParams:
 def test_bad_requests_name_their_field_and_leave_the_others_alone(served, expected, prompt, params, field):
     prompts, full = expected
     rid = served.submit(prompts[1], _greedy(6))
-    records = [e for e in served.step().events if isinstance(e, RequestRecord)]
+    records = served.step().records
     with pytest.raises(RequestError) as info:
         served.submit(prompt, params)
     assert info.value.field == field and str(info.value).startswith(field)
@@ -670,7 +669,7 @@ def test_bad_requests_name_their_field_and_leave_the_others_alone(served, expect
         assert isinstance(info.value, PromptTooLongError) and f"max_context {MAX_CONTEXT}" in str(info.value)
     assert served.n_waiting == 0
     while served.has_work:
-        records += [e for e in served.step().events if isinstance(e, RequestRecord)]
+        records += served.step().records
     (rec,) = [r for r in records if r.request_id == rid]
     assert rec.token_ids == full[1][:6]
 

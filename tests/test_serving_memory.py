@@ -71,8 +71,6 @@ def test_scaling_copies_counts_the_copies_that_follow_the_pool():
 @pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_the_planner_sizes_the_pool_after_the_probed_programs(pair, monkeypatch):
-    from kdtree_jax.serving import core as core_mod
-
     config = ServeConfig(max_slots=2, max_context=128, step_widths=(2,), budget=4, rounds_per_step=2, page_size=16,
                          max_num_batched_tokens=32, prefill_batch=2, gpu_memory_utilization=0.5)
     cpu = ServingEngine(pair, config)  # no memory figures: max_slots requests of max_context, as before
@@ -85,7 +83,7 @@ def test_the_planner_sizes_the_pool_after_the_probed_programs(pair, monkeypatch)
     assert f"programs' peak {peak / 2**30:.2f} GiB" in cpu.memory_summary()
 
     limit, in_use = 64 * 2**20 + memory_plan.MARGIN_BYTES, 3 * 2**20  # fake device figures
-    monkeypatch.setattr(core_mod, "_memory_stats", lambda: {"bytes_limit": limit * 2, "bytes_in_use": in_use})
+    monkeypatch.setattr(memory_plan, "memory_stats", lambda: {"bytes_limit": limit * 2, "bytes_in_use": in_use})
     planned = ServingEngine(pair, config)
     probed = planned.probe_programs()
     assert len(probed) == 2 and all(m.temp > 0 for m in probed.values())

@@ -13,7 +13,7 @@ import pytest
 
 from kdtree_jax.decode.engine import Engine
 from kdtree_jax.parallel import sharding
-from kdtree_jax.serving import RequestParams, RequestRecord, ServeConfig, ServingEngine, programs
+from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine, programs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, "checkpoints", "kdtree-mini")
@@ -57,13 +57,11 @@ def _serve(core: ServingEngine, prompts, want) -> tuple[dict, set, int]:
         for k in SCHEDULE.get(i, ()):
             ids[core.submit(prompts[k], RequestParams(max_new_tokens=LIMITS[k], ignore_eos=True))] = k
         report = core.step()
-        for e in report.events:
-            if isinstance(e, RequestRecord):
-                records[ids[e.request_id]] = e
-            else:
-                k = ids[e.request_id]
-                got[k] = got.get(k, []) + list(e.token_ids)
-                assert got[k] == want[k][: len(got[k])], (k, i)  # fails at the first wrong token
+        for e in report.deltas:
+            k = ids[e.request_id]
+            got[k] = got.get(k, []) + list(e.token_ids)
+            assert got[k] == want[k][: len(got[k])], (k, i)  # fails at the first wrong token
+        records.update({ids[e.request_id]: e for e in report.records})
         core.scheduler.check()
         groups |= {r.group for r in core.scheduler.prefilling + core.scheduler.running}
         narrow += report.width < core.config.max_slots and report.active > report.width // core.groups

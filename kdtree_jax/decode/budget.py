@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 
 import numpy as np
@@ -335,3 +336,46 @@ def choose_budget(profile: BudgetProfile, batch: int, *, fitted: bool = False, c
     measured range, or `candidates`) with interpolated tau and the fitted cost model."""
     scores = expected_tokens_per_s(profile, batch, fitted=fitted, candidates=candidates)
     return min(scores, key=lambda k: (-scores[k], k))
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepKind:
+    """Which round a serving step runs: "ar", "chain" or "ddtree" with its budget B."""
+
+    mode: str
+    budget: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"ddtree-{self.budget}" if self.mode == "ddtree" else self.mode
+
+
+def step_kinds(mode: str, budget: int | str | Mapping, max_slots: int,
+               profile: Callable[[], BudgetProfile | None]) -> dict[int, StepKind]:
+    """The step program for each count of active slots 1..max_slots. A ddtree `budget` is a fixed B, "auto" (from
+    the device's profile, read only then: the best B per load, or AR where speculation does not pay, DEFAULT_BUDGET
+    without a profile), or a table {active slots: B or "ar"} whose missing counts take the nearest smaller entry."""
+    counts = range(1, max_slots + 1)
+    if mode != "ddtree":
+        return {a: StepKind(mode) for a in counts}
+    if isinstance(budget, str):
+        if budget != "auto":
+            raise ValueError(f"budget must be an integer, 'auto' or a table, got {budget!r}")
+        measured = profile()
+        if measured is None:
+            return {a: StepKind("ddtree", DEFAULT_BUDGET) for a in counts}
+        return {a: (StepKind("ddtree", choose_budget(measured, a)) if speculation_pays(measured, a)
+                    else StepKind("ar")) for a in counts}
+    if isinstance(budget, Mapping):
+        table = {int(a): b for a, b in budget.items()}
+        if not table or min(table) > 1:
+            raise ValueError(f"a budget table needs an entry for 1 active slot, got {sorted(table)}")
+        entry = {a: table[max(k for k in table if k <= a)] for a in counts}
+        return {a: StepKind("ar") if b == "ar" else StepKind("ddtree", _budget_int(b)) for a, b in entry.items()}
+    return {a: StepKind("ddtree", _budget_int(budget)) for a in counts}
+
+
+def _budget_int(b) -> int:
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1:
+        raise ValueError(f"a DDTree budget must be an integer >= 1 or 'ar', got {b!r}")
+    return int(b)

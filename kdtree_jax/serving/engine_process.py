@@ -34,15 +34,11 @@ import jax
 import numpy as np
 from jax._src import xla_bridge
 
-from kdtree_jax.serving.core import ServeConfig, ServingEngine, StepReport
-from kdtree_jax.serving.frontend import EngineStats, ServingFront, refused
-from kdtree_jax.serving.request import (
-    EngineClosedError,
-    QueueFullError,
-    RequestLimits,
-    RequestParams,
-    check_request,
-)
+from kdtree_jax.serving.config import ServeConfig
+from kdtree_jax.serving.core import ServingEngine, StepReport
+from kdtree_jax.serving.engine_loop import run_engine, step_events
+from kdtree_jax.serving.frontend import EngineStats, ServingFront
+from kdtree_jax.serving.request import RequestLimits, RequestParams, check_request
 
 log = logging.getLogger(__name__)
 
@@ -124,45 +120,28 @@ def engine_main(build: Callable[[], ServingEngine], jax_options: dict, inbox, ou
 
 
 def _serve(core: ServingEngine, inbox, outbox) -> None:
+    """The engine loop over the two pipes: one `StepMessage` a pass, with the submits taken so far in its stats."""
     taken = 0
-    while True:
+
+    def receive(wait: bool) -> list | None:
+        nonlocal taken
         try:
-            msgs = _receive(inbox, wait=not core.has_work)
+            msgs = inbox.recv() if wait else []
+            while inbox.poll():
+                msgs += inbox.recv()
         except (EOFError, OSError):  # the server is gone: nobody reads the results
-            core.shutdown()
-            return
-        events, closed = [], False
-        for msg in msgs:
-            if msg[0] == "submit":
-                _, rid, ids, params = msg
-                taken += 1
-                try:
-                    core.submit(ids, params, request_id=rid)
-                except (QueueFullError, EngineClosedError, ValueError) as e:
-                    events.append(refused(rid, len(ids), e))
-            elif msg[0] == "cancel":
-                record = core.cancel(msg[1])
-                if record is not None:
-                    events.append(record)
-            else:
-                events += core.shutdown()
-                closed = True
-        report = core.step() if core.has_work and not closed else None
+            return None
+        taken += sum(msg[0] == "submit" for msg in msgs)
+        return msgs
+
+    def send(events: list, report: StepReport | None, closed: bool) -> bool:
         try:
             outbox.send(StepMessage(events, report, EngineStats.of(core, taken), closed))
         except (BrokenPipeError, OSError):
-            core.shutdown()
-            return
-        if closed:
-            return
+            return False
+        return True
 
-
-def _receive(inbox, wait: bool) -> list:
-    """Every message queued in the inbox; waits for the first one where `wait`."""
-    msgs = inbox.recv() if wait else []
-    while inbox.poll():
-        msgs += inbox.recv()
-    return msgs
+    run_engine(core, receive, send)
 
 
 def _picklable(e: BaseException) -> BaseException:
@@ -350,7 +329,7 @@ class EngineProcessClient(ServingFront):
         self._stats = msg.stats
         self._push_events(msg.events)
         if msg.report is not None:
-            self._push_events(msg.report.events)
+            self._push_events(step_events(msg.report))
             for listener in list(self.step_listeners):
                 listener(msg.report)
 

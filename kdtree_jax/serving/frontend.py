@@ -19,7 +19,9 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from kdtree_jax.serving.core import ServeConfig, ServingEngine, StepReport
+from kdtree_jax.serving.config import ServeConfig
+from kdtree_jax.serving.core import ServingEngine, StepReport
+from kdtree_jax.serving.engine_loop import failed, run_engine, step_events
 from kdtree_jax.serving.request import EngineClosedError, QueueFullError, RequestParams, RequestRecord, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -176,7 +178,7 @@ class ServingFront:
         self.failure = message
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
-            stream._push(_failed(rid, stream.prompt_tokens, message))
+            stream._push(failed(rid, stream.prompt_tokens, message))
 
     async def _wait_streams(self, timeout: float | None) -> None:
         """Let the open requests finish for up to `timeout` seconds (None: no limit)."""
@@ -237,61 +239,36 @@ class AsyncServingEngine(ServingFront):
     # ---- worker thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._serve()
+            run_engine(self.core, self._receive, self._send)
         except Exception as e:  # a fault step() does not handle: end every request instead of leaving them hanging
             log.exception("the serving engine's worker thread failed")
             self._loop.call_soon_threadsafe(self._fail, f"the serving engine failed: {type(e).__name__}: {e}")
 
-    def _serve(self) -> None:
-        while True:
+    def _receive(self, wait: bool) -> list:
+        """Every message queued in the inbox; waits for a post first where `wait`."""
+        if wait:
             self._wake.wait()
             self._wake.clear()
-            if self._drain():
-                return
-            while self.core.has_work:
-                if self._drain():
-                    return
-                report = self.core.step()
-                self._deliver(report.events)
-                for listener in list(self.step_listeners):
-                    listener(report)
-
-    def _drain(self) -> bool:
-        """Apply queued submits and cancels; True once shutdown was asked."""
+        msgs = []
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                msgs.append(self._inbox.get_nowait())
             except queue.Empty:
-                return False
-            if msg[0] == "submit":
-                _, rid, ids, params = msg
-                with self._lock:
-                    self._pending -= 1
-                try:
-                    self.core.submit(ids, params, request_id=rid)
-                except (QueueFullError, EngineClosedError, ValueError) as e:
-                    self._deliver([refused(rid, len(ids), e)])
-            elif msg[0] == "cancel":
-                record = self.core.cancel(msg[1])
-                if record is not None:
-                    self._deliver([record])
-            else:
-                self._deliver(self.core.shutdown())
-                return True
+                break
+        with self._lock:
+            self._pending -= sum(msg[0] == "submit" for msg in msgs)
+        return msgs
 
-    def _deliver(self, events: list) -> None:
+    def _send(self, events: list, report: StepReport | None, closed: bool) -> bool:
+        """Hand the pass's records and deltas to the event loop; the step listeners run here, in the worker."""
+        if report is not None:
+            events = events + step_events(report)
         if events:
             self._loop.call_soon_threadsafe(self._push_events, events)
-
-
-def refused(rid: int, prompt_tokens: int, error: Exception) -> RequestRecord:
-    """The record of a request the engine refused when it reached it (the queue filled meanwhile, shut down)."""
-    return _failed(rid, prompt_tokens, f"{type(error).__name__}: {error}")
-
-
-def _failed(rid: int, prompt_tokens: int, error: str) -> RequestRecord:
-    return RequestRecord(request_id=rid, token_ids=[], finish_reason="error", prompt_tokens=prompt_tokens,
-                         accept_lengths=[], num_draft_tokens=0, error=error)
+        if report is not None:
+            for listener in list(self.step_listeners):
+                listener(report)
+        return True
 
 
 __all__ = ["AsyncServingEngine", "EngineDeadError", "EngineStats", "RequestStream", "ServingFront", "StepReport"]

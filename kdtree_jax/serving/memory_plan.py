@@ -8,6 +8,12 @@ and the pool sized after it (vLLM sizes its KV cache after a profiling run in th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from kdtree_jax.serving.config import ServeConfig
 
 GIB = 2**30
 # beside the weights and the programs' peak: the constraint tables a request may add, a step's packed output in
@@ -69,3 +75,53 @@ def plan_pool(*, bytes_limit: int, bytes_in_use: int, utilization: float, progra
             f"--max-context")
     return PoolPlan(pages=pages, weights=bytes_in_use, programs_peak=programs_peak, margin=margin,
                     page_bytes=page_bytes)
+
+
+def page_bytes(target, drafter, page_size: int) -> int:
+    """Bytes of one page: the target's latent rows and, with a drafter (None: none runs), its context rows, every
+    layer."""
+    cfg = target.cfg
+    latent = cfg.num_hidden_layers * page_size * cfg.latent_dim * np.dtype(target.cache_dtype).itemsize
+    if drafter is None:
+        return latent
+    d = drafter.cfg
+    k = d.num_hidden_layers * d.num_key_value_heads * page_size * d.head_dim
+    return latent + 2 * k * np.dtype(drafter.compute_dtype).itemsize
+
+
+def memory_stats() -> dict | None:
+    """The first device's memory limit and use, where it reports them (GPUs do; a CPU does not)."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001  (a backend without memory figures)
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats
+
+
+def pool_pages(config: ServeConfig, *, groups: int, pages_per_request: int, row_slack: int, page_bytes: int,
+               programs_peak: Callable[[], int]) -> tuple[int, PoolPlan | None]:
+    """The pool's pages, and the plan behind them where the device reports its memory: `config.num_pages`, else
+    what `gpu_memory_utilization` of the device leaves after what is in use (weights), the programs' peak (read only
+    then) and a margin on each data shard (`plan_pool`), else (no memory figures, e.g. a CPU) max_slots requests of
+    max_context. A pool whose data group cannot hold one request of max_context is refused."""
+    c, n, plan = config, config.num_pages, None
+    if n is None:
+        stats = memory_stats()
+        if stats is not None:  # each data shard holds its group's pages, every head's rows of them
+            plan = plan_pool(bytes_limit=int(stats["bytes_limit"]), bytes_in_use=int(stats["bytes_in_use"]),
+                             utilization=c.gpu_memory_utilization, programs_peak=programs_peak(),
+                             page_bytes=page_bytes, groups=groups, pages_per_request=pages_per_request)
+            n = plan.pages
+        else:
+            n = c.max_slots * pages_per_request
+    elif n % groups:
+        raise ValueError(f"num_pages (--num-pages) {n} must be a multiple of the mesh's data size {groups}: each data "
+                         f"group owns an equal range of pages")
+    if n // groups < pages_per_request:
+        raise ValueError(
+            f"the page pool holds {n} pages of {c.page_size} tokens ({n // groups} per data group), fewer than the "
+            f"{pages_per_request} one request of max_context {c.max_context} needs (with {row_slack} rows of "
+            f"scratch): raise --num-pages or --gpu-memory-utilization, or lower --max-context")
+    return int(n), plan

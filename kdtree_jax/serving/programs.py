@@ -43,6 +43,7 @@ from kdtree_jax.decode import sampling
 from kdtree_jax.decode.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
+    FINISH_REASONS,
     FINISH_STOP,
     RUNNING,
     DecodeSpec,
@@ -58,18 +59,6 @@ from kdtree_jax.decode.speculative import (
 from kdtree_jax.model import cache_update, paged
 from kdtree_jax.model.drafter import DrafterCache
 from kdtree_jax.model.target import LatentCache, forward_verify
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class StepKind:
-    """Which round a step runs: "ar", "chain" or "ddtree" with its budget B."""
-
-    mode: str
-    budget: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"ddtree-{self.budget}" if self.mode == "ddtree" else self.mode
 
 
 def empty_table(target, drafter, *, slots: int, capacity: int, n_pages: int, page_size: int, n_stop: int,
@@ -339,6 +328,16 @@ class StepRow:
     accept: tuple[int, ...]  # each round's acceptance length, for the rounds that ran
     tokens: tuple[int, ...]  # the tokens it committed this step
 
+    @property
+    def paused(self) -> bool:
+        """It idled: its pages held no further round (it still runs)."""
+        return self.finish == PAUSED
+
+    @property
+    def reason(self) -> str | None:
+        """Why it ended; None while it runs."""
+        return None if self.finish in (RUNNING, PAUSED) else FINISH_REASONS[self.finish]
+
 
 def unpack_step(packed: np.ndarray, rounds: int) -> list[StepRow]:
     """The rows of `step`'s packed output [rows, 2 + rounds + rounds * L], in order."""
@@ -357,6 +356,16 @@ class PrefillRow:
 
     first: int
     finish: int
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The token it emits: none where its logits were not finite."""
+        return () if self.finish == FINISH_NONFINITE else (self.first,)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the request ended at its first token; None: it decodes on."""
+        return None if self.finish == RUNNING else FINISH_REASONS[self.finish]
 
 
 def unpack_prefill(packed: np.ndarray) -> list[PrefillRow]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -22,7 +23,8 @@ from kdtree_jax.constrain import device as cd
 from kdtree_jax.decode.speculative import DecodeSpec
 from kdtree_jax.parallel import sharding
 from kdtree_jax.serving import programs
-from kdtree_jax.serving.request import request_rows
+from kdtree_jax.serving.plan import Chunk, Request
+from kdtree_jax.serving.request import RequestParams, request_rows
 
 _TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 
@@ -189,10 +191,13 @@ class ModelRunner:
         return self._device is not None
 
 
-def prefill_batch(chunks: list, bucket: int, page_rows: np.ndarray, max_slots: int, n_stop: int,
+def prefill_batch(rows: Sequence[Chunk | None], bucket: int, page_rows: np.ndarray, max_slots: int, n_stop: int,
                   start_state: np.ndarray) -> programs.PrefillBatch:
-    """The chunk program's inputs for the scheduler's chunks (`scheduler.Chunk`), one row each: a chunk that does not
-    end its request's context gets slot `max_slots`, out of range, so its writes to the table's rows drop."""
+    """The chunk program's inputs for the scheduler's rows, one each. A chunk that does not end its request's context
+    gets slot `max_slots`, out of range, so its writes to the table's rows drop; so does a padding row (None: a data
+    group with fewer chunks than the others), which has no pages either, so nothing it computes is kept."""
+    pad = Chunk(Request(None, [0], RequestParams(), (), 0, 0.0, context=[0]), 0, 1, None)
+    chunks = [pad if ch is None else ch for ch in rows]
     reqs = [ch.request for ch in chunks]
     return programs.PrefillBatch(
         page_rows, np.stack([ch.tokens(bucket) for ch in chunks]),

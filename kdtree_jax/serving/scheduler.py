@@ -28,70 +28,14 @@ written.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
+from kdtree_jax.decode.budget import StepKind
 from kdtree_jax.serving.cache_manager import CacheManager
-
-
-@dataclasses.dataclass
-class Request:
-    """One request's host state, from submit to its record."""
-
-    rid: Hashable
-    prompt: list[int]
-    params: object  # RequestParams
-    stop_ids: tuple[int, ...]
-    seed: int
-    submit_time: float
-    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
-    accept_lengths: list[int] = dataclasses.field(default_factory=list)
-    num_draft_tokens: int = 0
-    first_token_time: float | None = None
-    ended: bool = False  # its record was handed out: results of a step still in flight are dropped
-    context: list[int] = dataclasses.field(default_factory=list)  # what its prefill computes: prompt + tokens
-    prefilled: int = 0  # rows of `context` in its pages
-    num_preemptions: int = 0
-    cached_tokens: int = 0  # context tokens its first admission found in the prefix cache
-    epoch: int = 0  # bumped at each preemption: a step queued before it carries tokens that will be recomputed
-    group: int | None = None  # the data group it was admitted to; None while it waits
-
-    @property
-    def known_len(self) -> int:
-        """Prompt + generated tokens the host has read."""
-        return len(self.prompt) + len(self.tokens)
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    request: Request
-    start: int  # first context row of the chunk
-    n_valid: int  # its tokens (the rest of the bucket is padding)
-    slot: int | None  # where the request decodes: set on the chunk that ends its context
-
-    @property
-    def last(self) -> bool:
-        return self.slot is not None
-
-    def tokens(self, bucket: int) -> np.ndarray:
-        out = np.zeros((bucket,), np.int32)
-        out[: self.n_valid] = self.request.context[self.start: self.start + self.n_valid]
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillPlan:
-    bucket: int  # padded chunk length: the program's T
-    # the program's rows: data group g's chunks in rows [g * n, (g + 1) * n) for the same n in every group, so a
-    # row's pages are on its own data shard; None: a padding row (no pages, its writes dropped)
-    rows: tuple[Chunk | None, ...]
-
-    @property
-    def chunks(self) -> tuple[Chunk, ...]:
-        return tuple(c for c in self.rows if c is not None)
+from kdtree_jax.serving.plan import Chunk, PrefillPlan, Request, RequestUpdate, StepOutput, StepPlan
 
 
 class Scheduler:
@@ -99,13 +43,17 @@ class Scheduler:
 
     def __init__(self, cache: CacheManager, *, max_slots: int, chunk_tokens: int, buckets: Sequence[int],
                  prefill_sizes: Sequence[int], row_slack: int, max_rows: int, rounds_per_step: int = 1,
-                 round_tokens: int = 1):
+                 round_tokens: int = 1, kinds: Mapping[int, StepKind] | None = None,
+                 widths: Sequence[int] | None = None):
         if max_slots % cache.groups:
             raise ValueError(f"max_slots ({max_slots}) must be a multiple of the data groups ({cache.groups})")
         self.cache = cache
         self.groups = cache.groups
         self.group_slots = max_slots // cache.groups  # slots of one group
         self.max_slots = max_slots
+        # the step program for each count of running requests (`budget.step_kinds`), and the compiled widths
+        self.kinds = dict(kinds or {a: StepKind("ar") for a in range(1, max_slots + 1)})
+        self.widths = sorted(widths or [max_slots])
         self.chunk_tokens = chunk_tokens
         self.buckets = sorted(buckets)
         self.prefill_sizes = sorted(prefill_sizes)  # chunks of one group in one program
@@ -121,6 +69,78 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens of first admissions, and how many of them were prefix hits
         self.prefix_hits = 0
         self.resumed_hits = 0  # context tokens preempted requests found cached when readmitted (not recomputed)
+        self.num_paused = 0  # rows a step idled because their pages held no further round
+        self._vacated: list[int] = []  # slots preempted requests left in the step being scheduled
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def schedule(self, steps: int) -> StepPlan:
+        """Plan one step, for the rows the next `steps` steps write (2 while a step is in flight, unread): a prefill
+        chunk (`plan_prefill`), whose last chunks' requests take their slots at once; every running request's pages
+        (`reserve`, preempting the newest where a group is short; a chunk of a request preempted so becomes padding);
+        the moves into the lowest slots; and the step program and width for the running requests."""
+        self._vacated = []
+        prefill, preempted = self.plan_prefill(steps)
+        for chunk in prefill.chunks if prefill is not None else ():
+            if chunk.last:
+                self._place(chunk)
+        preempted += self.reserve(steps)
+        prefill = _without(prefill, preempted)
+        released = tuple(dict.fromkeys(i for i in self._vacated if self.slots[i] is None))
+        moves = tuple(self.moves())
+        active = self.n_running
+        width = self.width_for(active, self.busiest()) if active else 0
+        return StepPlan(
+            prefill=prefill,
+            prefill_pages=None if prefill is None else self.cache.page_table(
+                [None if c is None else c.request.rid for c in prefill.rows]),
+            released=released, moves=moves, kind=self.kinds[active] if active else None, width=width,
+            rows=tuple((r, 0 if r is None else r.epoch) for r in (self.slots[i] for i in self.step_slots(width))),
+            page_table=self.page_table(), preempted=tuple(preempted))
+
+    def update(self, out: StepOutput) -> list[RequestUpdate]:
+        """Take a step's output back: prefilled rows enter the pages (and the prefix cache), read tokens are
+        committed, and requests that ended free their slots and pages. Returns what each request gained."""
+        updates = [self._prefilled(chunk, row, out.refused.get(chunk.request.rid), out.prefill_time)
+                   for chunk, row in out.prefill]
+        held = {id(r) for r in self.running}  # not: ended (at its first token too), or preempted (recomputed)
+        updates += [self._decoded(r, row, out.n_draft, out.time) for (r, epoch), row in out.decoded
+                    if id(r) in held and r.epoch == epoch]
+        return [u for u in updates if u is not None]
+
+    def width_for(self, active: int, busiest: int | None = None) -> int:
+        """The narrowest compiled width that holds `active` running requests, at most `busiest` of them in one data
+        group (default: as many as one group holds); each group keeps its own in its lowest slots."""
+        return step_width(self.widths, self.groups, self.group_slots, active, busiest)
+
+    def _place(self, chunk: Chunk) -> None:
+        """A chunk that ends its request's context puts the request in its slot: it decodes in this step."""
+        self.prefilling.remove(chunk.request)
+        self.slots[chunk.slot] = chunk.request
+
+    def _prefilled(self, chunk: Chunk, row, refused: str | None, now: float) -> RequestUpdate | None:
+        r = chunk.request
+        ends = refused is not None or row.reason is not None
+        self.prefilled(chunk, running=not ends)
+        if not chunk.last:
+            return None
+        if refused is not None:
+            return RequestUpdate(r, now, reason="error", error=f"constraint: {refused}")
+        r.first_token_time = now if r.first_token_time is None else r.first_token_time
+        r.tokens += row.tokens
+        return RequestUpdate(r, now, row.tokens, row.reason, started=not ends)
+
+    def _decoded(self, r: Request, row, n_draft: int, now: float) -> RequestUpdate:
+        accepted = _emitted_lengths(row.accept, len(row.tokens))
+        r.accept_lengths += accepted
+        self.observe(accepted)
+        self.num_paused += row.paused  # its pages held no further round: grown before its next step
+        r.num_draft_tokens += n_draft * len(accepted)
+        if row.tokens:
+            r.tokens += row.tokens
+            self.committed(r)
+        if row.reason is not None:
+            self.finish(self.slots.index(r))  # its row is finished on the device already
+        return RequestUpdate(r, now, row.tokens, row.reason)
 
     # ---- bookkeeping ------------------------------------------------------------------------------------------
     @property
@@ -324,18 +344,17 @@ class Scheduler:
         return PrefillPlan(bucket, rows), preempted
 
     def prefilled(self, chunk: Chunk, running: bool) -> None:
-        """A chunk's program ran: its rows are in the pages; a last chunk's request decodes from its slot (or has
-        ended already, `running` False, and leaves)."""
+        """A chunk's program ran: its rows are in the pages; a last chunk's request decodes from its slot (taken
+        when it was scheduled, `_place`), or has ended already (`running` False) and leaves."""
         r = chunk.request
         r.prefilled = chunk.start + chunk.n_valid
         self.cache.publish(r.rid, r.context, r.prefilled)
         if not chunk.last:
             return
-        self.prefilling.remove(r)
-        if running:
-            self.slots[chunk.slot] = r
-        else:
-            self.cache.free(r.rid)
+        if r in self.prefilling:
+            self._place(chunk)
+        if not running:
+            self.finish(self.slots.index(r))
 
     def _hit_rows(self, r: Request, group: int) -> int:
         """Rows of a waiting request's context that the group's prefix cache holds now."""
@@ -386,7 +405,7 @@ class Scheduler:
         """Rows to reserve for a running request (`known` tokens, its prompt and the ones read) over its next
         `steps` steps: what they are expected to commit (rounds x its mean acceptance), one round's worst case and
         its scratch; never past what the request can still write (prompt + max tokens, plus scratch)."""
-        known = r.known_len if known is None else known
+        known = self._known(r) if known is None else known
         expected = math.ceil(steps * self.rounds_per_step * self.mean_acceptance(r))
         return min(known + expected + self.round_tokens + self.row_slack, self._final_rows(r), self.max_rows)
 
@@ -397,7 +416,13 @@ class Scheduler:
 
     def _round_rows(self, r: Request) -> int:
         """The least a running request needs to run: one round's scratch past its known tokens."""
-        return min(r.known_len + self.row_slack, self._final_rows(r), self.max_rows)
+        return min(self._known(r) + self.row_slack, self._final_rows(r), self.max_rows)
+
+    @staticmethod
+    def _known(r: Request) -> int:
+        """The tokens a running request's rows follow: those the host has read, and the first token of a request
+        whose last chunk this step prefills (`_place`)."""
+        return r.known_len + (r.prefilled < len(r.context))
 
     def _final_rows(self, r: Request) -> int:
         """Rows the request can ever write: its last round starts before its last token."""
@@ -423,7 +448,8 @@ class Scheduler:
             self.prefilling.remove(r)
             self.cache.free(r.rid)
         else:
-            self.finish(self.slots.index(r))
+            self._vacated.append(self.slots.index(r))
+            self.finish(self._vacated[-1])
         r.num_preemptions += 1
         r.epoch += 1
         self.num_preemptions += 1
@@ -443,3 +469,32 @@ class Scheduler:
                 self.slots[dst], self.slots[src] = self.slots[src], None
                 out.append((src, dst))
         return out
+
+
+def step_width(widths: Sequence[int], groups: int, group_slots: int, active: int, busiest: int | None = None) -> int:
+    """The narrowest of `widths` that holds `active` running requests, at most `busiest` of them in one of `groups`
+    data groups (default: as many as one group holds)."""
+    per_group = min(active, group_slots) if busiest is None else busiest
+    return next(w for w in sorted(widths) if w // groups >= per_group)
+
+
+def _without(plan: PrefillPlan | None, preempted: Sequence[Request]) -> PrefillPlan | None:
+    """The plan with the chunks of `preempted` requests turned into padding rows (their pages are gone); None
+    where no chunk is left."""
+    if plan is None or not preempted:
+        return plan
+    gone = {id(r) for r in preempted}
+    rows = tuple(None if c is None or id(c.request) in gone else c for c in plan.rows)
+    return PrefillPlan(plan.bucket, rows) if any(rows) else None
+
+
+def _emitted_lengths(accept: Sequence[int], n_new: int) -> list[int]:
+    """Each round's tokens as far as the step emitted them: a request that ended at a stop or at max_new_tokens
+    mid-round committed fewer than its round accepted, and rounds past that emitted none."""
+    out, left = [], n_new
+    for a in accept:
+        if left <= 0:
+            break
+        out.append(min(a, left))
+        left -= out[-1]
+    return out
