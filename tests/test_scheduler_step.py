@@ -12,7 +12,7 @@ from kdtree_jax.decode.speculative import FINISH_LENGTH, FINISH_STOP, RUNNING
 from kdtree_jax.serving.cache_manager import CacheManager
 from kdtree_jax.serving.plan import Chunk, PrefillPlan, Request, StepOutput
 from kdtree_jax.serving.programs import PAUSED, PrefillRow, StepRow
-from kdtree_jax.serving.scheduler import Scheduler, _without
+from kdtree_jax.serving.scheduler import Scheduler
 
 PAGE = 4
 KINDS = {1: StepKind("ddtree", 4), 2: StepKind("ar")}
@@ -96,6 +96,5 @@ def test_an_update_skips_rows_of_requests_preempted_since_and_counts_paused_rows
 def test_chunks_of_requests_preempted_in_the_same_step_become_padding():
     a, b = _request("a", 6), _request("b", 5)
     plan = PrefillPlan(8, (Chunk(a, 0, 6, 0), None, Chunk(b, 0, 5, 1), None))
-    assert _without(plan, [b]).rows == (plan.rows[0], None, None, None)
-    assert _without(plan, [a, b]) is None
-    assert _without(plan, []) is plan and _without(None, [a]) is None
+    assert plan.without([b]).rows == (plan.rows[0], None, None, None)
+    assert plan.without([a, b]) is None and plan.without([]) is plan

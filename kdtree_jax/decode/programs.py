@@ -13,16 +13,13 @@ import jax.numpy as jnp
 from kdtree_jax.constrain import device as cd
 from kdtree_jax.decode import sampling
 from kdtree_jax.decode.speculative import (
-    FINISH_LENGTH,
     FINISH_NONFINITE,
-    FINISH_STOP,
-    RUNNING,
     DecodeSpec,
     DecodeState,
     RequestRows,
     choose_tokens,
     drafter_pass,
-    is_stop_token,
+    first_token_finish,
     speculative_round,
 )
 from kdtree_jax.model.drafter import DrafterCache
@@ -79,10 +76,8 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
     state_after = None if tables is None else cd.next_state(tables, start, first)
     tokens = jnp.zeros((bt, spec.capacity), jnp.int32).at[:, :cap].set(prompts)
     tokens = jax.vmap(lambda t, i, v: t.at[i].set(v))(tokens, prompt_len, first)
-    is_stop = is_stop_token(first[:, None], params.stop_ids)[:, 0]
-    nonfinite = ~jnp.all(jnp.isfinite(last), axis=-1)
-    finish = jnp.where(nonfinite, FINISH_NONFINITE, jnp.where(
-        is_stop, FINISH_STOP, jnp.where(params.max_new_tokens <= 1, FINISH_LENGTH, RUNNING)))
+    finish = first_token_finish(last, first, params, 0)
+    nonfinite = finish == FINISH_NONFINITE
 
     depth, k = max(spec.depth, 1), spec.top_k
     lp = jnp.zeros((bt, depth, k), jnp.float32)
@@ -97,7 +92,7 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
         length=prompt_len.astype(jnp.int32),
         prompt_len=prompt_len.astype(jnp.int32),
         n_generated=jnp.where(nonfinite, 0, 1).astype(jnp.int32),
-        finish=finish.astype(jnp.int32),
+        finish=finish,
         cache=cache,
         draft_cache=draft_cache,
         draft_lp=lp,

@@ -335,6 +335,16 @@ def commit(state: DecodeState, emitted, n_accepted, nonfinite) -> DecodeState:
     )
 
 
+def first_token_finish(last_logits: jax.Array, first: jax.Array, params: RequestRows, n_prev) -> jax.Array:
+    """[Bt] int32: the finish code of rows whose prefill drew `first` from `last_logits` [Bt, V], with `n_prev`
+    tokens generated before it (a resumed request's): logits that are not finite, a stop token, or the token limit
+    reached, else RUNNING."""
+    nonfinite = ~jnp.all(jnp.isfinite(last_logits), axis=-1)
+    return jnp.where(nonfinite, FINISH_NONFINITE, jnp.where(
+        is_stop_token(first[:, None], params.stop_ids)[:, 0], FINISH_STOP,
+        jnp.where(params.max_new_tokens <= n_prev + 1, FINISH_LENGTH, RUNNING))).astype(jnp.int32)
+
+
 def is_stop_token(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     """tokens [Bt, T], stop_ids [Bt, n_stop] (-1 pads) -> [Bt, T] true where a token is one of its row's stop ids."""
     hit = tokens[..., None] == stop_ids[:, None, :]

@@ -83,6 +83,11 @@ class StepReport:
     preempted: int = 0  # requests preempted in it
 
 
+def _counter(name: str, doc: str) -> property:
+    """A read-only view of one of the scheduler's counters."""
+    return property(lambda self: getattr(self.scheduler, name), doc=doc)
+
+
 class ServingEngine:
     """Requests over a paged latent cache: scheduler + cache manager (host) + runner (device); single-threaded
     (see frontend.py)."""
@@ -327,29 +332,14 @@ class ServingEngine:
         """Requests queued, those whose constraint is still compiling included."""
         return len(self.scheduler.waiting) + len(self.automata.compiling)
 
-    @property
-    def n_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
-    @property
-    def n_paused(self) -> int:
-        """Rows a step idled because their pages held no further round."""
-        return self.scheduler.num_paused
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        """Prompt tokens of every request's first admission (vLLM's prefix_cache_queries), and the ones found in
-        the cache: they add up against the prompts admitted, however often a request is preempted."""
-        return self.scheduler.prefix_queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.scheduler.prefix_hits
-
-    @property
-    def resumed_prefix_hits(self) -> int:
-        """Context tokens preempted requests found in the prefix cache when readmitted (not recomputed)."""
-        return self.scheduler.resumed_hits
+    n_preemptions = _counter("num_preemptions", "Requests preempted so far (each time counts).")
+    n_paused = _counter("num_paused", "Rows a step idled because their pages held no further round.")
+    prefix_cache_queries = _counter("prefix_queries", """Prompt tokens of every request's first admission (vLLM's
+        prefix_cache_queries); with prefix_cache_hits, the ones found in the cache, they add up against the prompts
+        admitted, however often a request is preempted.""")
+    prefix_cache_hits = _counter("prefix_hits", "Prompt tokens of first admissions found in the prefix cache.")
+    resumed_prefix_hits = _counter("resumed_hits", """Context tokens preempted requests found in the prefix cache
+        when readmitted (not recomputed).""")
 
     @property
     def has_work(self) -> bool:

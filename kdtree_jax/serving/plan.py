@@ -6,7 +6,7 @@ plan (`StepPlan`, what the runner applies, in order) and output (`StepOutput`, w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -68,6 +68,15 @@ class PrefillPlan:
     @property
     def chunks(self) -> tuple[Chunk, ...]:
         return tuple(c for c in self.rows if c is not None)
+
+    def without(self, requests: Sequence[Request]) -> PrefillPlan | None:
+        """The plan with the chunks of `requests` (preempted since: their pages are gone) turned into padding rows;
+        None where no chunk is left."""
+        gone = {id(r) for r in requests}
+        if not gone:
+            return self
+        rows = tuple(None if c is None or id(c.request) in gone else c for c in self.rows)
+        return PrefillPlan(self.bucket, rows) if any(rows) else None
 
 
 @dataclasses.dataclass(frozen=True)

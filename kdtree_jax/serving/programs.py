@@ -44,14 +44,13 @@ from kdtree_jax.decode.speculative import (
     FINISH_LENGTH,
     FINISH_NONFINITE,
     FINISH_REASONS,
-    FINISH_STOP,
     RUNNING,
     DecodeSpec,
     DecodeState,
     RequestRows,
     choose_tokens,
     drafter_pass,
-    is_stop_token,
+    first_token_finish,
     root_only_tree,
     speculative_round,
     verify_and_commit,
@@ -153,10 +152,8 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, tables:
                           start_state[:, None])[:, 0]
     state_after = cd.next_state(tables, start_state, first)
     context = start + n_valid
-    nonfinite = ~jnp.all(jnp.isfinite(last_logits), axis=-1)
-    finish = jnp.where(nonfinite, FINISH_NONFINITE, jnp.where(
-        is_stop_token(first[:, None], params.stop_ids)[:, 0], FINISH_STOP,
-        jnp.where(params.max_new_tokens <= n_prev + 1, FINISH_LENGTH, RUNNING))).astype(jnp.int32)
+    finish = first_token_finish(last_logits, first, params, n_prev)
+    nonfinite = finish == FINISH_NONFINITE
 
     def put(field, value):  # row slots[i] of a per-slot field := value[i] where the context ended
         return field.at[slots].set(value.astype(field.dtype), mode="drop")

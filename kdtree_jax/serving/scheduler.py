@@ -14,9 +14,10 @@ Host only (no jax), over the cache manager's pages:
   back to the head of the queue with the tokens it has, to be recomputed later (prompt + its tokens prefilled as
   one context). Its output is unchanged: each token is drawn from the key of its position, whoever computes it.
 
-A request's rows: a slot row of small state while it decodes (tokens, lengths, draft lists), and its pages, which
-hold both caches. Running requests sit in the lowest slots (`moves` fills holes), so a step runs over the narrowest
-width that holds them.
+One call a step: `schedule()` returns the `StepPlan` (the chunk, the pages, the rows to release, the `moves` that
+keep running requests in the lowest slots, the step program and the narrowest width that holds them) and
+`update()` takes the device's `StepOutput` back. A request's rows: a slot row of small state while it decodes, and
+its pages, which hold both caches.
 
 Data groups (a mesh whose data axis has G > 1 devices): slots and pages split into G equal groups, group g's slots
 `[g * max_slots / G, (g + 1) * max_slots / G)` and its pages (the cache manager's group g) both on data shard g. A
@@ -84,7 +85,7 @@ class Scheduler:
             if chunk.last:
                 self._place(chunk)
         preempted += self.reserve(steps)
-        prefill = _without(prefill, preempted)
+        prefill = prefill.without(preempted) if prefill is not None else None
         released = tuple(dict.fromkeys(i for i in self._vacated if self.slots[i] is None))
         moves = tuple(self.moves())
         active = self.n_running
@@ -108,8 +109,7 @@ class Scheduler:
         return [u for u in updates if u is not None]
 
     def width_for(self, active: int, busiest: int | None = None) -> int:
-        """The narrowest compiled width that holds `active` running requests, at most `busiest` of them in one data
-        group (default: as many as one group holds); each group keeps its own in its lowest slots."""
+        """The narrowest compiled width for `active` running requests (`step_width`)."""
         return step_width(self.widths, self.groups, self.group_slots, active, busiest)
 
     def _place(self, chunk: Chunk) -> None:
@@ -476,16 +476,6 @@ def step_width(widths: Sequence[int], groups: int, group_slots: int, active: int
     data groups (default: as many as one group holds)."""
     per_group = min(active, group_slots) if busiest is None else busiest
     return next(w for w in sorted(widths) if w // groups >= per_group)
-
-
-def _without(plan: PrefillPlan | None, preempted: Sequence[Request]) -> PrefillPlan | None:
-    """The plan with the chunks of `preempted` requests turned into padding rows (their pages are gone); None
-    where no chunk is left."""
-    if plan is None or not preempted:
-        return plan
-    gone = {id(r) for r in preempted}
-    rows = tuple(None if c is None or id(c.request) in gone else c for c in plan.rows)
-    return PrefillPlan(plan.bucket, rows) if any(rows) else None
 
 
 def _emitted_lengths(accept: Sequence[int], n_new: int) -> list[int]:
