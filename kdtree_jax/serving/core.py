@@ -117,6 +117,7 @@ class ServingEngine:
                                  for m in range(-(-a // self.groups), min(a, self.group_slots) + 1)},
                                 key=lambda kw: (kw[1], kw[0]))
         budgets = [k.budget for k in self.kinds if k.mode == "ddtree"]
+        # the drafter's top-K lists keep the largest budget's K, shared by every program (`programs.py`, "Budgets")
         self._draft_k = max(max((min(b, cfg.vocab_size) for b in budgets), default=0), 1)
         prefill_kind = (StepKind("ddtree", max(budgets)) if budgets
                         else StepKind(c.mode if c.mode != "ddtree" else "chain"))
