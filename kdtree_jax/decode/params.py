@@ -1,8 +1,8 @@
 """One request's parameters: the one type that carries a request from the HTTP server to the device.
 
-In serving every field is runtime data, so no value of it compiles a program. Construction checks nothing, so that each front
-refuses a bad request where it was submitted and names the field in its own error type (`check_sampling` raises
-`ParamError`; the serving layer's `check_request` turns it into a `RequestError`).
+In serving every field is runtime data, so no value of it compiles a program. Construction checks nothing, so that
+each front refuses a bad request where it was submitted and names the field in its own error type (`check_sampling`
+raises `ParamError`; the serving layer's `check_request` turns it into a `RequestError`).
 """
 from __future__ import annotations
 
