@@ -102,6 +102,7 @@ def test_each_filter_runs_only_when_a_row_asks_for_it():
 @pytest.mark.parametrize("fields,cap,field,match", [
     ({"temperature": float("nan")}, None, "temperature", "must be a finite number >= 0, got nan"),
     ({"temperature": -1.0}, None, "temperature", "must be a finite number >= 0, got -1.0"),
+    ({"temperature": float("inf")}, None, "temperature", "must be a finite number >= 0, got inf"),
     ({"temperature": True}, None, "temperature", "must be a finite number >= 0, got True"),
     ({"top_k": -1}, None, "top_k", r"must be an integer >= 0 \(0: off\), got -1"),
     ({"top_k": 2.0}, None, "top_k", "must be an integer >= 0"),
