@@ -34,7 +34,7 @@ import numpy as np
 from kdtree_jax.decode import budget as budget_mod
 from kdtree_jax.decode.budget import StepKind
 from kdtree_jax.decode.engine import Engine
-from kdtree_jax.decode.speculative import aligned_rows
+from kdtree_jax.decode.speculative import RequestRows, aligned_rows
 from kdtree_jax.serving import memory_plan, programs
 from kdtree_jax.serving.automata import Automata
 from kdtree_jax.serving.cache_manager import CacheManager
@@ -48,7 +48,6 @@ from kdtree_jax.serving.request import (
     RequestRecord,
     TokenDelta,
     check_request,
-    request_rows,
 )
 from kdtree_jax.serving.runner import ModelRunner, prefill_batch
 from kdtree_jax.serving.scheduler import Scheduler, step_width
@@ -192,7 +191,7 @@ class ServingEngine:
             self.engine, uses_drafter=self.uses_drafter, new_table=new_table, prefill_specs=prefill_specs,
             step_specs=step_specs, rounds=c.rounds_per_step, page_table_width=self.pages_per_request,
             max_slots=c.max_slots, overlap=overlap, groups=self.groups,
-            rows_for=lambda n: request_rows([RequestParams()] * n, [self.stop_ids] * n, c.max_stop_ids),
+            rows_for=lambda n: RequestRows.of([RequestParams()] * n, [self.stop_ids] * n, c.max_stop_ids),
             constraint_tables=self.automata.layout.tables(), row_slack=self.row_slack)
 
     def probe_programs(self) -> dict[str, memory_plan.ProgramMemory]:

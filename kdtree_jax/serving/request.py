@@ -15,7 +15,6 @@ import numpy as np
 from kdtree_jax.constrain.automaton import ConstraintSpec
 from kdtree_jax.decode.engine import ContextTooLongError
 from kdtree_jax.decode.params import ParamError, RequestParams
-from kdtree_jax.decode.speculative import RequestRows
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit: the request key is jax.random.key(seed)
 
@@ -139,8 +138,3 @@ def check_request(prompt: Sequence[int], params: RequestParams, limits: RequestL
     elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
         raise RequestError("seed", f"must be an integer in [0, 2**32), got {seed!r}")
     return [int(t) for t in prompt], stop, int(seed)
-
-
-def request_rows(params: list[RequestParams], stop_ids: list[tuple[int, ...]], n_stop: int) -> RequestRows:
-    """The device's per-row decoding rule, token limit and stop ids of these requests."""
-    return RequestRows.of(params, stop_ids, n_stop)

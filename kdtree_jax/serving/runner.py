@@ -20,11 +20,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kdtree_jax.constrain import device as cd
-from kdtree_jax.decode.speculative import DecodeSpec
+from kdtree_jax.decode.speculative import DecodeSpec, RequestRows
 from kdtree_jax.parallel import sharding
 from kdtree_jax.serving import programs
 from kdtree_jax.serving.plan import Chunk, Request
-from kdtree_jax.serving.request import RequestParams, request_rows
+from kdtree_jax.serving.request import RequestParams
 
 _TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 
@@ -205,7 +205,8 @@ def prefill_batch(rows: Sequence[Chunk | None], bucket: int, page_rows: np.ndarr
         np.array([ch.start for ch in chunks], np.int32), np.array([ch.n_valid for ch in chunks], np.int32),
         np.array([len(r.prompt) for r in reqs], np.int32), np.array([len(r.tokens) for r in reqs], np.int32),
         np.array([r.seed for r in reqs], np.uint32),
-        request_rows([r.params for r in reqs], [r.stop_ids for r in reqs], n_stop), np.asarray(start_state, np.int32))
+        RequestRows.of([r.params for r in reqs], [r.stop_ids for r in reqs], n_stop),
+        np.asarray(start_state, np.int32))
 
 
 def table_shardings(table, mesh):
