@@ -74,3 +74,22 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """Dump every thread's stack to the run's own stderr a second before a test's timeout: pytest-timeout's thread
+    method ends an xdist worker, and its own dump goes to that worker's captured output, which dies with it."""
+    import faulthandler
+
+    marker = item.get_closest_marker("timeout")
+    timeout = float(marker.args[0] if marker and marker.args else item.config.getini("timeout") or 0)
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    capture = getattr(capman, "_global_capturing", None)
+    fd = getattr(getattr(capture, "err", None), "targetfd_save", None)
+    if timeout > 1 and isinstance(fd, int):
+        faulthandler.dump_traceback_later(timeout - 1, file=fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
