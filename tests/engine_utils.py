@@ -89,6 +89,11 @@ def exact_pair_distribution(cfg, weight_seed, prompt, temperature, top_p):
     return np.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
+# Four sampling tests draw fresh models and seeds each run: at this bar a correct engine fails one of them about once
+# in 2500 runs, while a sampler that ignores its temperature still fails at chi-square's full power.
+SAME_DISTRIBUTION_ALPHA = 1e-4
+
+
 def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
     """Pearson chi-square of observed (t2, t3) counts against expected probabilities; cells expected below 5 are
     pooled into one."""
@@ -102,6 +107,15 @@ def chi_square_p(counts: np.ndarray, expected: np.ndarray) -> tuple[float, float
     keep = f_exp > 0
     chi2, p = stats.chisquare(f_obs[keep], f_exp[keep] * f_obs[keep].sum() / f_exp[keep].sum())
     return float(chi2), float(p)
+
+
+def assert_same_distribution(counts: np.ndarray, expected: np.ndarray) -> None:
+    """Counts drawn from `expected`: none where it is zero (top-p and masks cut exactly), and a chi-square that a
+    true sampler passes but for SAME_DISTRIBUTION_ALPHA."""
+    outside = counts[expected == 0].sum()
+    assert outside == 0, f"{outside:.0f} draws where the distribution is zero"
+    chi2, p = chi_square_p(counts, expected)
+    assert p > SAME_DISTRIBUTION_ALPHA, f"chi2={chi2:.1f} p={p:.2e}"
 
 
 COMPILE_EVENTS = (jax._src.dispatch.JAXPR_TRACE_EVENT, jax._src.dispatch.BACKEND_COMPILE_EVENT)

@@ -246,7 +246,11 @@ def test_model_forward_takes_the_chosen_backend(rng, interpret):
     """forward_verify's attn_backend reaches verify_attn: the 64-head model's logits agree on both backends (and
     a backend that does not exist is refused from inside the forward). Every layer is dense: the two backends
     round differently in bf16, and a random router's near-tie then picks other experts (logits 27% apart for a
-    seed that CI drew), which says nothing about attention."""
+    seed that CI drew), which says nothing about attention.
+
+    The forward is one jitted program, as in the engine: run op by op, the ops queued behind the interpreted Mosaic
+    kernel can fill the CPU client's in-flight slots that the interpreter's own nested programs then wait for, a
+    deadlock."""
     from kdtree_jax.model.target import LatentCache, forward_verify
 
     target, _ = _wide_pair(int(rng.integers(1 << 30)), first_k_dense_replace=2)
@@ -257,8 +261,9 @@ def test_model_forward_takes_the_chosen_backend(rng, interpret):
     start = jnp.array([40, 17], jnp.int32)
     positions = start[:, None] + jnp.arange(n)[None, :]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (bt, n, n))
-    logits = {b: np.asarray(forward_verify(target, tokens, positions, start, mask, cache, use_pallas=True,
-                                           interpret=interpret, attn_backend=b).logits, np.float64)
+    forward = jax.jit(functools.partial(forward_verify, use_pallas=True, interpret=interpret),
+                      static_argnames="attn_backend")
+    logits = {b: np.asarray(forward(target, tokens, positions, start, mask, cache, attn_backend=b).logits, np.float64)
               for b in ("triton", "mosaic")}
     assert_close(logits["mosaic"], logits["triton"], TOL[jnp.bfloat16], "logits mosaic vs triton")
     with pytest.raises(ValueError, match="backend='cuda'"):
