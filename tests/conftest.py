@@ -1,4 +1,5 @@
 """Shared test setup: 8 simulated CPU devices, markers, kernel mode (interpret on CPU, compiled on GPU)."""
+import faulthandler
 import importlib.util
 import os
 
@@ -80,8 +81,6 @@ def rng(request):
 def pytest_runtest_protocol(item):
     """Dump every thread's stack to the run's own stderr a second before a test's timeout: pytest-timeout's thread
     method ends an xdist worker, and its own dump goes to that worker's captured output, which dies with it."""
-    import faulthandler
-
     marker = item.get_closest_marker("timeout")
     timeout = float(marker.args[0] if marker and marker.args else item.config.getini("timeout") or 0)
     capman = item.config.pluginmanager.getplugin("capturemanager")
