@@ -107,7 +107,6 @@ class ServingEngine:
         self.uses_drafter = engine.drafter is not None and c.mode != "ar"
         kinds = budget_mod.step_kinds(c.mode, c.budget, c.max_slots, lambda: budget_mod.profile_for(
             engine.budget_profile, engine.profile_key()))
-        self.kinds = sorted(set(kinds.values()))
         self.widths = sorted(set(c.step_widths or [self.groups * w for w in _powers_of_two(self.group_slots)]))
         # the step programs: each width with the kinds its active counts (the ones it is the narrowest for, given how
         # many of them the busiest group holds) need
@@ -115,7 +114,7 @@ class ServingEngine:
                                  for a in range(1, c.max_slots + 1)
                                  for m in range(-(-a // self.groups), min(a, self.group_slots) + 1)},
                                 key=lambda kw: (kw[1], kw[0]))
-        budgets = [k.budget for k in self.kinds if k.mode == "ddtree"]
+        budgets = sorted({k.budget for k in kinds.values() if k.mode == "ddtree"})
         # the drafter's top-K lists keep the largest budget's K, shared by every program (`programs.py`, "Budgets")
         self._draft_k = max(max((min(b, cfg.vocab_size) for b in budgets), default=0), 1)
         prefill_kind = (StepKind("ddtree", max(budgets)) if budgets
