@@ -81,9 +81,6 @@ class Scheduler:
         the moves into the lowest slots; and the step program and width for the running requests."""
         self._vacated = []
         prefill, preempted = self.plan_prefill(steps)
-        for chunk in prefill.chunks if prefill is not None else ():
-            if chunk.last:
-                self._place(chunk)
         preempted += self.reserve(steps)
         prefill = prefill.without(preempted) if prefill is not None else None
         released = tuple(dict.fromkeys(i for i in self._vacated if self.slots[i] is None))
@@ -235,8 +232,9 @@ class Scheduler:
         what that group's running requests reserve for their next `steps` steps (`_decode_rows`), and where the
         chunk ends its context, its own first reservation too (else the reservation that follows would preempt it
         again at once). The oldest request part-way through in each group preempts newer ones of its group when its
-        next chunk lacks pages (else prefills could hold the group's pages between them and none finish). Returns
-        the plan and the requests preempted for it."""
+        next chunk lacks pages (else prefills could hold the group's pages between them and none finish). A request
+        whose last chunk is planned takes its slot now (`_place`). Returns the plan and the requests preempted for
+        it."""
         preempted = []
         for g in range(self.groups):
             oldest = next((r for r in self.prefilling if r.group == g), None)
@@ -341,19 +339,18 @@ class Scheduler:
         if not size:
             return None, preempted
         rows = tuple(c for mine in chunks for c in [*mine, *[None] * (size - len(mine))])
+        for chunk in rows:
+            if chunk is not None and chunk.last:
+                self._place(chunk)
         return PrefillPlan(bucket, rows), preempted
 
     def prefilled(self, chunk: Chunk, running: bool) -> None:
         """A chunk's program ran: its rows are in the pages; a last chunk's request decodes from its slot (taken
-        when it was scheduled, `_place`), or has ended already (`running` False) and leaves."""
+        when it was planned, `_place`), or has ended already (`running` False) and leaves."""
         r = chunk.request
         r.prefilled = chunk.start + chunk.n_valid
         self.cache.publish(r.rid, r.context, r.prefilled)
-        if not chunk.last:
-            return
-        if r in self.prefilling:
-            self._place(chunk)
-        if not running:
+        if chunk.last and not running:
             self.finish(self.slots.index(r))
 
     def _hit_rows(self, r: Request, group: int) -> int:
