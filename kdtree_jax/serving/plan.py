@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kdtree_jax.decode.budget import StepKind
 from kdtree_jax.decode.params import RequestParams
-
-if TYPE_CHECKING:  # the device rows' types; the engine builds them, this module only carries them
-    from kdtree_jax.serving.programs import PrefillRow, StepRow
 
 
 @dataclasses.dataclass
@@ -111,10 +107,10 @@ class StepOutput:
 
     time: float  # when the host read the step's rows
     prefill_time: float = 0.0  # when the prefill's rows came back
-    prefill: tuple[tuple[Chunk, PrefillRow], ...] = ()  # each chunk that ran, with its row
+    prefill: tuple[tuple[Chunk, object], ...] = ()  # (chunk, programs.PrefillRow) of each chunk that ran
     refused: Mapping[Hashable, str] = dataclasses.field(default_factory=dict)  # rid -> why its automaton found no
     # room: its row ran unconstrained, so it ends with "error" and never decodes
-    decoded: tuple[tuple[tuple[Request | None, int], StepRow], ...] = ()  # ((request, epoch), its row)
+    decoded: tuple[tuple[tuple[Request | None, int], object], ...] = ()  # ((request, epoch), programs.StepRow)
     n_draft: int = 0  # draft tokens each of the read step's rounds verified per row
 
 
