@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import time
 
@@ -52,8 +53,9 @@ SCRIPT = f"<think>The user wants weather.</think>Let me check.{CALL}<|im_end|>"
 
 # ---- a front that answers every request with a scripted completion ---------------------------------------------
 class ScriptedFront(ServingFront):
-    """Every request gets `script`'s tokens, DELTA_TOKENS at a time, then a record ending as `finish` says.
-    Remembers the params of each request (the constraint the server built)."""
+    """Every request gets `script`'s tokens (or those of `script(prompt ids, params)`), DELTA_TOKENS at a time,
+    then a record ending as `finish` says. Remembers the params of each request (the constraint the server built,
+    the seed); a request without a seed draws one, as the engine does."""
 
     def __init__(self, tokenizer: KimiTokenizer, config: ServeConfig):
         super().__init__()
@@ -72,7 +74,7 @@ class ScriptedFront(ServingFront):
         return EngineStats(0, 0, self.config.num_pages, self.config.num_pages, self.config.page_size, 0.0, 0)
 
     def _check(self, prompt, params):
-        return list(prompt), (), 0
+        return list(prompt), (), random.getrandbits(32)
 
     def _queued(self) -> int:
         return 0
@@ -82,7 +84,7 @@ class ScriptedFront(ServingFront):
             return
         _, rid, ids, params = msg
         self.params.append(params)
-        out = self.tokenizer.encode(self.script)
+        out = self.tokenizer.encode(self.script(ids, params) if callable(self.script) else self.script)
         events = [TokenDelta(rid, out[i:i + DELTA_TOKENS], time.perf_counter())
                   for i in range(0, len(out), DELTA_TOKENS)]
         events.append(RequestRecord(rid, out, self.finish, len(ids), [], 0))

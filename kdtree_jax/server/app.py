@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kdtree_jax.server.metrics import CONTENT_TYPE
 from kdtree_jax.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body, param_path
 from kdtree_jax.server.serving_chat import ServingChat
-from kdtree_jax.server.serving_common import ENGINE_DEAD, Job, OpenAIServer, ServerSettings
+from kdtree_jax.server.serving_common import ENGINE_DEAD, Choices, OpenAIServer, ServerSettings
 from kdtree_jax.server.serving_completion import ServingCompletion
 from kdtree_jax.serving.frontend import ServingFront
 
@@ -74,17 +74,17 @@ def _unauthorized(missing: bool) -> JSONResponse:
 
 
 class JobEventStream(EventSourceResponse):
-    """An SSE response whose request is cancelled however the response ends (done, client gone, shutdown)."""
+    """An SSE response whose requests are cancelled however the response ends (done, client gone, shutdown)."""
 
-    def __init__(self, job: Job, events: AsyncIterator[bytes]):
+    def __init__(self, choices: Choices, events: AsyncIterator[bytes]):
         super().__init__(events, headers=SSE_HEADERS)
-        self.job = job
+        self.choices = choices
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.close()
+            self.choices.close()
 
 
 
@@ -108,14 +108,14 @@ def build_app(front: ServingFront, tokenizer, settings: ServerSettings) -> FastA
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, key=settings.api_key)
 
-    async def respond(job: Job, body, request: Request, events, complete):
-        """SSE chunks as the job runs, or one JSON body once it has ended."""
+    async def respond(choices: Choices, body, request: Request, events, complete):
+        """SSE chunks as the choices run, or one JSON body once they have ended."""
         if body.stream:
-            return JobEventStream(job, events(job, body))
-        text = await server.run_to_end(job, request)
-        if job.failed:
-            return JSONResponse(job.error(), status_code=job.error_status)
-        return JSONResponse(complete(job, text, body))
+            return JobEventStream(choices, events(choices, body))
+        texts = await server.run_to_end(choices, request)
+        if choices.failed:
+            return JSONResponse(choices.error(), status_code=choices.error_status)
+        return JSONResponse(complete(choices, texts, body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -2,8 +2,8 @@
 
 Types are strict, as OpenAI's own API is: "max_tokens": "16" or "temperature": true is a 400, not a silent
 conversion. Fields this server does not know are ignored, as vLLM ignores them (clients send vendor extras); known
-OpenAI fields it does not implement (n > 1, logprobs, penalties, ...) are accepted only at their "off" value, so a
-request is never answered as if they had been applied. Tools, tool choice, response formats and vLLM's
+OpenAI fields it does not implement (logprobs, penalties, ...) are accepted only at their "off" value, so a
+request is never answered as if they had been applied (README.md, "Request fields", lists every field). Tools, tool choice, response formats and vLLM's
 `structured_outputs` are checked in depth by the app (`server/constraints.py`), which names the field at fault.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_STOP_STRINGS = 16  # stop strings per request; each one is searched for in every new piece of text
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat defaults to the rest of the context
+MAX_N = 16  # choices per prompt (`n`)
 
 
 class ApiError(Exception):
@@ -55,7 +56,7 @@ class _SamplingRequest(_Strict):
 
     # field -> the values that mean "off"; anything else is refused as not supported
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     }
 
     model: str | None = None  # None: the served model
@@ -71,7 +72,7 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: Any = None
+    n: int | None = Field(None, ge=1, le=MAX_N)  # choices per prompt, each its own request
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
@@ -123,7 +124,7 @@ class CompletionRequest(_SamplingRequest):
         "suffix": (None, ""),
     }
 
-    prompt: Any = None  # text or token ids; checked by `single_prompt`
+    prompt: Any = None  # text or token ids, or a list of either; read by `prompt_list`
     best_of: Any = None
     echo: Any = None
     logprobs: Any = None
@@ -131,21 +132,26 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, v):
-        return single_prompt(v)
+    def _prompt_list(cls, v):
+        return prompt_list(v)
 
 
-def single_prompt(v) -> str | list[int]:
-    """OpenAI's prompt forms: a string, token ids, or a list of one of either (one prompt per request here)."""
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]
-    if isinstance(v, str):
+def prompt_list(v) -> list[str | list[int]]:
+    """OpenAI's prompt forms -> the prompts: a string or token ids (one prompt), or a non-empty list of strings or
+    of token-id lists (a prompt each). None (no prompt) is one empty string, as OpenAI reads it."""
+    if v is None:
+        return [""]
+    if isinstance(v, str) or (isinstance(v, list) and v and all(_token_id(t) for t in v)):
+        return [v]
+    if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
         return v
-    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if isinstance(v, list) and v and all(isinstance(p, list) and all(_token_id(t) for t in p) for p in v):
         return v
-    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-        raise ValueError(f"one prompt per request (got {len(v)})")
-    raise ValueError("must be a string or a list of integer token ids")
+    raise ValueError("must be a string, a list of integer token ids, or a non-empty list of either")
+
+
+def _token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 class TextPart(_Strict):
