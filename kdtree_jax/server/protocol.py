@@ -210,3 +210,47 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses: OpenAI's Responses API over the chat path (serving_responses.py reads `input`, `tools`,
+    `tool_choice` and `text` into a chat request and names the field at fault)."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "previous_response_id": (None,), "conversation": (None,), "background": (None, False), "prompt": (None,),
+        "reasoning": (None,), "include": (None, []), "top_logprobs": (None, 0), "max_tool_calls": (None,),
+        "truncation": (None, "disabled"), "stream_options": (None,),
+    }
+
+    model: str | None = None
+    input: Any = None  # a string, or a list of messages and items (message, function_call, function_call_output)
+    instructions: str | None = None  # a system message before the input
+    tools: list[Any] | None = None  # function tools, flattened: {type: "function", name, description?, parameters?}
+    tool_choice: Any = None  # "none" | "auto" | "required" | {type: "function", name}
+    parallel_tool_calls: bool = True
+    text: Any = None  # {format: {type: "text" | "json_object" | "json_schema", ...}}
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    stream: bool = False
+    store: bool | None = None  # accepted; nothing is stored (previous_response_id is refused)
+    metadata: dict[str, str] | None = None  # echoed in the response
+    user: str | None = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    include: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+    truncation: Any = None
+    stream_options: Any = None
+
+    @field_validator("*")
+    @classmethod
+    def _off_unless_supported(cls, v, info):
+        off = cls.UNSUPPORTED.get(info.field_name)
+        if off is not None and not any(_same(v, o) for o in off):
+            raise ValueError(f"not supported by this server (only {off[-1]!r})")
+        return v
