@@ -1,8 +1,11 @@
 """What OpenAI clients send beyond one prompt and one choice, through the real `openai` client against a server over
 a scripted front (nothing compiles): lists of prompts on /v1/completions, `n` choices per prompt (their order, their
 seeds, usage counting each prompt once, streamed chunks by index), and the README's table of request fields checked
-against the server's request models. The shipped pair's n choices are in test_server.py."""
+against the server's request models and their refusals. The shipped pair's n choices are in test_server.py."""
 from __future__ import annotations
+
+import json
+import os
 
 import httpx
 import pytest
@@ -10,6 +13,7 @@ from test_agent_api import MODEL, ScriptedFront, _client, tokenizer  # noqa: F40
 from test_server import serve_in_thread
 
 from kdtree_jax.server import ServerSettings, build_app
+from kdtree_jax.server.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from kdtree_jax.server.serving_common import choice_seed
 from kdtree_jax.serving import ServeConfig
 
@@ -113,3 +117,63 @@ def test_bad_n_or_prompt_list_is_a_400_naming_the_field(echo, case):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert len(front.params) == before  # refused before anything reached the engine
+
+
+# ---- the README's table of request fields ----------------------------------------------------------------------
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+             "/v1/responses": ResponsesRequest}
+TREATMENTS = ("supported", "accepted", "refused")
+
+
+def readme_fields() -> tuple[list[str], dict[str, list[str]]]:
+    """(the endpoints, in column order; field -> its cells) of the README's "Request fields" table."""
+    text = open(README).read()
+    section = text[text.index("### Request fields"):]
+    section = section[:section.index("\n#", 1)]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("|")]
+    header, rows = rows[0], rows[2:]
+    return header[1:], {row[0].strip("`"): row[1:] for row in rows}
+
+
+@pytest.mark.timeout(30)
+def test_the_readme_lists_every_request_field_as_the_models_treat_it():
+    """Each field of each endpoint's request model has a row; a field is "refused [off value]" exactly where the
+    model refuses it but at that value, "supported" or "accepted" where it takes it, "-" where it is no field."""
+    endpoints, table = readme_fields()
+    assert set(endpoints) == set(ENDPOINTS)
+    assert set(table) == {f for model in ENDPOINTS.values() for f in model.model_fields}
+    for field, cells in table.items():
+        assert len(cells) == len(endpoints), field
+        for endpoint, cell in zip(endpoints, cells):
+            model = ENDPOINTS[endpoint]
+            if field not in model.model_fields:
+                assert cell == "-", (endpoint, field, cell)
+                continue
+            treatment = cell.split()[0].rstrip(":")
+            assert treatment in TREATMENTS, (endpoint, field, cell)
+            off = model.UNSUPPORTED.get(field)
+            assert (treatment == "refused") == (off is not None), (endpoint, field, cell)
+            if off is not None:
+                assert cell.startswith(f"refused [{json.dumps(off[-1])}]"), (endpoint, field, cell)
+
+
+REFUSED = [(endpoint, field) for endpoint, model in ENDPOINTS.items() for field in model.UNSUPPORTED]
+MINIMAL = {"/v1/completions": {"prompt": "x"}, "/v1/chat/completions": {"messages": [{"role": "user",
+                                                                                        "content": "x"}]},
+           "/v1/responses": {"input": "x"}}
+
+
+@pytest.mark.timeout(60)
+def test_every_refused_field_is_a_400_naming_it_unless_off(echo):
+    front, url, _ = echo
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for endpoint, field in REFUSED:
+            before = len(front.params)
+            r = http.post(endpoint, json={"model": MODEL, **MINIMAL[endpoint], field: "on"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (endpoint, field, r.text)
+            off = ENDPOINTS[endpoint].UNSUPPORTED[field][-1]
+            r = http.post(endpoint, json={"model": MODEL, **MINIMAL[endpoint], field: off, "max_tokens": 2})
+            assert r.status_code == 200, (endpoint, field, r.text)
+            assert len(front.params) == before + 1

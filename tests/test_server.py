@@ -247,7 +247,7 @@ def test_n_greedy_choices_are_equal_and_share_the_prompts_pages(client, base_url
     the prompt's full pages in the prefix cache (submitted once the first had prefilled them)."""
     prompt, n, page = PROMPTS[1] * 10, 4, ServeConfig.page_size
     prompt_tokens = len(engine.tokenizer.encode(prompt))
-    assert prompt_tokens > 2 * page
+    assert prompt_tokens > page
     before = _metrics(base_url)
     r = client.completions.create(model=MODEL, prompt=prompt, n=n, max_tokens=8, temperature=0)
     after = _metrics(base_url)

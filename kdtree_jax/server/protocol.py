@@ -56,7 +56,8 @@ class _SamplingRequest(_Strict):
 
     # field -> the values that mean "off"; anything else is refused as not supported
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+        "logit_bias": (None, {}),
     }
 
     model: str | None = None  # None: the served model
@@ -75,6 +76,7 @@ class _SamplingRequest(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_N)  # choices per prompt, each its own request
     presence_penalty: Any = None
     frequency_penalty: Any = None
+    repetition_penalty: Any = None  # vLLM extra
     logit_bias: Any = None
     response_format: Any = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: Any = None  # vLLM: {"json" | "regex" | "choice" | "json_object": ...}
