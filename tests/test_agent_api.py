@@ -403,3 +403,22 @@ def test_structured_outputs_of_the_shipped_pair_validate(served):
                                      extra_body={"structured_outputs": {"choice": [" None", " x + 1", " True"]}})
     assert pick.choices[0].text in (" None", " x + 1", " True") and pick.choices[0].finish_reason == "stop"
     assert core.automata.layout.live == 0  # every placement freed with its request
+
+
+@pytest.mark.heavy
+def test_a_forced_tool_call_cut_off_by_max_tokens_reads_the_same_streamed_or_not(served):
+    """The shipped pair's named tool call cut off by max_tokens: finish_reason "length", the partial call in
+    tool_calls (its arguments as far as they got), no markup in content; streamed, the same."""
+    _, url = served
+    client = _client(url)
+    kw = {"model": MODEL, "messages": USER, "tools": TOOLS, "max_tokens": 28, "temperature": 0,
+          "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    whole = client.chat.completions.create(**kw).choices[0]
+    streamed, finish = _gather_stream(client.chat.completions.create(stream=True, **kw))
+    assert whole.finish_reason == finish == "length"
+    assert whole.message.content is None and streamed["content"] == "", (whole, streamed)
+    assert whole.message.tool_calls, whole.message
+    (call,) = whole.message.tool_calls
+    assert (call.id, call.function.name) == ("functions.get_time:0", "get_time")
+    assert call.function.arguments.startswith("{")
+    assert streamed["tool_calls"] == [{"id": call.id, "name": "get_time", "arguments": call.function.arguments}]
