@@ -99,15 +99,13 @@ class ServingResponses:
         for event in out.close("incomplete" if cut else "completed"):
             yield event
         status = "incomplete" if cut else "completed"
-        yield out.event(f"response.{status}",
-                        response=self._response(choices, body, status, out.items,
-                                                self._usage(choices, out.items[:1] != [] and
-                                                            out.items[0]["type"] == "reasoning")))
+        usage = self._usage(choices, any(item["type"] == "reasoning" for item in out.items))
+        yield out.event(f"response.{status}", response=self._response(choices, body, status, out.items, usage))
 
     # ---- the response object ----------------------------------------------------------------------------------
     def _response(self, choices: Choices, body: ResponsesRequest, status: str, output: list[dict],
                   usage: dict | None) -> dict:
-        fmt = (body.text or {}).get("format") if isinstance(body.text, dict) else None
+        fmt = body.text.get("format") if isinstance(body.text, dict) else None
         return {
             "id": choices.id, "object": "response", "created_at": choices.created, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
