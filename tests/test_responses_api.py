@@ -53,7 +53,7 @@ def _client(url: str) -> openai.OpenAI:
 def test_a_response_holds_reasoning_message_and_function_call_items(served):
     front, url, prompts = served
     r = _client(url).responses.create(model=MODEL, input=ASK, instructions="Answer briefly.", tools=TOOLS)
-    assert r.status == "completed" and r.object == "response" and r.id.startswith("resp")
+    assert r.status == "completed" and r.object == "response" and r.id.startswith("resp_")
     assert [item.type for item in r.output] == ["reasoning", "message", "function_call"]
     assert r.output[0].content[0].text == "The user wants weather."
     assert r.output_text == "Let me check." and r.output[1].role == "assistant"

@@ -16,7 +16,7 @@ from kdtree_jax.server.protocol import ApiError, ChatCompletionRequest
 from kdtree_jax.server.reasoning import THINK_BEGIN
 from kdtree_jax.server.serving_common import ChatPlan, Choices, Endpoint, Job, OpenAIServer
 
-CHAT = Endpoint("messages", None, "chatcmpl")
+CHAT = Endpoint("messages", None, "chatcmpl-")
 TOOL_CHOICES = ("none", "auto", "required")
 # template variables the request's own fields set: chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")

@@ -48,11 +48,11 @@ REASONING_PARSERS = ("kimi_k2",)  # --reasoning-parser choices
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-    """What differs between completions and chat completions."""
+    """What differs between the endpoints."""
 
     prompt_field: str  # the field the prompt comes in
     default_limit: int | None  # max tokens when the request gives none (None: the rest of the context)
-    id_prefix: str
+    id_prefix: str  # a response id is this and a random hex (OpenAI: "chatcmpl-", "cmpl-", "resp_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +186,7 @@ class Choices:
     """A response's choices (`Job`s, in index order) under one id; usage counts each prompt once."""
 
     def __init__(self, id_prefix: str, n: int, plan: ChatPlan):
-        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.id = f"{id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.n, self.plan = n, plan
         self.jobs: list[Job] = []

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from kdtree_jax.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest
 from kdtree_jax.server.serving_common import ChatPlan, Choices, Endpoint, Job, OpenAIServer
 
-COMPLETIONS = Endpoint("prompt", DEFAULT_COMPLETION_MAX_TOKENS, "cmpl")
+COMPLETIONS = Endpoint("prompt", DEFAULT_COMPLETION_MAX_TOKENS, "cmpl-")
 
 
 class ServingCompletion:

@@ -29,7 +29,7 @@ from kdtree_jax.server.serving_chat import ServingChat
 from kdtree_jax.server.serving_common import Choices, Endpoint, Job, OpenAIServer
 from kdtree_jax.server.tool_calls import SECTION_BEGIN
 
-RESPONSES = Endpoint("input", None, "resp")
+RESPONSES = Endpoint("input", None, "resp_")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")  # content parts read as text
 # a chat request's field -> the Responses field it came from (for the 400s the chat path raises)
