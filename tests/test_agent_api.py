@@ -422,3 +422,27 @@ def test_a_forced_tool_call_cut_off_by_max_tokens_reads_the_same_streamed_or_not
     assert (call.id, call.function.name) == ("functions.get_time:0", "get_time")
     assert call.function.arguments.startswith("{")
     assert streamed["tool_calls"] == [{"id": call.id, "name": "get_time", "arguments": call.function.arguments}]
+
+
+@pytest.mark.heavy
+def test_responses_of_the_shipped_pair_follow_text_format_and_force_a_call(served):
+    """/v1/responses on the serving engine: text.format json_schema gives output_text that validates, whole and
+    streamed alike; a named tool_choice gives a function_call item whose arguments follow the tool's schema."""
+    _, url = served
+    client = _client(url)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    kw = {"model": MODEL, "input": "A city as JSON.", "max_output_tokens": 40, "temperature": 0,
+          "text": {"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}}}
+    whole = client.responses.create(**kw)
+    assert whole.status == "completed", whole
+    jsonschema.validate(json.loads(whole.output_text), schema)
+    streamed = "".join(e.delta for e in client.responses.create(stream=True, **kw)
+                       if e.type == "response.output_text.delta")
+    assert streamed == whole.output_text
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    called = client.responses.create(model=MODEL, input=USER[0]["content"], tools=tools, max_output_tokens=80,
+                                     temperature=0, tool_choice={"type": "function", "name": "get_time"})
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert (call.name, call.call_id) == ("get_time", "functions.get_time:0")
+    jsonschema.validate(json.loads(call.arguments), TIME)
