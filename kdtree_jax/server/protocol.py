@@ -3,8 +3,9 @@
 Types are strict, as OpenAI's own API is: "max_tokens": "16" or "temperature": true is a 400, not a silent
 conversion. Fields this server does not know are ignored, as vLLM ignores them (clients send vendor extras); known
 OpenAI fields it does not implement (logprobs, penalties, ...) are accepted only at their "off" value, so a
-request is never answered as if they had been applied (README.md, "Request fields", lists every field). Tools, tool choice, response formats and vLLM's
-`structured_outputs` are checked in depth by the app (`server/constraints.py`), which names the field at fault.
+request is never answered as if they had been applied (README.md, "Request fields", lists every field). Tools, tool
+choice, response formats and vLLM's `structured_outputs` are checked in depth by the app (`server/constraints.py`),
+which names the field at fault.
 """
 from __future__ import annotations
 
