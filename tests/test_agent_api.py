@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import time
 
@@ -52,13 +53,15 @@ SCRIPT = f"<think>The user wants weather.</think>Let me check.{CALL}<|im_end|>"
 
 # ---- a front that answers every request with a scripted completion ---------------------------------------------
 class ScriptedFront(ServingFront):
-    """Every request gets `script`'s tokens, DELTA_TOKENS at a time, then a "stop" record. Remembers the params
-    of each request (the constraint the server built)."""
+    """Every request gets `script`'s tokens (or those of `script(prompt ids, params)`), DELTA_TOKENS at a time,
+    then a record ending as `finish` says. Remembers the params of each request (the constraint the server built,
+    the seed); a request without a seed draws one, as the engine does."""
 
     def __init__(self, tokenizer: KimiTokenizer, config: ServeConfig):
         super().__init__()
         self.config, self.tokenizer = config, tokenizer
         self.script = SCRIPT
+        self.finish = "stop"
         self.params: list[RequestParams] = []
 
     async def start(self) -> None:
@@ -71,7 +74,7 @@ class ScriptedFront(ServingFront):
         return EngineStats(0, 0, self.config.num_pages, self.config.num_pages, self.config.page_size, 0.0, 0)
 
     def _check(self, prompt, params):
-        return list(prompt), (), 0
+        return list(prompt), (), random.getrandbits(32)
 
     def _queued(self) -> int:
         return 0
@@ -81,10 +84,10 @@ class ScriptedFront(ServingFront):
             return
         _, rid, ids, params = msg
         self.params.append(params)
-        out = self.tokenizer.encode(self.script)
+        out = self.tokenizer.encode(self.script(ids, params) if callable(self.script) else self.script)
         events = [TokenDelta(rid, out[i:i + DELTA_TOKENS], time.perf_counter())
                   for i in range(0, len(out), DELTA_TOKENS)]
-        events.append(RequestRecord(rid, out, "stop", len(ids), [], 0))
+        events.append(RequestRecord(rid, out, self.finish, len(ids), [], 0))
         self._loop.call_soon(self._push_events, events)
 
 
@@ -153,6 +156,57 @@ def test_streamed_tool_calls_and_reasoning_add_up_to_the_whole_response(stub):
     assert msg["reasoning_content"] == "The user wants weather." and msg["content"] == "Let me check."
     assert msg["tool_calls"] == [{"id": "functions.get_weather:0", "name": "get_weather",
                                   "arguments": '{"city": "Paris", "unit": "celsius"}'}]
+
+
+@pytest.fixture
+def scripted(stub):
+    """The stub's front and URL; its script and finish are restored after the test."""
+    front, url = stub
+    yield front, url
+    front.script, front.finish = SCRIPT, "stop"
+
+
+CUT_OFF = {  # name: (script, finish the engine reports, extra request fields, message fields, finish reason)
+    "max_tokens_in_arguments": (CALL.replace("get_weather", "get_time").split('"Paris"')[0].replace(
+        '{"city": ', '{"zone": "U'), "length", {"tools": TOOLS},
+        {"tool_calls": [("functions.get_time:0", "get_time", '{"zone": "U')]}, "length"),
+    "max_tokens_after_a_call": (CALL.replace("<|tool_calls_section_end|>", "") + "<|tool_call_begin|>functions.get",
+                                "length", {"tools": TOOLS},
+                                {"tool_calls": [("functions.get_weather:0", "get_weather",
+                                                 '{"city": "Paris", "unit": "celsius"}')]}, "length"),
+    "max_tokens_in_the_header": ("<think>Hm.</think>Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.ge",
+                                 "length", {"tools": TOOLS}, {"reasoning_content": "Hm.", "content": "Sure."},
+                                 "length"),
+    "stop_string_in_arguments": (SCRIPT, "stop", {"tools": TOOLS, "stop": [", "]},
+                                 {"reasoning_content": "The user wants weather.", "content": "Let me check.",
+                                  "tool_calls": [("functions.get_weather:0", "get_weather", '{"city": "Paris"')]},
+                                 "stop"),
+    "max_tokens_in_reasoning": ("<think>The user wants", "length", {"tools": TOOLS},
+                                {"reasoning_content": "The user wants"}, "length"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(CUT_OFF))
+def test_a_cut_off_tool_call_or_reasoning_reads_the_same_streamed_or_not(scripted, case):
+    """A tool-call section or reasoning cut off by max_tokens or a stop string: no markup in `content`, the calls
+    whose headers are complete in `tool_calls` (the last one's arguments as far as they got), the engine's finish
+    reason; the openai client reads the same message streamed and not."""
+    front, url = scripted
+    script, front.finish, extra, want, want_finish = CUT_OFF[case]
+    front.script = script
+    client = _client(url)
+    whole = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=40, **extra).choices[0]
+    streamed, finish = _gather_stream(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=40,
+                                                                     stream=True, **extra))
+    calls = [(c.id, c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    got = {"reasoning_content": getattr(whole.message, "reasoning_content", None), "content": whole.message.content,
+           "tool_calls": calls or None}
+    assert got == {"reasoning_content": None, "content": None, "tool_calls": None, **want}
+    assert whole.finish_reason == finish == want_finish
+    assert streamed == {"reasoning_content": want.get("reasoning_content", ""), "content": want.get("content", ""),
+                        "tool_calls": [{"id": i, "name": n, "arguments": a} for i, n, a in calls]}
+    assert not any("<|" in (m.get("content") or "") for m in (streamed, got))
 
 
 def test_tool_choice_none_and_no_parsers_leave_the_text_as_content(tokenizer):
@@ -349,3 +403,46 @@ def test_structured_outputs_of_the_shipped_pair_validate(served):
                                      extra_body={"structured_outputs": {"choice": [" None", " x + 1", " True"]}})
     assert pick.choices[0].text in (" None", " x + 1", " True") and pick.choices[0].finish_reason == "stop"
     assert core.automata.layout.live == 0  # every placement freed with its request
+
+
+@pytest.mark.heavy
+def test_a_forced_tool_call_cut_off_by_max_tokens_reads_the_same_streamed_or_not(served):
+    """The shipped pair's named tool call cut off by max_tokens: finish_reason "length", the partial call in
+    tool_calls (its arguments as far as they got), no markup in content; streamed, the same."""
+    _, url = served
+    client = _client(url)
+    kw = {"model": MODEL, "messages": USER, "tools": TOOLS, "max_tokens": 28, "temperature": 0,
+          "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    whole = client.chat.completions.create(**kw).choices[0]
+    streamed, finish = _gather_stream(client.chat.completions.create(stream=True, **kw))
+    assert whole.finish_reason == finish == "length"
+    assert whole.message.content is None and streamed["content"] == "", (whole, streamed)
+    assert whole.message.tool_calls, whole.message
+    (call,) = whole.message.tool_calls
+    assert (call.id, call.function.name) == ("functions.get_time:0", "get_time")
+    assert call.function.arguments.startswith("{")
+    assert streamed["tool_calls"] == [{"id": call.id, "name": "get_time", "arguments": call.function.arguments}]
+
+
+@pytest.mark.heavy
+def test_responses_of_the_shipped_pair_follow_text_format_and_force_a_call(served):
+    """/v1/responses on the serving engine: text.format json_schema gives output_text that validates, whole and
+    streamed alike; a named tool_choice gives a function_call item whose arguments follow the tool's schema."""
+    _, url = served
+    client = _client(url)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    kw = {"model": MODEL, "input": "A city as JSON.", "max_output_tokens": 40, "temperature": 0,
+          "text": {"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}}}
+    whole = client.responses.create(**kw)
+    assert whole.status == "completed", whole
+    jsonschema.validate(json.loads(whole.output_text), schema)
+    streamed = "".join(e.delta for e in client.responses.create(stream=True, **kw)
+                       if e.type == "response.output_text.delta")
+    assert streamed == whole.output_text
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    called = client.responses.create(model=MODEL, input=USER[0]["content"], tools=tools, max_output_tokens=80,
+                                     temperature=0, tool_choice={"type": "function", "name": "get_time"})
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert (call.name, call.call_id) == ("get_time", "functions.get_time:0")
+    jsonschema.validate(json.loads(call.arguments), TIME)

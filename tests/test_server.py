@@ -242,6 +242,36 @@ def test_a_repeated_prefix_is_reported_as_cached_tokens(client, base_url, engine
 
 
 @pytest.mark.heavy
+def test_n_greedy_choices_are_equal_and_share_the_prompts_pages(client, base_url, engine):
+    """n greedy samples of one prompt: n equal choices, the prompt counted once in usage, and every sibling found
+    the prompt's full pages in the prefix cache (submitted once the first had prefilled them)."""
+    prompt, n, page = PROMPTS[1] * 10, 4, ServeConfig.page_size
+    prompt_tokens = len(engine.tokenizer.encode(prompt))
+    assert prompt_tokens > page
+    before = _metrics(base_url)
+    r = client.completions.create(model=MODEL, prompt=prompt, n=n, max_tokens=8, temperature=0)
+    after = _metrics(base_url)
+    assert [c.index for c in r.choices] == list(range(n)) and len({c.text for c in r.choices}) == 1
+    assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 8 * n
+    hits = after[("kdtree:prefix_cache_hits_total", ())] - before.get(("kdtree:prefix_cache_hits_total", ()), 0)
+    assert hits >= (n - 1) * ((prompt_tokens - 1) // page * page)
+    alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert alone.choices[0].text == r.choices[0].text
+
+
+@pytest.mark.heavy
+def test_n_sampled_choices_with_a_seed_are_reproducible_and_differ(client):
+    """n sampled choices under one seed: the same n texts on every request, not all equal, the first that of the
+    same request with n = 1."""
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": CHAT}], "max_tokens": 16, "temperature": 1.0,
+          "seed": 2024}
+    first = [c.message.content for c in client.chat.completions.create(n=4, **kw).choices]
+    again = [c.message.content for c in client.chat.completions.create(n=4, **kw).choices]
+    assert first == again and len(set(first)) > 1, first
+    assert client.chat.completions.create(**kw).choices[0].message.content == first[0]
+
+
+@pytest.mark.heavy
 def test_stop_string_cuts_text_and_ends_request(client, reference):
     prompt = PROMPTS[0]
     full = reference.text(prompt)
@@ -406,7 +436,7 @@ BAD_BODIES = {  # name: (path, body (bytes: sent as is), status, param the error
     "one_megabyte_prompt": (COMPLETIONS, {**OK, "prompt": "x" * (1 << 20)}, 400, "prompt"),
     "prompt_over_max_context": (COMPLETIONS, {**OK, "prompt": "a = 1\n" * SERVE["max_context"]}, 400, "prompt"),
     "negative_max_tokens": (COMPLETIONS, {**OK, "max_tokens": -5}, 400, "max_tokens"),
-    "n_two": (COMPLETIONS, {**OK, "n": 2}, 400, "n"),
+    "n_above_sixteen": (COMPLETIONS, {**OK, "n": 17}, 400, "n"),
     "temperature_nan": (COMPLETIONS, json.dumps({**OK, "temperature": float("nan")}).encode(), 400, "temperature"),
     "temperature_negative": (COMPLETIONS, {**OK, "temperature": -0.5}, 400, "temperature"),
     "top_p_zero": (COMPLETIONS, {**OK, "top_p": 0}, 400, "top_p"),

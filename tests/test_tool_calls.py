@@ -94,7 +94,6 @@ def test_text_after_a_section_is_content():
 
 
 MALFORMED = {
-    "no section end": "x" + SECTION_BEGIN + call("functions.f:0", "{}"),
     "no call end": "x" + SECTION_BEGIN + CALL_BEGIN + "functions.f:0" + ARGUMENT_BEGIN + "{}" + SECTION_END,
     "bad header": "x" + section(call("functions.get weather:0", "{}")),
     "header without index": "x" + section(call("functions.f", "{}")),
@@ -115,15 +114,41 @@ MALFORMED_BEFORE_A_CALL = ["bad header", "header without index", "header with a 
 def test_malformed_section_is_content(name):
     text = MALFORMED[name]
     res = parse_tool_calls(text)
-    assert res.content == text and res.tool_calls == []
-    assert res.finish_reason("stop") == "stop"
     parser, deltas = stream(text, [])
     content, calls = collect(deltas)
+    assert (res.content or "", res.openai_tool_calls()) == (content, calls)  # whole reads as streamed
     if name in MALFORMED_BEFORE_A_CALL:
-        assert (content, calls) == (text, [])
+        assert (content, calls) == (text, []) and res.finish_reason("stop") == "stop"
     else:  # a call was sent before the flaw showed: it stays, but the choice does not end as "tool_calls"
         assert [c["function"]["name"] for c in calls] == ["f"] and content.startswith("x")
-        assert not parser.complete and parser.finish_reason("stop") == "stop"
+        assert not parser.complete and parser.finish_reason("stop") == "stop" and res.finish_reason("stop") == "stop"
+
+
+def test_a_section_cut_off_anywhere_leaves_no_markup_in_content(rng):
+    """Every prefix that ends inside a section (max_tokens or a stop cut it): the text before it is the content,
+    each call whose header is complete is a call (the last one's arguments as far as they got), no marker is
+    content, the finish reason stays the engine's; streamed at random splits, the same. Markers are special tokens:
+    a cut falls between them, never inside one."""
+    text = "Let me check." + section(call("functions.get_time:0", '{"tz": "UTC"}'),
+                                     call("functions.get_weather:1", WEATHER, pad=" "), sep="\n")
+    start = len("Let me check.")
+    inside = {at + i for m in (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
+              for at in range(len(text)) if text.startswith(m, at) for i in range(1, len(m))}
+    for end in sorted(set(range(start + 1, len(text))) - inside):
+        cut = text[:end]
+        whole = parse_tool_calls(cut)
+        assert whole.content == "Let me check." and not whole.complete, cut
+        headers = [h for h in ("functions.get_time:0", "functions.get_weather:1")
+                   if cut.find(ARGUMENT_BEGIN, cut.find(h)) > cut.find(h) >= 0]
+        assert [c.id for c in whole.tool_calls] == headers, cut
+        for c in whole.tool_calls:
+            full = '{"tz": "UTC"}' if c.name == "get_time" else WEATHER
+            assert full.startswith(c.arguments) and not any(m in c.arguments for m in (CALL_END, SECTION_END))
+        assert whole.finish_reason("length") == "length" and whole.finish_reason("stop") == "stop"
+        cuts = rng.integers(0, end + 1, size=int(rng.integers(0, 8))).tolist()
+        parser, deltas = stream(cut, cuts)
+        assert collect(deltas) == (whole.content, whole.openai_tool_calls()), (cut, cuts)
+        assert parser.result() == whole
 
 
 @pytest.mark.parametrize("name", MALFORMED_BEFORE_A_CALL)

@@ -7,6 +7,7 @@
     serving_common.py      what both endpoints share: settings, tokenization, submission, the request in flight
     serving_completion.py  /v1/completions
     serving_chat.py        /v1/chat/completions: chat template, tool choice, tool calls and reasoning
+    serving_responses.py   /v1/responses: the Responses API read into a chat request, its output items and events
     constraints.py  response_format, structured_outputs and forced tool choice -> the output's constraint
 """
 from kdtree_jax.server.app import build_app

@@ -2,7 +2,8 @@
 process, or in its own process).
 
 POST /v1/completions and /v1/chat/completions (stream false or true: SSE chunks as OpenAI sends them, ending with
-`data: [DONE]`), GET /v1/models, /health and /metrics (Prometheus text). Every error is OpenAI's error JSON with
+`data: [DONE]`), POST /v1/responses (OpenAI's Responses API over the chat path; streamed as its events), GET
+/v1/models, /health and /metrics (Prometheus text). Every error is OpenAI's error JSON with
 the status it calls for: 400 naming the field, 401 without the API key (where one is set: /v1/* only), 404 for an
 unknown model or path, 503 while the queue is full, the server is shutting down or the engine has died (then
 /health is 503 too, saying why, and requests in flight end with that error). A request whose client goes away is
@@ -34,10 +35,18 @@ from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kdtree_jax.server.metrics import CONTENT_TYPE
-from kdtree_jax.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body, param_path
+from kdtree_jax.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    error_body,
+    param_path,
+)
 from kdtree_jax.server.serving_chat import ServingChat
-from kdtree_jax.server.serving_common import ENGINE_DEAD, Job, OpenAIServer, ServerSettings
+from kdtree_jax.server.serving_common import ENGINE_DEAD, Choices, OpenAIServer, ServerSettings
 from kdtree_jax.server.serving_completion import ServingCompletion
+from kdtree_jax.server.serving_responses import ServingResponses
 from kdtree_jax.serving.frontend import ServingFront
 
 log = logging.getLogger(__name__)
@@ -74,17 +83,17 @@ def _unauthorized(missing: bool) -> JSONResponse:
 
 
 class JobEventStream(EventSourceResponse):
-    """An SSE response whose request is cancelled however the response ends (done, client gone, shutdown)."""
+    """An SSE response whose requests are cancelled however the response ends (done, client gone, shutdown)."""
 
-    def __init__(self, job: Job, events: AsyncIterator[bytes]):
+    def __init__(self, choices: Choices, events: AsyncIterator[bytes]):
         super().__init__(events, headers=SSE_HEADERS)
-        self.job = job
+        self.choices = choices
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.close()
+            self.choices.close()
 
 
 
@@ -92,6 +101,7 @@ def build_app(front: ServingFront, tokenizer, settings: ServerSettings) -> FastA
     """The ASGI app; its lifespan starts `front` (warmed up already) and drains it at shutdown."""
     server = OpenAIServer(front, tokenizer, settings)
     completion, chat = ServingCompletion(server), ServingChat(server)
+    responses = ServingResponses(server, chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,14 +118,14 @@ def build_app(front: ServingFront, tokenizer, settings: ServerSettings) -> FastA
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, key=settings.api_key)
 
-    async def respond(job: Job, body, request: Request, events, complete):
-        """SSE chunks as the job runs, or one JSON body once it has ended."""
+    async def respond(choices: Choices, body, request: Request, events, complete):
+        """SSE chunks as the choices run, or one JSON body once they have ended."""
         if body.stream:
-            return JobEventStream(job, events(job, body))
-        text = await server.run_to_end(job, request)
-        if job.failed:
-            return JSONResponse(job.error(), status_code=job.error_status)
-        return JSONResponse(complete(job, text, body))
+            return JobEventStream(choices, events(choices, body))
+        texts = await server.run_to_end(choices, request)
+        if choices.failed:
+            return JSONResponse(choices.error(), status_code=choices.error_status)
+        return JSONResponse(complete(choices, texts, body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -126,6 +136,11 @@ def build_app(front: ServingFront, tokenizer, settings: ServerSettings) -> FastA
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         job = await chat.start(body, time.perf_counter())
         return await respond(job, body, request, chat.events, chat.response)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        choices = await responses.start(body, time.perf_counter())
+        return await respond(choices, body, request, responses.events, responses.response)
 
     @app.get("/v1/models")
     async def models():

@@ -1,12 +1,12 @@
 """One chat choice's generated text -> an OpenAI assistant message (reasoning, content, tool calls) and its finish
 reason: the reasoning parser first, its content through the tool-call parser. The server builds one
-`ChatOutputParser` per streamed choice, or calls `parse_chat_output` once on a whole completion."""
+`ChatOutputParser` per streamed choice, or calls `parse_chat_output` once on a whole completion (the same parser)."""
 from __future__ import annotations
 
 from typing import Any
 
-from kdtree_jax.server.reasoning import REASONING_FIELD, ReasoningStreamParser, split_reasoning
-from kdtree_jax.server.tool_calls import ToolCallStreamParser, parse_tool_calls
+from kdtree_jax.server.reasoning import REASONING_FIELD, ReasoningStreamParser
+from kdtree_jax.server.tool_calls import ToolCallStreamParser
 
 
 class ChatOutputParser:
@@ -51,12 +51,12 @@ class ChatOutputParser:
 
 def parse_chat_output(text: str, engine_reason: str, *, reasoning: bool, tools: bool,
                       starts_in_reasoning: bool = True) -> tuple[dict[str, Any], str]:
-    """A whole completion -> (assistant message, finish reason)."""
-    thought, content = split_reasoning(text, starts_in_reasoning) if reasoning else (None, text or None)
-    if not tools:
-        return _message(thought, content, []), engine_reason
-    result = parse_tool_calls(content or "")
-    return _message(thought, result.content, result.openai_tool_calls()), result.finish_reason(engine_reason)
+    """A whole completion -> (assistant message, finish reason): the stream parser over the whole text, so a
+    response reads the same streamed or not (a cut-off tool call too)."""
+    parser = ChatOutputParser(reasoning=reasoning, tools=tools, starts_in_reasoning=starts_in_reasoning)
+    parser.feed(text)
+    parser.finish()
+    return parser.message(), parser.finish_reason(engine_reason)
 
 
 def _message(reasoning: str | None, content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:

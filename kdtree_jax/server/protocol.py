@@ -2,9 +2,10 @@
 
 Types are strict, as OpenAI's own API is: "max_tokens": "16" or "temperature": true is a 400, not a silent
 conversion. Fields this server does not know are ignored, as vLLM ignores them (clients send vendor extras); known
-OpenAI fields it does not implement (n > 1, logprobs, penalties, ...) are accepted only at their "off" value, so a
-request is never answered as if they had been applied. Tools, tool choice, response formats and vLLM's
-`structured_outputs` are checked in depth by the app (`server/constraints.py`), which names the field at fault.
+OpenAI fields it does not implement (logprobs, penalties, ...) are accepted only at their "off" value, so a
+request is never answered as if they had been applied (README.md, "Request fields", lists every field). Tools, tool
+choice, response formats and vLLM's `structured_outputs` are checked in depth by the app (`server/constraints.py`),
+which names the field at fault.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_STOP_STRINGS = 16  # stop strings per request; each one is searched for in every new piece of text
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat defaults to the rest of the context
+MAX_N = 16  # choices per prompt (`n`)
 
 
 class ApiError(Exception):
@@ -55,7 +57,8 @@ class _SamplingRequest(_Strict):
 
     # field -> the values that mean "off"; anything else is refused as not supported
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+        "logit_bias": (None, {}),
     }
 
     model: str | None = None  # None: the served model
@@ -71,9 +74,10 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: Any = None
+    n: int | None = Field(None, ge=1, le=MAX_N)  # choices per prompt, each its own request
     presence_penalty: Any = None
     frequency_penalty: Any = None
+    repetition_penalty: Any = None  # vLLM extra
     logit_bias: Any = None
     response_format: Any = None  # OpenAI: {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: Any = None  # vLLM: {"json" | "regex" | "choice" | "json_object": ...}
@@ -123,7 +127,7 @@ class CompletionRequest(_SamplingRequest):
         "suffix": (None, ""),
     }
 
-    prompt: Any = None  # text or token ids; checked by `single_prompt`
+    prompt: Any = None  # text or token ids, or a list of either; read by `prompt_list`
     best_of: Any = None
     echo: Any = None
     logprobs: Any = None
@@ -131,21 +135,26 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, v):
-        return single_prompt(v)
+    def _prompt_list(cls, v):
+        return prompt_list(v)
 
 
-def single_prompt(v) -> str | list[int]:
-    """OpenAI's prompt forms: a string, token ids, or a list of one of either (one prompt per request here)."""
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]
-    if isinstance(v, str):
+def prompt_list(v) -> list[str | list[int]]:
+    """OpenAI's prompt forms -> the prompts: a string or token ids (one prompt), or a non-empty list of strings or
+    of token-id lists (a prompt each). None (no prompt) is one empty string, as OpenAI reads it."""
+    if v is None:
+        return [""]
+    if isinstance(v, str) or (isinstance(v, list) and v and all(_token_id(t) for t in v)):
+        return [v]
+    if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
         return v
-    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if isinstance(v, list) and v and all(isinstance(p, list) and all(_token_id(t) for t in p) for p in v):
         return v
-    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-        raise ValueError(f"one prompt per request (got {len(v)})")
-    raise ValueError("must be a string or a list of integer token ids")
+    raise ValueError("must be a string, a list of integer token ids, or a non-empty list of either")
+
+
+def _token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 class TextPart(_Strict):
@@ -204,3 +213,47 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses: OpenAI's Responses API over the chat path (serving_responses.py reads `input`, `tools`,
+    `tool_choice` and `text` into a chat request and names the field at fault)."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "previous_response_id": (None,), "conversation": (None,), "background": (None, False), "prompt": (None,),
+        "reasoning": (None,), "include": (None, []), "top_logprobs": (None, 0), "max_tool_calls": (None,),
+        "truncation": (None, "disabled"), "stream_options": (None,),
+    }
+
+    model: str | None = None
+    input: Any = None  # a string, or a list of messages and items (message, function_call, function_call_output)
+    instructions: str | None = None  # a system message before the input
+    tools: list[Any] | None = None  # function tools, flattened: {type: "function", name, description?, parameters?}
+    tool_choice: Any = None  # "none" | "auto" | "required" | {type: "function", name}
+    parallel_tool_calls: bool = True
+    text: Any = None  # {format: {type: "text" | "json_object" | "json_schema", ...}}
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    stream: bool = False
+    store: bool | None = None  # accepted; nothing is stored (previous_response_id is refused)
+    metadata: dict[str, str] | None = None  # echoed in the response
+    user: str | None = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    include: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+    truncation: Any = None
+    stream_options: Any = None
+
+    @field_validator("*")
+    @classmethod
+    def _off_unless_supported(cls, v, info):
+        off = cls.UNSUPPORTED.get(info.field_name)
+        if off is not None and not any(_same(v, o) for o in off):
+            raise ValueError(f"not supported by this server (only {off[-1]!r})")
+        return v

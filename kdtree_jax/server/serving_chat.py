@@ -14,9 +14,9 @@ from kdtree_jax.server import constraints
 from kdtree_jax.server.chat_output import parse_chat_output
 from kdtree_jax.server.protocol import ApiError, ChatCompletionRequest
 from kdtree_jax.server.reasoning import THINK_BEGIN
-from kdtree_jax.server.serving_common import ChatPlan, Endpoint, Job, OpenAIServer, sse_event
+from kdtree_jax.server.serving_common import ChatPlan, Choices, Endpoint, Job, OpenAIServer
 
-CHAT = Endpoint("messages", None, "chatcmpl")
+CHAT = Endpoint("messages", None, "chatcmpl-")
 TOOL_CHOICES = ("none", "auto", "required")
 # template variables the request's own fields set: chat_template_kwargs may not override them
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
@@ -29,13 +29,13 @@ class ServingChat:
     def __init__(self, server: OpenAIServer):
         self.server = server
 
-    async def start(self, body: ChatCompletionRequest, arrival: float) -> Job:
+    async def start(self, body: ChatCompletionRequest, arrival: float) -> Choices:
         """Check, render, tokenize and submit; refusals raise ApiError before any response has started."""
         server = self.server
         server.check_model(body.model)
         ids, plan = await self.prompt(body)
         await server.check_constraint(plan.constraint, plan.constraint_field)
-        return server.start(ids, body, CHAT, arrival, plan)
+        return await server.start([(ids, "messages")], body, CHAT, arrival, plan)
 
     async def prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ChatPlan]:
         """The rendered prompt's ids and how the output is constrained and read."""
@@ -95,44 +95,55 @@ class ServingChat:
         return ChatPlan(spec, field, tools=bool(tools) and (forced or choice == "auto"),
                         reasoning=settings.reasoning_parser is not None, starts_in_reasoning=starts_in_reasoning)
 
-    def response(self, job: Job, text: str, body: ChatCompletionRequest) -> dict:
-        message, finish = {"role": "assistant", "content": text}, job.finish_reason
+    def message(self, job: Job, text: str) -> tuple[dict, str]:
+        """A whole choice's assistant message and finish reason, its tool calls and reasoning parsed out."""
         p = job.plan
         if p.parses:
-            message, finish = parse_chat_output(text, finish, reasoning=p.reasoning, tools=p.tools,
-                                                starts_in_reasoning=p.starts_in_reasoning)
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                  "stop_reason": job.stop_reason}
-        out = {**self.server.head(job, "chat.completion"), "choices": [choice], "usage": job.usage(),
-               **job.spec_decode()}
-        if body.return_token_ids:
-            choice["token_ids"] = job.text.token_ids
-            out["prompt_token_ids"] = job.prompt_ids
-        return out
+            return parse_chat_output(text, job.finish_reason, reasoning=p.reasoning, tools=p.tools,
+                                     starts_in_reasoning=p.starts_in_reasoning)
+        return {"role": "assistant", "content": text}, job.finish_reason
 
-    async def events(self, job: Job, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    def response(self, choices: Choices, texts: list[str], body: ChatCompletionRequest) -> dict:
+        out = []
+        for job, text in zip(choices.jobs, texts):
+            message, finish = self.message(job, text)
+            choice = {"index": job.index, "message": message, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": job.stop_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = job.text.token_ids
+            out.append(choice)
+        response = {**self.server.head(choices, "chat.completion"), "choices": out, "usage": choices.usage(),
+                    **choices.spec_decode()}
+        if body.return_token_ids:
+            response["prompt_token_ids"] = choices.first.prompt_ids
+        return response
+
+    def events(self, choices: Choices, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+        return self.server.stream(choices, body, self.chunks, "chat.completion.chunk")
+
+    async def chunks(self, job: Job, body: ChatCompletionRequest) -> AsyncIterator[dict | Job]:
+        """One choice's chunks: the role, its deltas (reasoning, content, tool calls), its finish chunk."""
         def chunk(delta: dict, ids: list[int], finish: str | None = None) -> dict:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": job.index, "delta": delta, "logprobs": None, "finish_reason": finish}
             if body.return_token_ids:
                 choice["token_ids"] = ids
             return {**self.server.head(job, "chat.completion.chunk"), "choices": [choice]}
 
-        yield sse_event(chunk({"role": "assistant", "content": ""}, []))
+        yield chunk({"role": "assistant", "content": ""}, [])
         parser = job.plan.parser() if job.plan.parses else None
         async for piece, ids in job.pieces():
             if parser is None:
                 if piece or (ids and body.return_token_ids):
-                    yield sse_event(chunk({"content": piece}, ids))
+                    yield chunk({"content": piece}, ids)
                 continue
             deltas = parser.feed(piece) if piece else []
             if not deltas and ids and body.return_token_ids:
                 deltas = [{}]
             for i, d in enumerate(deltas):
-                yield sse_event(chunk(d, ids if i == 0 else []))
+                yield chunk(d, ids if i == 0 else [])
         finish = job.finish_reason
         if parser is not None:
             for d in parser.finish():
-                yield sse_event(chunk(d, []))
+                yield chunk(d, [])
             finish = parser.finish_reason(finish)
-        async for event in self.server.stream_end(job, body, chunk({}, [], finish), "chat.completion.chunk"):
-            yield event
+        yield self.server.finished(job, chunk({}, [], finish))

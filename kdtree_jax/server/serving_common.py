@@ -1,11 +1,18 @@
-"""What completions and chat completions share per request: the server's settings, the model check, tokenization,
-the output constraint, the engine submission (sampling params, limits, stop strings), the request in flight (`Job`:
-its text, finish and stop reasons, usage, errors) and the end of an SSE stream. The HTTP app (app.py) and the two
-endpoints (serving_completion.py, serving_chat.py) build on it, so it imports neither.
+"""What the endpoints share per request: the server's settings, the model check, tokenization, the output
+constraint, the engine submission (sampling params, limits, stop strings), the requests in flight (`Job`: one
+choice's text, finish and stop reasons, errors; `Choices`: the response's choices, its usage) and the SSE stream of
+their chunks. The HTTP app (app.py) and the endpoints (serving_completion.py, serving_chat.py, serving_responses.py)
+build on it, so it imports none of them.
+
+A response has n choices per prompt (`n`, and a list of prompts on /v1/completions): choice i * n + j is sample j of
+prompt i, a request of its own. Sample 0 of each prompt is submitted first and its siblings once it has prefilled,
+so they find its full pages in the prefix cache instead of prefilling them again; with a `seed`, sample j draws from
+`choice_seed(seed, j)` (sample 0 from the seed itself, as a request with n = 1), without one each draws its own.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
@@ -13,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import numpy as np
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.sse import format_sse_event
@@ -40,11 +48,11 @@ REASONING_PARSERS = ("kimi_k2",)  # --reasoning-parser choices
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-    """What differs between completions and chat completions."""
+    """What differs between the endpoints."""
 
     prompt_field: str  # the field the prompt comes in
     default_limit: int | None  # max tokens when the request gives none (None: the rest of the context)
-    id_prefix: str
+    id_prefix: str  # a response id is this and a random hex (OpenAI: "chatcmpl-", "cmpl-", "resp_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,15 +97,22 @@ class ChatPlan:
                                 starts_in_reasoning=self.starts_in_reasoning)
 
 
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """The seed of sample j of a prompt: the request's own for j = 0, one derived from (seed, j) for the others
+    (numpy's SeedSequence: 32 bits, as the engine takes), None (each draws its own) without a seed."""
+    if seed is None or j == 0 or seed < 0:
+        return seed
+    return int(np.random.SeedSequence([seed, j]).generate_state(1)[0])
+
+
 class Job:
-    """One request in flight: its engine stream, its text as it becomes final, and how it ended."""
+    """One choice in flight: its engine stream, its text as it becomes final, and how it ended."""
 
     def __init__(self, server: OpenAIServer, stream: RequestStream, text: TextStream, prompt_ids: list[int],
-                 arrival: float, id_prefix: str):
-        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+                 arrival: float, choices: Choices, index: int):
+        self.id, self.created, self.plan = choices.id, choices.created, choices.plan
+        self.index = index  # the choice's index in the response
         self.stream, self.text, self.prompt_ids, self.arrival = stream, text, prompt_ids, arrival
-        self.plan = ChatPlan()  # a chat request's output parsing (none for completions)
         self._server = server
         self.record = None  # the engine's RequestRecord once the request ended
         self._closed = False
@@ -153,21 +168,8 @@ class Job:
         ids = self.record.token_ids
         return ids[-1] if self.record.finish_reason == "stop" and ids else None
 
-    def usage(self) -> dict:
-        n = len(self.text.token_ids)
-        cached = self.record.cached_tokens if self.record is not None else 0
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(self.prompt_ids) + n, "prompt_tokens_details": {"cached_tokens": cached}}
-
     def spec_decode(self) -> dict:
-        """The request's speculative statistics, named as vLLM names them: under `spec_decode` where the server
-        speculates, nothing where it decodes one token a step (mode ar), as vLLM without speculation."""
-        if not self._server.speculates:
-            return {}
-        r = self.record
-        return {"spec_decode": {"num_spec_steps": r.rounds, "num_draft_tokens": r.num_draft_tokens,
-                                "num_accepted_tokens": r.num_accepted_tokens,
-                                "mean_acceptance_length": r.mean_acceptance_length}}
+        return _spec_decode(self._server, [self.record])
 
     def error(self) -> dict:
         code = ENGINE_DEAD if self._server.front.failure is not None else None
@@ -178,6 +180,63 @@ class Job:
     def error_status(self) -> int:
         """500 for a request that failed; 503 once the engine has died (nothing can be served until a restart)."""
         return 503 if self._server.front.failure is not None else 500
+
+
+class Choices:
+    """A response's choices (`Job`s, in index order) under one id; usage counts each prompt once."""
+
+    def __init__(self, id_prefix: str, n: int, plan: ChatPlan):
+        self.id = f"{id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.n, self.plan = n, plan
+        self.jobs: list[Job] = []
+
+    @property
+    def first(self) -> Job:
+        return self.jobs[0]
+
+    @property
+    def failed(self) -> bool:
+        return any(j.failed for j in self.jobs)
+
+    def _failure(self) -> Job:
+        return next(j for j in self.jobs if j.failed)
+
+    def error(self) -> dict:
+        return self._failure().error()
+
+    @property
+    def error_status(self) -> int:
+        return self._failure().error_status
+
+    def close(self) -> None:
+        for j in self.jobs:
+            j.close()
+
+    def usage(self) -> dict:
+        """Each prompt's tokens once (its samples share them), every choice's completion tokens; cached: what each
+        prompt's first sample found in the prefix cache."""
+        firsts = self.jobs[::self.n]
+        prompt = sum(len(j.prompt_ids) for j in firsts)
+        n = sum(len(j.text.token_ids) for j in self.jobs)
+        cached = sum(j.record.cached_tokens for j in firsts if j.record is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def spec_decode(self) -> dict:
+        return _spec_decode(self.first._server, [j.record for j in self.jobs])
+
+
+def _spec_decode(server: OpenAIServer, records: list) -> dict:
+    """The requests' speculative statistics together, named as vLLM names them: under `spec_decode` where the
+    server speculates, nothing where it decodes one token a step (mode ar), as vLLM without speculation."""
+    if not server.speculates:
+        return {}
+    accepts = [a for r in records for a in r.accept_lengths]
+    return {"spec_decode": {"num_spec_steps": len(accepts),
+                            "num_draft_tokens": sum(r.num_draft_tokens for r in records),
+                            "num_accepted_tokens": sum(r.num_accepted_tokens for r in records),
+                            "mean_acceptance_length": float(np.mean(accepts)) if accepts else 0.0}}
 
 
 class OpenAIServer:
@@ -274,25 +333,58 @@ class OpenAIServer:
         if problem is not None:
             raise ApiError(400, f"{field}: {problem}", param=field)
 
-    def start(self, ids: list[int], body, endpoint: Endpoint, arrival: float, plan: ChatPlan = ChatPlan()) -> Job:
-        """Submit to the engine; refusals raise ApiError before any response has started."""
+    async def start(self, prompts: list[tuple[list[int], str]], body, endpoint: Endpoint, arrival: float,
+                    plan: ChatPlan = ChatPlan()) -> Choices:
+        """Submit n samples of each (prompt ids, its field) to the engine; refusals raise ApiError before any
+        response has started, and cancel what was submitted already."""
+        n = getattr(body, "n", None) or 1
+        total = len(prompts) * n
         limit, limit_field = body.token_limit
-        self._check_length(len(ids), limit, limit_field, endpoint.prompt_field)
+        for ids, field in prompts:
+            self._check_length(len(ids), limit, limit_field, field)
+        max_queue = self.front.config.max_queue
+        if total > max_queue:
+            field = "n" if len(prompts) == 1 else endpoint.prompt_field
+            raise ApiError(400, f"{field}: {total} choices exceed the {max_queue} requests this server queues",
+                           param=field)
+        queued = self.front.n_waiting
+        if queued + total > max_queue:
+            raise _queue_full(f"{queued} requests are waiting and this one adds {total} (max_queue {max_queue})")
+        choices = Choices(endpoint.id_prefix, n, plan)
+        try:
+            firsts = [self._submit(choices, ids, field, i * n, body, endpoint, arrival, body.seed)
+                      for i, (ids, field) in enumerate(prompts)]
+            if n > 1:  # the siblings come once the first has prefilled: they share its pages
+                await asyncio.gather(*(job.stream.first_output() for job in firsts))
+                for i, (ids, field) in enumerate(prompts):
+                    for j in range(1, n):
+                        self._submit(choices, ids, field, i * n + j, body, endpoint, arrival,
+                                     choice_seed(body.seed, j))
+        except BaseException:
+            choices.close()
+            raise
+        choices.jobs.sort(key=lambda job: job.index)
+        return choices
+
+    def _submit(self, choices: Choices, ids: list[int], prompt_field: str, index: int, body, endpoint: Endpoint,
+                arrival: float, seed: int | None) -> Job:
+        """One choice to the engine; its Job joins `choices`."""
+        plan = choices.plan
+        limit, limit_field = body.token_limit
         rest = self.max_context - len(ids)
         max_new = limit if limit is not None else min(endpoint.default_limit or rest, rest)
         params = RequestParams(
             max_new_tokens=max_new, temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-            top_k=max(body.top_k, 0), top_p=body.top_p, seed=body.seed,
+            top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed,
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, constraint=plan.constraint)
-        fields = {"prompt": endpoint.prompt_field, "max_new_tokens": limit_field, "constraint": plan.constraint_field}
+        fields = {"prompt": prompt_field, "max_new_tokens": limit_field, "constraint": plan.constraint_field}
         try:
             stream = self.front.submit(ids, params)
         except RequestError as e:
             field = fields.get(e.field) or e.field
             raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", param=field) from None
         except QueueFullError as e:
-            raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error",
-                           code="queue_full", headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)}) from None
+            raise _queue_full(str(e)) from None
         except EngineDeadError as e:
             raise ApiError(503, str(e), type="server_error", code=ENGINE_DEAD) from None
         except EngineClosedError:
@@ -304,8 +396,8 @@ class OpenAIServer:
         if plan.reasoning:
             hidden = hidden - self.think_ids
         text = TextStream(self.tokenizer, body.stop or (), hidden)
-        job = Job(self, stream, text, ids, arrival, endpoint.id_prefix)
-        job.plan = plan
+        job = Job(self, stream, text, ids, arrival, choices, index)
+        choices.jobs.append(job)
         return job
 
     def _check_length(self, n: int, limit: int | None, limit_field: str, prompt_field: str) -> None:
@@ -318,29 +410,82 @@ class OpenAIServer:
                                 f"context length of {self.max_context} tokens", param=limit_field,
                            code="context_length_exceeded")
 
-    async def run_to_end(self, job: Job, request: Request) -> str:
-        """A non-streaming request: its whole text. A client that goes away meanwhile cancels it."""
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, job))
-        try:
+    async def run_to_end(self, choices: Choices, request: Request) -> list[str]:
+        """A non-streaming response: each choice's whole text. A client that goes away meanwhile cancels them."""
+        async def text(job: Job) -> str:
             return "".join([piece async for piece, _ in job.pieces()])
+
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, choices))
+        try:
+            return list(await asyncio.gather(*(text(job) for job in choices.jobs)))
         finally:
             watcher.cancel()
-            job.close()
+            choices.close()
 
     # ---- responses ----------------------------------------------------------------------------------------
-    def head(self, job: Job, obj: str) -> dict:
+    def head(self, job: Job | Choices, obj: str) -> dict:
         return {"id": job.id, "object": obj, "created": job.created, "model": self.settings.model_name}
 
-    async def stream_end(self, job: Job, body, last: dict, obj: str) -> AsyncIterator[bytes]:
-        """The finish chunk (with the speculative statistics), the usage chunk if asked for, then [DONE]."""
+    @staticmethod
+    def finished(job: Job, last: dict) -> dict | Job:
+        """A choice's finish chunk, with its stop reason and speculative statistics; the job itself where it
+        failed (the stream then ends with its error)."""
         if job.failed:
-            yield sse_event(job.error())
-        else:
-            last["choices"][0]["stop_reason"] = job.stop_reason
-            yield sse_event({**last, **job.spec_decode()})
-            if body.include_usage:
-                yield sse_event({**self.head(job, obj), "choices": [], "usage": job.usage()})
+            return job
+        last["choices"][0]["stop_reason"] = job.stop_reason
+        return {**last, **job.spec_decode()}
+
+    async def stream(self, choices: Choices, body, chunks, obj: str) -> AsyncIterator[bytes]:
+        """SSE events: every choice's chunks (`chunks(job, body)`, ending with `finished`) as they come, the usage
+        chunk if asked for, then [DONE]; a choice that failed ends the stream with its error."""
+        async with contextlib.aclosing(merged([chunks(job, body) for job in choices.jobs])) as items:
+            async for item in items:
+                if isinstance(item, Job):
+                    yield sse_event(item.error())
+                    yield SSE_DONE
+                    return
+                yield sse_event(item)
+        if body.include_usage:
+            yield sse_event({**self.head(choices, obj), "choices": [], "usage": choices.usage()})
         yield SSE_DONE
+
+
+def _queue_full(detail: str) -> ApiError:
+    return ApiError(503, f"the server is overloaded: {detail}; retry later", type="server_error", code="queue_full",
+                    headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)})
+
+
+async def merged(iterators: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async iterators, each in its own order, as they come; one iterator is read as is."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                await queue.put((item, None))
+            await queue.put((end, None))
+        except Exception as e:  # raised again in the reader
+            await queue.put((end, e))
+
+    tasks = [asyncio.ensure_future(pump(it)) for it in iterators]
+    try:
+        left = len(tasks)
+        while left:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def sse_event(obj: dict) -> bytes:
@@ -348,11 +493,12 @@ def sse_event(obj: dict) -> bytes:
     return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
 
 
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    """Wait for the client to go away (the body is read already), then cancel its request."""
+async def _cancel_on_disconnect(request: Request, choices: Choices) -> None:
+    """Wait for the client to go away (the body is read already), then cancel its requests."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.stream.cancel()
+    for job in choices.jobs:
+        job.stream.cancel()
 
 
 def _longest_token(tokenizer) -> int:

@@ -1,13 +1,15 @@
-"""Kimi K2 tool calls in generated text -> OpenAI `tool_calls`, whole (`parse_tool_calls`) or streamed
-(`ToolCallStreamParser`).
+"""Kimi K2 tool calls in generated text -> OpenAI `tool_calls`, streamed (`ToolCallStreamParser`) or whole
+(`parse_tool_calls`: the same parser over the whole text, so a response reads the same streamed or not).
 
 Kimi writes a section of calls after any plain text:
 `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS
 <|tool_call_end|>`, then `<|tool_calls_section_end|>`. As in vLLM's `kimi_k2` parser, the call's id is the header
 itself (`functions.NAME:IDX`, or `NAME:IDX`), the name is NAME, and the arguments are the text between the markers
 with surrounding whitespace removed (not re-serialised). Text before and after a section is content. A section that
-is malformed (no section end, a call without its end, a header that is not `[functions.]NAME:IDX`, text between
-calls, no call at all) is content, verbatim: nothing the model wrote is dropped.
+is malformed (a call without its end, a header that is not `[functions.]NAME:IDX`, text between calls, no call at
+all) is content, verbatim, from where the last call sent ends: nothing the model wrote is dropped. A section the text
+ends inside (cut off by max_tokens or a stop) is no flaw: the calls whose headers are complete are calls (the last
+one's arguments as far as they got, and the choice does not end as "tool_calls"), and its markup is not content.
 """
 from __future__ import annotations
 
@@ -45,12 +47,13 @@ class ToolCall:
 class ToolCallResult:
     content: str | None  # text outside well-formed sections; None when empty
     tool_calls: list[ToolCall]
+    complete: bool = True  # every section ended and every call was closed
 
     def openai_tool_calls(self) -> list[dict[str, Any]]:
         return [c.to_openai() for c in self.tool_calls]
 
     def finish_reason(self, engine_reason: str) -> str:
-        return tool_finish_reason(bool(self.tool_calls), True, engine_reason)
+        return tool_finish_reason(bool(self.tool_calls), self.complete, engine_reason)
 
 
 def tool_finish_reason(called: bool, complete: bool, engine_reason: str) -> str:
@@ -66,55 +69,12 @@ def parse_header(header: str) -> tuple[str, str] | None:
     return (stripped, m.group(1)) if m else None
 
 
-def _parse_section(text: str, pos: int) -> tuple[list[ToolCall], int] | None:
-    """The calls of the section whose body starts at `pos`, and the index just past its end marker; None when the
-    section is malformed."""
-    calls: list[ToolCall] = []
-    while True:
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        if text.startswith(SECTION_END, pos):
-            return (calls, pos + len(SECTION_END)) if calls else None
-        if not text.startswith(CALL_BEGIN, pos):
-            return None
-        head_start = pos + len(CALL_BEGIN)
-        arg_at = text.find(ARGUMENT_BEGIN, head_start)
-        if arg_at < 0 or MARKER_START in text[head_start:arg_at]:
-            return None
-        parsed = parse_header(text[head_start:arg_at])
-        if parsed is None:
-            return None
-        args_start = arg_at + len(ARGUMENT_BEGIN)
-        end_at = text.find(CALL_END, args_start)
-        if end_at < 0:
-            return None
-        args = text[args_start:end_at]
-        if any(m in args for m in MARKERS):
-            return None
-        calls.append(ToolCall(parsed[0], parsed[1], args.strip()))
-        pos = end_at + len(CALL_END)
-
-
 def parse_tool_calls(text: str) -> ToolCallResult:
-    """Split a whole completion into content and tool calls. A malformed section and everything after it is
-    content."""
-    content: list[str] = []
-    calls: list[ToolCall] = []
-    pos = 0
-    while True:
-        at = text.find(SECTION_BEGIN, pos)
-        if at < 0:
-            content.append(text[pos:])
-            break
-        content.append(text[pos:at])
-        section = _parse_section(text, at + len(SECTION_BEGIN))
-        if section is None:
-            content.append(text[at:])
-            break
-        calls.extend(section[0])
-        pos = section[1]
-    joined = "".join(content)
-    return ToolCallResult(joined or None, calls)
+    """Split a whole completion into content and tool calls, as the stream parser reads it."""
+    parser = ToolCallStreamParser()
+    parser.feed(text)
+    parser.finish()
+    return parser.result()
 
 
 def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -133,11 +93,11 @@ class ToolCallStreamParser:
     """Text deltas in (any split: markers may arrive in pieces or several in one delta), OpenAI chat deltas out:
     `{"content": ...}` for text, then per call `{"tool_calls": [{"index", "id", "type", "function": {"name",
     "arguments": ""}}]}` once its header is complete, then `{"tool_calls": [{"index", "function": {"arguments"}}]}`
-    pieces. For a well-formed completion the deltas add up to `parse_tool_calls` of the whole text.
+    pieces. For a well-formed or cut-off completion the deltas add up to `parse_tool_calls` of the whole text.
 
     A stream cannot take back what it sent: a section found malformed before any of its calls was sent is content
-    verbatim, as in `parse_tool_calls`; one found malformed later keeps the calls already sent and the rest of the
-    text is content. `complete` says whether every sent call was closed."""
+    verbatim; one found malformed later keeps the calls already sent and the rest of the text is content.
+    `complete` says whether every section ended and every sent call was closed."""
 
     _TEXT, _SECTION, _HEADER, _ARGS, _RAW = range(5)
 
@@ -159,24 +119,21 @@ class ToolCallStreamParser:
         return _merge(out)
 
     def finish(self) -> list[dict[str, Any]]:
-        """End of stream: releases held-back text; an unclosed section or call is handled as the class says."""
+        """End of stream: releases held-back text; a section left open is cut off, as the module says."""
         out: list[dict[str, Any]] = []
         self._drain(out, final=True)
         if self._state == self._ARGS:
             self._send_args(self._buf.rstrip(), out)
             self._buf = ""
             self.complete = False
-        elif self._state in (self._SECTION, self._HEADER):
-            rest = self._raw + self._buf
-            if self._section_calls == 0 or rest.strip():
-                self._send_content(rest, out)
-            self.complete = self.complete and self._section_calls == 0
+        elif self._state in (self._SECTION, self._HEADER):  # cut off between calls or inside a header
             self._raw = self._buf = ""
+            self.complete = False
         self._state = self._RAW
         return _merge(out)
 
     def result(self) -> ToolCallResult:
-        return ToolCallResult(self.content or None, list(self.tool_calls))
+        return ToolCallResult(self.content or None, list(self.tool_calls), self.complete)
 
     def finish_reason(self, engine_reason: str) -> str:
         return tool_finish_reason(bool(self.tool_calls), self.complete, engine_reason)

@@ -64,6 +64,7 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = asyncio.Event()
+        self._output = asyncio.Event()  # its first delta (or its record) has come
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -85,6 +86,11 @@ class RequestStream:
         await self._done.wait()
         return self.record
 
+    async def first_output(self) -> None:
+        """Wait until the request has produced its first delta (its prompt is prefilled) or ended; consumes
+        nothing."""
+        await self._output.wait()
+
     def cancel(self) -> None:
         """Stop the request; its slot is freed before the next step and the stream ends with "cancelled"."""
         if self.record is None:
@@ -92,6 +98,7 @@ class RequestStream:
 
     def _push(self, item) -> None:
         self._queue.put_nowait(item)
+        self._output.set()
 
 
 class ServingFront:
