@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import json
 import threading
@@ -228,6 +229,17 @@ class TokenAutomaton:
     @property
     def num_states(self) -> int:
         return self.final.shape[0]
+
+    @functools.cached_property
+    def forced(self) -> np.ndarray:
+        """[S] int32: the one token a state allows where it allows exactly one and that is no stop token (the
+        text there is forced: a tree takes it without the drafter), else -1."""
+        one = np.bitwise_count(self.allowed).sum(axis=1) == 1
+        word = np.argmax(self.allowed != 0, axis=1)
+        bits = self.allowed[np.arange(self.num_states), word]
+        token = word.astype(np.int64) * WORD_BITS + np.log2(np.maximum(bits, 1)).astype(np.int64)
+        forced = one & ~np.isin(token, self.stop_ids)
+        return np.where(forced, token, -1).astype(np.int32)
 
     @property
     def nbytes(self) -> int:

@@ -11,6 +11,8 @@ the current bucket runs in the programs already compiled, and a program compiles
   are free states too. `pack_tables` lays automata out back to back; the serving engine's `TableLayout` keeps a
   live automaton where it is while requests come and go, so the states its rows hold stay valid.
 - `allowed [S, W] uint32`: bit t % 32 of word t // 32 is set iff token t may follow in that state.
+- `forced [S] int32`: the one token a state allows where it allows one alone (no stop token), else -1: the draft
+  tree takes it without the drafter (`tree_build_masked`).
 - `default_next [S] int32` and the exceptions `exc_keys [E]`, `exc_next [E]`: the next state of (s, t) is
   exc_next[i] where exc_keys[i] == s * V + t, else default_next[s]. The keys ascend (automata are laid out in
   state order, each state's exceptions by token), so the lookup is one binary search of fixed depth log2(E); pads
@@ -82,6 +84,7 @@ class AutomatonTables:
     default_next: jax.Array  # [S] int32
     exc_keys: jax.Array  # [E] int32 ascending state * V + token; KEY_PAD pads
     exc_next: jax.Array  # [E] int32
+    forced: jax.Array  # [S] int32: the one token the state allows (no stop token), else -1 (free states: -1)
     vocab_size: int = flax.struct.field(pytree_node=False, default=0)
 
 
@@ -118,12 +121,14 @@ def pack_tables_at(automata: Sequence[TokenAutomaton], bases: Sequence[int], voc
     default_next = np.full(n_states, FREE_STATE, np.int32)
     exc_keys = np.full(n_entries, KEY_PAD, np.int32)
     exc_next = np.zeros(n_entries, np.int32)
+    forced = np.full(n_states, -1, np.int32)
     at = 0
     for a, base in sorted(zip(automata, bases), key=lambda ab: ab[1]):  # keys ascend with the base
         if base <= FREE_STATE:
             raise ValueError(f"automaton base {base} overlaps the free state")
         s = a.num_states
         allowed[base:base + s] = a.allowed
+        forced[base:base + s] = a.forced
         own = np.arange(base, base + s, dtype=np.int32)
         default_next[base:base + s] = np.where(a.default_next >= 0, a.default_next + base, own)  # -1: no edges
         owner = np.repeat(np.arange(s, dtype=np.int64), np.diff(a.exc_offsets))  # state of each exception
@@ -131,7 +136,7 @@ def pack_tables_at(automata: Sequence[TokenAutomaton], bases: Sequence[int], voc
         exc_keys[at:at + e] = (owner + base) * vocab_size + a.exc_tokens
         exc_next[at:at + e] = a.exc_next + base
         at += e
-    return AutomatonTables(allowed, default_next, exc_keys, exc_next, vocab_size)
+    return AutomatonTables(allowed, default_next, exc_keys, exc_next, forced, vocab_size)
 
 
 class TableLayout:
@@ -227,6 +232,11 @@ def next_state(tables: AutomatonTables, states: jax.Array, tokens: jax.Array) ->
     i = jnp.searchsorted(keys, key, side="left", method="scan_unrolled")
     i = jnp.minimum(i, keys.shape[0] - 1)
     return jnp.where(keys[i] == key, tables.exc_next[i], tables.default_next[states]).astype(jnp.int32)
+
+
+def forced_token(tables: AutomatonTables, states: jax.Array) -> jax.Array:
+    """int32 [...]: the token each state forces (it allows that one alone), else -1."""
+    return tables.forced[states]
 
 
 def any_constrained(states: jax.Array) -> jax.Array:
