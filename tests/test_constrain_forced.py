@@ -94,7 +94,8 @@ def test_forced_tokens_of_a_schema_equal_a_count_of_its_allowed_tokens(rng):
     assert (got[:base] == -1).all() and (got[base + automaton.num_states:] == -1).all()
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.heavy
+@pytest.mark.timeout(600)
 def test_shipped_pair_greedy_trees_with_forced_tokens_equal_constrained_ar():
     """Greedy ddtree and chain under a schema with forced text equal constrained ar token for token, and the tree
     accepts more than one token a round."""

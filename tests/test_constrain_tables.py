@@ -273,3 +273,49 @@ def test_shipped_pair_outputs_under_real_size_schemas_validate():
         assert o.finish_reason == "stop", (name, text)
         jsonschema.validate(json.loads(text), REAL_SIZE[name], format_checker=FORMAT_CHECKER)
     assert out.stats.mean_acceptance_length > 1.5, out.stats.mean_acceptance_length
+
+
+class _RecordingEngine:
+    """The runner's view of an engine: no mesh, no weights, and a compile that records its keys."""
+
+    mesh = None
+    weights = ({}, None)
+
+    def __init__(self):
+        self.keys: list = []
+
+    def compile(self, fn, args, key, *, desc, donate=()):
+        self.keys.append((key, desc, cd.table_shape(args[2])))
+        return (lambda *a: a), 0.0
+
+
+@pytest.mark.timeout(60)
+def test_serving_programs_compile_once_per_table_bucket():
+    """The serving runner's step program: compiled for the first bucket at warm-up, once more for a larger bucket
+    (its description names the tables), and not again when the tables come back to a bucket already compiled."""
+    from kdtree_jax.decode.budget import StepKind
+    from kdtree_jax.serving.runner import ModelRunner
+
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    vocab = _counting_vocab(rng)
+    caps = cd.TableCaps(states=64, exceptions=4096, states_bucket=8, exceptions_bucket=4096)
+    layout = cd.TableLayout(vocab.vocab_size, caps)
+    engine = _RecordingEngine()
+    runner = ModelRunner(engine, uses_drafter=False, new_table=lambda: np.zeros(1), prefill_specs={},
+                         step_specs={(StepKind("ar"), 1): None}, rounds=1, page_table_width=1, max_slots=1,
+                         rows_for=None, overlap=False, constraint_tables=layout.tables())
+    runner.step_program((StepKind("ar"), 1))
+    small = compile_constraint(ConstraintSpec.regex("[ab]{0,2}c"), vocab)
+    large = compile_constraint(ConstraintSpec.regex("[ab]{0,20}c"), vocab)
+    for spec_, automaton in ((small.spec, small), (large.spec, large)):
+        layout.place(spec_, automaton)
+        runner.set_tables(layout.tables())
+        runner.step_program((StepKind("ar"), 1))
+    layout.release(large.spec)
+    layout.place(small.spec, small)  # a new placement: the tables come back to the first bucket
+    runner.set_tables(layout.tables())
+    runner.step_program((StepKind("ar"), 1))
+    shapes = [shape for _, _, shape in engine.keys]
+    assert shapes == [(8, 4096), (32, 4096)], engine.keys
+    assert engine.keys[1][1].endswith("tables 32x4096") and engine.keys[1][0][-1] == (32, 4096), engine.keys
+    assert cd.table_shape(runner.tables) == (8, 4096)
