@@ -145,7 +145,7 @@ def test_tables_grow_by_bucket_to_the_budget_and_equal_the_host_automata():
     assert seen == {4, 8, 16, 32, 40}, seen
     too_big = compile_constraint(ConstraintSpec.regex("[ab]{0,39}c"), vocab)  # 41 states
     with pytest.raises(ConstraintTooLarge, match=r"states cap of 40 \(the constraint table budget: "
-                                                 r"ServeConfig.constraint_states"):
+                                                 r"--constraint-states, ServeConfig.constraint_states"):
         cd.pack_tables([too_big], v, caps)
     problem = cd.TableLayout(v, caps).fits_alone(too_big)
     assert "table budget of 40 states" in problem and "ServeConfig.constraint_states" in problem, problem
@@ -200,7 +200,7 @@ def test_a_program_compiles_once_per_table_bucket():
 
 @pytest.mark.timeout(60)
 def test_a_schema_past_the_budget_is_a_400_naming_it(tokenizer):
-    """The server's tables budget (ServeConfig.constraint_states) refuses the 8-item array with a 400 on the field
+    """The server's tables budget (--constraint-states) refuses the 8-item array with a 400 on the field
     that carries it, its message naming the budget; the default budget takes it."""
     for states, status in ((512, 400), (cd.STATES_CAP, 200)):
         front = ScriptedFront(tokenizer, ServeConfig(num_pages=4, constraint_states=states))
@@ -214,7 +214,7 @@ def test_a_schema_past_the_budget_is_a_400_naming_it(tokenizer):
             error = r.json()["error"]
             assert error["param"] == "response_format" and error["type"] == "invalid_request_error", error
             assert f"table budget of {states} states" in error["message"], error
-            assert "ServeConfig.constraint_states" in error["message"], error
+            assert "--constraint-states" in error["message"], error
             assert front.params == []
         else:
             assert front.params[-1].constraint == ConstraintSpec.json_schema(ARRAY_OF_8)

@@ -20,8 +20,11 @@ marker matches only its special token, never ordinary text spelling the same cha
 and structure never hold raw control characters) loses no token to it. Kimi's tool-call section is a regex of this
 kind (`<|tool_call_begin|>` and the rest are special tokens around JSON arguments).
 
-States are capped (`MAX_STATES`, per compile) because each costs V / 8 bytes of mask; past the cap the compile
-fails with a `ConstraintTooLarge` that names the constraint. Compiled automata are cached by the constraint's text.
+States are capped (`MAX_STATES`, per compile: the device tables' default budget) because each costs V / 8 bytes of
+mask; past the cap the compile fails with a `ConstraintTooLarge` that names the constraint. Compiled automata are
+cached by the constraint's text. The compile reads outlines-core's transitions (a million entries for a schema of
+real size) with C iterators and packs them with one sort; outlines-core's index and its transitions dict are most
+of the time.
 """
 from __future__ import annotations
 

@@ -38,8 +38,8 @@ EXCEPTIONS_CAP = 1 << 22
 STATES_BUCKET = 1024  # the smallest tables: 20 MiB of mask at Kimi's V
 EXCEPTIONS_BUCKET = 1 << 18
 FREE_STATE = 0
-STATES_BUDGET_NAMES = "ServeConfig.constraint_states, TableCaps.states"  # where an error says the budget is set
-EXCEPTIONS_BUDGET_NAMES = "ServeConfig.constraint_exceptions, TableCaps.exceptions"
+STATES_BUDGET_NAMES = "--constraint-states, ServeConfig.constraint_states"  # where an error says the budget is set
+EXCEPTIONS_BUDGET_NAMES = "--constraint-exceptions, ServeConfig.constraint_exceptions"
 KEY_PAD = np.iinfo(np.int32).max
 
 
