@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parse the model's tool-call sections into OpenAI tool_calls (finish_reason 'tool_calls')")
     t.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="move the model's <think> text into reasoning_content (and its own stream deltas)")
+    t.add_argument("--constraint-states", type=int, default=None,
+                   help="budget of the device's constraint tables in automaton states (V / 8 bytes each), shared by "
+                        "the structured-output requests running at once: a schema past it is a 400; default: "
+                        f"{SERVE_DEFAULTS['constraint_states']}")
+    t.add_argument("--constraint-exceptions", type=int, default=None,
+                   help="budget of the constraint tables in transition exceptions (8 bytes each); default: "
+                        f"{SERVE_DEFAULTS['constraint_exceptions']}")
     h.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled")
     h.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="log level")
@@ -263,7 +270,8 @@ def load_core(args) -> ServingEngine:
     log.info("loaded %.1fM parameters in %.1f s", n_params / 1e6, time.perf_counter() - t0)
     given = {k: getattr(args, k) for k in ("max_slots", "max_context", "rounds_per_step", "max_queue", "step_widths",
                                            "min_prompt_bucket", "prefill_batch", "page_size", "num_pages",
-                                           "gpu_memory_utilization", "max_num_batched_tokens")
+                                           "gpu_memory_utilization", "max_num_batched_tokens", "constraint_states",
+                                           "constraint_exceptions")
              if getattr(args, k) is not None}
     budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
     try:

@@ -8,6 +8,12 @@ its own first allowed rank one depth down. No disallowed node enters the tree, a
 over the valid prefixes of the factorised draft distribution (the scores are the drafter's log-probs, not
 renormalised over the allowed tokens).
 
+Forced tokens (`forced`, optional): where a node's state allows exactly one token, its one child is that token
+whether or not the drafter ranked it, at the parent's score (probability 1: it pops before anything else), and the
+tree goes on below it with the drafter's next depth. The target's masked choice at the parent is that token, so
+verification accepts it: the text a schema spells out costs the drafter nothing. In the frontier the forced child
+is rank K (one past the drafter's K), with log-prob 0.
+
 Tie rule and float arithmetic are `tree_build.py`'s, so where every token is allowed the tree equals the kernel's
 bit for bit. The lexicographic order keys stay exact with skipped ranks: the ranks between a popped entry and its
 next allowed sibling are never in the frontier. This form is plain XLA (a `while_loop` over pops, every request at
@@ -28,10 +34,12 @@ _NO_KEY = jnp.iinfo(jnp.int32).max
 # allowed(states [...], tokens [...]) -> bool [...];  step(states [...], tokens [...]) -> int32 states [...]
 AllowedFn = Callable[[jax.Array, jax.Array], jax.Array]
 StepFn = Callable[[jax.Array, jax.Array], jax.Array]
+# forced(states [...]) -> int32 [...]: the one token the state allows where it allows one alone, else -1
+ForcedFn = Callable[[jax.Array], jax.Array]
 
 
-def tree_build_masked(lp, ids, root, root_state, *, budget: int, allowed: AllowedFn, step: StepFn
-                      ) -> tuple[Tree, jax.Array]:
+def tree_build_masked(lp, ids, root, root_state, *, budget: int, allowed: AllowedFn, step: StepFn,
+                      forced: ForcedFn | None = None) -> tuple[Tree, jax.Array]:
     """lp [Bt, D, K] log-probs, ids [Bt, D, K] token ids, root [Bt] bonus tokens, root_state [Bt] int32.
 
     Returns (the `Tree` with N = 1 + budget slots, states [Bt, N] int32: each node's state after its token; the
@@ -50,15 +58,22 @@ def tree_build_masked(lp, ids, root, root_state, *, budget: int, allowed: Allowe
 
     lp = lp.astype(jnp.float32)
     ids = ids.astype(i32)
+    if forced is not None:  # rank K: the forced token, log-prob 0
+        lp = jnp.concatenate([lp, jnp.zeros((bt, depth_cap, 1), jnp.float32)], axis=-1)
+        ids = jnp.concatenate([ids, jnp.zeros((bt, depth_cap, 1), i32)], axis=-1)
     rows = jnp.arange(bt)
     ranks = jnp.arange(k, dtype=i32)
     slots = jnp.arange(n, dtype=i32)
 
     def first_allowed(state, d, after):
         """First rank > after at depth index d whose token `state` allows -> (rank, any) per request."""
-        cand = ids[rows, d]  # [Bt, K]
+        cand = ids[rows, d, :k]  # [Bt, K]
         ok = allowed(state[:, None], cand) & (ranks[None, :] > after[:, None])
-        return jnp.argmax(ok, axis=-1).astype(i32), jnp.any(ok, axis=-1)
+        rank, has = jnp.argmax(ok, axis=-1).astype(i32), jnp.any(ok, axis=-1)
+        if forced is None:
+            return rank, has
+        f = forced(state) >= 0  # the forced child alone: rank K, once
+        return jnp.where(f, k, rank), jnp.where(f, after < k, has)
 
     r0, has0 = first_allowed(root_state, jnp.zeros((bt,), i32), jnp.full((bt,), -1, i32))
     first = slots[None, :] == 0
@@ -93,8 +108,10 @@ def tree_build_masked(lp, ids, root, root_state, *, budget: int, allowed: Allowe
 
         parent, rank, depth = picked(c["parent"]), picked(c["rank"]), picked(c["depth"])  # depth is 1-based
         pscore = jnp.sum(jnp.where(pick, c["pscore"], 0.0), axis=-1)
-        token = ids[rows, depth - 1, rank]
         p_state = jnp.take_along_axis(c["states"], parent[:, None], axis=1)[:, 0]
+        token = ids[rows, depth - 1, rank]
+        if forced is not None:
+            token = jnp.where(rank == k, forced(p_state), token)
         state = step(p_state, token)
         slot = c["pops"] + 1
         at = slots[None, :] == slot[:, None]

@@ -41,10 +41,10 @@ def build_one(lp: np.ndarray, ids: np.ndarray, root: int, budget: int):
         heap.append((-float(s0), (0,), 1, 0, 0, np.float32(0.0)))
     count = 0
     while heap and count < budget:
-        neg, path, depth, rank, parent, pscore = heapq.heappop(heap)
+        neg, path, depth, rank, parent, pscore, token = heapq.heappop(heap)
         score = np.float32(-neg)
         count += 1
-        tokens[count] = ids[depth - 1, rank]
+        tokens[count] = token
         parents[count] = parent
         depths[count] = depth
         if rank + 1 < k:
@@ -77,9 +77,10 @@ def topk_logprobs_ref(logits, k: int):
 
 
 def build_one_masked(lp: np.ndarray, ids: np.ndarray, root: int, root_state: int, budget: int, is_allowed,
-                     next_state):
+                     next_state, forced=None):
     """`build_one` under a token automaton: a candidate enters the heap only if its parent's state allows its
-    token, and each node's state is next_state(parent state, token). Returns build_one's tuple + states [N]."""
+    token, and each node's state is next_state(parent state, token). `forced(state)` -> the one token the state
+    allows, or -1: that token is the node's one child, rank K at log-prob 0. Returns build_one's tuple + states [N]."""
     lp = np.asarray(lp, np.float32)
     depth_cap, k = lp.shape
     n = 1 + budget
@@ -89,27 +90,31 @@ def build_one_masked(lp: np.ndarray, ids: np.ndarray, root: int, root_state: int
     states = np.full(n, root_state, np.int64)
     tokens[0] = root
 
-    def allowed_ranks(state, depth):  # depth is 1-based
-        return [r for r in range(k) if is_allowed(state, int(ids[depth - 1, r]))]
+    def candidates(state, depth):  # depth is 1-based -> [(rank, token, log-prob)]
+        f = -1 if forced is None else forced(state)
+        if f >= 0:
+            return [(k, f, np.float32(0.0))]
+        return [(r, int(ids[depth - 1, r]), lp[depth - 1, r]) for r in range(k)
+                if is_allowed(state, int(ids[depth - 1, r]))]
 
     heap = []
 
     def push_first(parent, pscore, depth, after, path):
         """The first allowed rank after `after` at `depth` for a child of slot `parent`."""
-        later = [r for r in allowed_ranks(int(states[parent]), depth) if r > after]
+        later = [c for c in candidates(int(states[parent]), depth) if c[0] > after]
         if later:
-            r = later[0]
-            s = np.float32(pscore + lp[depth - 1, r])
-            heapq.heappush(heap, (-float(s), path + (r,), depth, r, parent, pscore))
+            r, token, score = later[0]
+            s = np.float32(pscore + score)
+            heapq.heappush(heap, (-float(s), path + (r,), depth, r, parent, pscore, token))
 
     if budget > 0 and depth_cap > 0 and k > 0:
         push_first(0, np.float32(0.0), 1, -1, ())
     count = 0
     while heap and count < budget:
-        neg, path, depth, rank, parent, pscore = heapq.heappop(heap)
+        neg, path, depth, rank, parent, pscore, token = heapq.heappop(heap)
         score = np.float32(-neg)
         count += 1
-        tokens[count] = ids[depth - 1, rank]
+        tokens[count] = token
         parents[count] = parent
         depths[count] = depth
         states[count] = next_state(int(states[parent]), int(tokens[count]))
@@ -122,11 +127,12 @@ def build_one_masked(lp: np.ndarray, ids: np.ndarray, root: int, root_state: int
     return tokens, parents, depths, count, vis, states
 
 
-def tree_build_masked_ref(lp, ids, root, root_state, *, budget: int, is_allowed, next_state):
-    """Batched `build_one_masked` -> (TreeNp, states [Bt, N]). is_allowed(state, token) -> bool and
-    next_state(state, token) -> int are the automaton's host lookups."""
+def tree_build_masked_ref(lp, ids, root, root_state, *, budget: int, is_allowed, next_state, forced=None):
+    """Batched `build_one_masked` -> (TreeNp, states [Bt, N]). is_allowed(state, token) -> bool,
+    next_state(state, token) -> int and forced(state) -> int (optional) are the automaton's host lookups."""
     lp, ids, root, root_state = (np.asarray(x) for x in (lp, ids, root, root_state))
-    outs = [build_one_masked(lp[b], ids[b], int(root[b]), int(root_state[b]), budget, is_allowed, next_state)
+    outs = [build_one_masked(lp[b], ids[b], int(root[b]), int(root_state[b]), budget, is_allowed, next_state,
+                             forced)
             for b in range(lp.shape[0])]
     tokens, parents, depths, n_nodes, vis, states = (np.stack(x) for x in zip(*outs))
     return TreeNp(tokens, parents, depths, n_nodes.astype(np.int32), vis), states

@@ -272,6 +272,27 @@ def test_constrained_ddtree_and_chain_equal_constrained_ar(synth):
 COMPILES = CompileCounter()
 
 
+REGEX_FORCED = r'\{"(bc|cb)":(true|[0-9]{1,2})\}'  # characters each spelled by one token of the alphabet
+
+
+def test_forced_tokens_keep_ddtree_and_chain_equal_constrained_ar(synth):
+    """Over the alphabet's one-byte tokens alone every literal character is a forced token, which the trees take
+    without the drafter: ddtree and chain still give the constrained ar tokens, and the row spells a whole match."""
+    eng, toks = synth["eng"], synth["toks"]
+    v = eng.target.cfg.vocab_size
+    auto = compile_constraint(ConstraintSpec.regex(REGEX_FORCED),
+                              ConstraintVocabulary.from_token_bytes(toks[:len(ALPHABET)], v, (v - 2,)))
+    assert (auto.forced >= 0).sum() >= 6
+    constraint = [auto, synth["autos"]["list"], None]
+    ar = _ar(synth, constraint)
+    tree = eng.generate(synth["prompts"], NEW_TOKENS, mode="ddtree", budget=BUDGET, constraint=constraint)
+    chain = eng.generate(synth["prompts"], NEW_TOKENS, mode="chain", constraint=constraint)
+    assert tree.token_ids == ar.token_ids
+    assert chain.token_ids == ar.token_ids
+    assert _in_language(toks, auto, ar.token_ids[0], REGEX_FORCED)
+    assert v - 2 in ar.token_ids[0]  # it reached a final state (whose only token is the stop id): a whole match
+
+
 def test_schemas_are_data_no_recompile(synth):
     """After one constrained ddtree run, other automata (alone, swapped between rows, mixed with free rows) and a
     different regex compile nothing: no trace, no backend compile."""

@@ -20,13 +20,18 @@ marker matches only its special token, never ordinary text spelling the same cha
 and structure never hold raw control characters) loses no token to it. Kimi's tool-call section is a regex of this
 kind (`<|tool_call_begin|>` and the rest are special tokens around JSON arguments).
 
-States are capped (`MAX_STATES`, per compile) because each costs V / 8 bytes of mask; past the cap the compile
-fails with a `ConstraintTooLarge` that names the constraint. Compiled automata are cached by the constraint's text.
+States are capped (`MAX_STATES`, per compile: the device tables' default budget) because each costs V / 8 bytes of
+mask; past the cap the compile fails with a `ConstraintTooLarge` that names the constraint. Compiled automata are
+cached by the constraint's text. The compile reads outlines-core's transitions (a million entries for a schema of
+real size) with C iterators and packs them with one sort; outlines-core's index and its transitions dict are most
+of the time.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import itertools
 import json
 import threading
 from collections.abc import Sequence
@@ -40,10 +45,11 @@ from kdtree_jax.constrain.regex_pieces import literal
 from kdtree_jax.constrain.schema_regex import schema_to_regex
 
 WORD_BITS = 32
-MAX_STATES = 2048  # default cap: 2048 states x 20 KiB of mask at V = 163,840 is 40 MiB
+MAX_STATES = 8192  # default cap, the device tables' default budget: 8192 states x 20 KiB of mask at V = 163,840
 CACHE_ENTRIES = 64  # compiled automata kept by the compiler (least recently used dropped first)
 JSON_WHITESPACE = r"[ ]?"  # between JSON tokens: one optional space keeps automata small and output compact
 JSON_OBJECT_DEPTH = 2  # `json_object`: objects / arrays nest this deep in all (a regex has no stack; 3 compiles 40x slower)
+DENSE_IDS_MAX = 1 << 26  # outlines-core state ids up to this are renumbered through a lookup table (else sorted)
 SPEC_PREVIEW_CHARS = 120  # how much of a constraint's text an error message quotes
 KINDS = ("regex", "json_schema", "json_object", "choice")
 MARKER_CHAR_BASE = 0x01  # marker i of a constraint is chr(MARKER_CHAR_BASE + i): control characters JSON never holds
@@ -227,6 +233,17 @@ class TokenAutomaton:
     def num_states(self) -> int:
         return self.final.shape[0]
 
+    @functools.cached_property
+    def forced(self) -> np.ndarray:
+        """[S] int32: the one token a state allows where it allows exactly one and that is no stop token (the
+        text there is forced: a tree takes it without the drafter), else -1."""
+        one = np.bitwise_count(self.allowed).sum(axis=1) == 1
+        word = np.argmax(self.allowed != 0, axis=1)
+        bits = self.allowed[np.arange(self.num_states), word]
+        token = word.astype(np.int64) * WORD_BITS + np.log2(np.maximum(bits, 1)).astype(np.int64)
+        forced = one & ~np.isin(token, self.stop_ids)
+        return np.where(forced, token, -1).astype(np.int32)
+
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.allowed, self.default_next, self.exc_offsets, self.exc_tokens,
@@ -266,26 +283,21 @@ def compile_constraint(spec: ConstraintSpec, vocab: ConstraintVocabulary, max_st
         index = Index(anchored_regex(pattern), vocab.for_markers(spec.markers))
     except ValueError as e:
         raise ValueError(f"{spec.kind}: cannot be compiled ({e}): {spec.describe()}") from e
-    transitions = index.get_transitions()
-    order = _reachable_states(index.get_initial_state(), transitions)
+    edges = _Edges.of(index.get_transitions(), min(vocab.stop_ids))
+    order = edges.reachable(index.get_initial_state())
     if len(order) > max_states:
         raise ConstraintTooLarge(f"{spec.describe()}: the automaton has {len(order)} states, over the cap of "
                                  f"{max_states} (kdtree_jax.constrain.automaton.MAX_STATES)")
-    number = {s: i for i, s in enumerate(order)}
-    final = np.array([index.is_final_state(s) for s in order], dtype=bool)
-    eos = min(vocab.stop_ids)
-    src, tok, dst = [], [], []
-    for s in order:
-        edges = {t: n for t, n in transitions.get(s, {}).items() if t != eos}
-        src.append(np.full(len(edges), number[s], np.int32))
-        tok.append(np.fromiter(edges.keys(), np.int32, len(edges)))
-        dst.append(np.fromiter((number[n] for n in edges.values()), np.int32, len(edges)))
+    final = np.array([index.is_final_state(int(s)) for s in edges.ids[order]], dtype=bool)
+    number = np.full(edges.ids.size, -1, np.int64)
+    number[order] = np.arange(len(order))
+    src, dst = number[edges.src], number[edges.dst]
+    live = src >= 0  # edges out of unreachable states (their targets are reachable where their source is)
     stops = np.array(vocab.stop_ids, np.int32)
-    for s in np.flatnonzero(final):  # a stop token ends the text where it is
-        src.append(np.full(len(stops), s, np.int32))
-        tok.append(stops)
-        dst.append(np.full(len(stops), s, np.int32))
-    automaton = _pack(spec, vocab, final, np.concatenate(src), np.concatenate(tok), np.concatenate(dst))
+    at_final = np.repeat(np.flatnonzero(final), len(stops))  # a stop token ends the text where it is
+    automaton = _pack(spec, vocab, final, np.concatenate([src[live], at_final]),
+                      np.concatenate([edges.tok[live], np.tile(stops, int(final.sum()))]),
+                      np.concatenate([dst[live], at_final]))
     if not automaton.allowed[0].any():
         raise ValueError(f"{spec.kind}: no token sequence of this vocabulary matches {spec.describe()}")
     return automaton
@@ -297,35 +309,86 @@ def anchored_regex(pattern: str) -> str:
     return f"(?:{pattern})$"
 
 
-def _reachable_states(initial: int, transitions: dict[int, dict[int, int]]) -> list[int]:
-    """States in breadth-first order from the start (the start first)."""
-    order, seen, queue = [], {initial}, collections.deque([initial])
-    while queue:
-        s = queue.popleft()
-        order.append(s)
-        for n in transitions.get(s, {}).values():
-            if n not in seen:
-                seen.add(n)
-                queue.append(n)
-    return order
+@dataclasses.dataclass(frozen=True)
+class _Edges:
+    """outlines-core's transitions ({state: {token: state}}, a million entries for a schema of real size) as flat
+    arrays, read by C iterators (no Python step per edge); states are indices into `ids`, outlines-core's ids."""
+
+    ids: np.ndarray  # [n] int64 outlines-core state ids, ascending
+    src: np.ndarray  # [E] int64
+    tok: np.ndarray  # [E] int32
+    dst: np.ndarray  # [E] int64
+
+    @classmethod
+    def of(cls, transitions: dict[int, dict[int, int]], drop_token: int) -> _Edges:
+        n_edges = sum(map(len, transitions.values()))
+        raw_src = np.repeat(np.fromiter(transitions.keys(), np.int64, len(transitions)),
+                            np.fromiter(map(len, transitions.values()), np.int64, len(transitions)))
+        tok = np.fromiter(itertools.chain.from_iterable(transitions.values()), np.int32, n_edges)
+        raw_dst = np.fromiter(itertools.chain.from_iterable(map(dict.values, transitions.values())), np.int64,
+                              n_edges)
+        keep = tok != drop_token
+        raw_src, tok, raw_dst = raw_src[keep], tok[keep], raw_dst[keep]
+        sources = np.fromiter(transitions.keys(), np.int64, len(transitions))
+        top = int(max(sources.max(initial=0), raw_dst.max(initial=0)))
+        if top > DENSE_IDS_MAX:  # sparse ids: sort them
+            ids = np.unique(np.concatenate([sources, raw_dst]))
+            return cls(ids, np.searchsorted(ids, raw_src), tok, np.searchsorted(ids, raw_dst))
+        present = np.zeros(top + 1, bool)
+        present[sources] = True
+        present[raw_dst] = True
+        ids = np.flatnonzero(present)
+        index = np.zeros(top + 1, np.int64)
+        index[ids] = np.arange(ids.size)
+        return cls(ids, index[raw_src], tok, index[raw_dst])
+
+    def reachable(self, initial: int) -> np.ndarray:
+        """The state indices reachable from `initial`, breadth first (the start first), over the distinct
+        (source, target) pairs: a few per state, where the edges are hundreds."""
+        n = self.ids.size
+        pairs = np.unique(self.src * n + self.dst)
+        offsets = np.searchsorted(pairs // n, np.arange(n + 1))
+        targets = (pairs % n).tolist()
+        start = int(np.searchsorted(self.ids, initial))
+        order, seen, queue = [], {start}, collections.deque([start])
+        while queue:
+            s = queue.popleft()
+            order.append(s)
+            for t in targets[offsets[s]:offsets[s + 1]]:
+                if t not in seen:
+                    seen.add(t)
+                    queue.append(t)
+        return np.array(order, np.int64)
 
 
 def _pack(spec: ConstraintSpec, vocab: ConstraintVocabulary, final: np.ndarray, src: np.ndarray, tok: np.ndarray,
           dst: np.ndarray) -> TokenAutomaton:
     """Edges (src, tok, dst) -> bitmask + default target + sorted exceptions."""
-    n_states, words = final.shape[0], -(-vocab.vocab_size // WORD_BITS)
+    n_states, words, v = final.shape[0], -(-vocab.vocab_size // WORD_BITS), vocab.vocab_size
+    src, tok, dst = src.astype(np.int64, copy=False), tok.astype(np.int64), dst.astype(np.int64, copy=False)
+    # edges by (state, token): one sort of (key << 32 | target), keys < 2**31 (the device tables' int32 keys)
+    key = src * v + tok
+    if n_states * v < 2**31:
+        packed = np.sort(key << 32 | dst)
+        key, dst = packed >> 32, packed & 0xFFFFFFFF
+    else:
+        by_key = np.argsort(key)
+        key, dst = key[by_key], dst[by_key]
+    src, tok = key // v, key % v
     allowed = np.zeros((n_states, words), np.uint32)
-    np.bitwise_or.at(allowed, (src, tok // WORD_BITS), (np.uint32(1) << (tok % WORD_BITS).astype(np.uint32)))
-    # default target per state: the most frequent (src, dst) pair's dst
-    pair = src.astype(np.int64) * n_states + dst
-    pairs, counts = np.unique(pair, return_counts=True)
+    word = src * words + tok // WORD_BITS  # ascending with the key
+    if word.size:
+        starts = np.flatnonzero(np.concatenate([[True], word[1:] != word[:-1]]))
+        bits = np.left_shift(np.uint32(1), (tok % WORD_BITS).astype(np.uint32))
+        allowed.reshape(-1)[word[starts]] = np.bitwise_or.reduceat(bits, starts)
+    # default target per state: the most frequent (src, dst) pair's dst (the lowest dst among equals)
+    pairs, counts = np.unique(src * n_states + dst, return_counts=True)
     by_count = np.lexsort((-counts, pairs // n_states))  # per state, most frequent first
     first = np.unique(pairs[by_count] // n_states, return_index=True)[1]
     default_next = np.full(n_states, -1, np.int32)
     default_next[(pairs[by_count] // n_states)[first]] = (pairs[by_count] % n_states)[first]
     exc = dst != default_next[src]
-    order = np.lexsort((tok[exc], src[exc]))
-    exc_src, exc_tokens, exc_next = src[exc][order], tok[exc][order], dst[exc][order]
+    exc_src, exc_tokens, exc_next = src[exc], tok[exc], dst[exc]  # ascending by (state, token) already
     exc_offsets = np.searchsorted(exc_src, np.arange(n_states + 1)).astype(np.int32)
     return TokenAutomaton(spec, vocab.vocab_size, vocab.stop_ids, allowed, default_next, exc_offsets,
                           exc_tokens.astype(np.int32), exc_next.astype(np.int32), final)

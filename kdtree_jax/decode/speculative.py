@@ -197,7 +197,8 @@ def make_tree(spec: DecodeSpec, state: DecodeState, tables: cd.AutomatonTables |
     def masked(_):
         return tree_build_masked(state.draft_lp[..., :k], state.draft_ids[..., :k], state.bonus, root_state,
                                  budget=spec.budget, allowed=functools.partial(cd.allowed_bits, tables),
-                                 step=functools.partial(cd.next_state, tables))
+                                 step=functools.partial(cd.next_state, tables),
+                                 forced=functools.partial(cd.forced_token, tables))
 
     def free(_):  # every row in the free state: the kernel's tree, whose nodes all stay free
         return _unconstrained_tree(spec, state), jnp.full((state.bonus.shape[0], spec.n_slots), cd.FREE_STATE,
@@ -216,14 +217,18 @@ def _unconstrained_tree(spec: DecodeSpec, state: DecodeState) -> Tree:
 
 
 def constrained_chain(tree: Tree, root_state: jax.Array, tables: cd.AutomatonTables) -> tuple[Tree, jax.Array]:
-    """The chain cut before its first node that its parent's state does not allow -> (tree, node states)."""
+    """The chain with each forced token (the one its parent's state allows) in place of the drafted one, cut before
+    its first node that its parent's state does not allow -> (tree, node states)."""
     states, valid, n_nodes = [root_state], jnp.ones_like(root_state, bool), jnp.zeros_like(tree.n_nodes)
+    tokens = [tree.tokens[:, 0]]
     for d in range(1, tree.tokens.shape[1]):
-        token = tree.tokens[:, d]
+        forced = cd.forced_token(tables, states[-1])
+        token = jnp.where(forced >= 0, forced, tree.tokens[:, d])
         valid = valid & cd.allowed_bits(tables, states[-1], token)
         states.append(jnp.where(valid, cd.next_state(tables, states[-1], token), states[-1]))
+        tokens.append(token)
         n_nodes = n_nodes + valid.astype(n_nodes.dtype)
-    return tree.replace(n_nodes=n_nodes), jnp.stack(states, axis=1)
+    return tree.replace(tokens=jnp.stack(tokens, axis=1), n_nodes=n_nodes), jnp.stack(states, axis=1)
 
 
 def choose_tokens(logits: jax.Array, rows: sampling.SamplingRows, keys: jax.Array, top_k_cap: int,

@@ -47,8 +47,11 @@ class ServeConfig:
     # full pages of committed rows are indexed by their tokens and shared by later requests with the same prefix
     # (`serving/prefix_cache.py`); off: every request computes its whole context
     enable_prefix_caching: bool = True
-    # the device's constraint tables: global automaton states (the free state included; V / 8 bytes each) and
-    # transition exceptions, shared by every constrained request running at once
+    # the budget of the device's constraint tables, shared by every constrained request running at once: global
+    # automaton states (the free state included; V / 8 bytes each: 160 MiB at V = 163,840 for the default 8192, the
+    # most the int32 exception keys allow there being 13,107) and transition exceptions (8 bytes each). The tables
+    # take the first bucket (1024 states, 2^18 exceptions) doubled as the live automata need, compiling the prefill
+    # and step programs once per bucket; a constraint past the budget is a 400 naming it
     constraint_states: int = cd.STATES_CAP
     constraint_exceptions: int = cd.EXCEPTIONS_CAP
 

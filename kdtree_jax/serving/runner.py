@@ -3,7 +3,8 @@
 It holds the table (`programs.empty_table`: slot rows over the page pools) and the constraint tables (every live
 automaton, `constrain_device.AutomatonTables`: an argument of every prefill and step program, replaced when the
 host lays out a new automaton), compiles each program once per shape
-key (prefill chunks per (bucket, rows), steps per (step kind, width), move, release) and runs them. Every program
+key (prefill chunks per (bucket, rows), steps per (step kind, width), move, release; a prefill or step once more per
+larger constraint table bucket the live automata grow the tables to) and runs them. Every program
 donates the table; a step can run on a one-thread executor while the host reads the previous step's tokens
 (`overlap`), and `settle` takes the table back before anything else touches it. Nothing here decides what runs: the
 scheduler does (`kdtree_jax/serving/scheduler.py`).
@@ -53,6 +54,7 @@ class ModelRunner:
         self.shardings = None
         self.table = self._placed(new_table())
         self.tables = self._placed_tables(constraint_tables)
+        self._first_tables = cd.table_shape(self.tables)  # the programs warm-up compiles take tables of this bucket
         # the weights as one flat list: a plain list of arrays is the cheapest argument to pass on every call
         t, d = engine.weights
         self._weight_leaves, self._weight_def = jax.tree.flatten((t, d if uses_drafter else None))
@@ -90,13 +92,19 @@ class ModelRunner:
         return self.engine.merged(*jax.tree.unflatten(self._weight_def, w), self.uses_drafter)
 
     def _compile(self, name: str, key, fn, args: tuple, desc: str):
-        """`fn(weights, table, *args)` compiled once for (name, key), donating the table."""
-        if (name, key) not in self._programs:
+        """`fn(weights, table, *args)` compiled once for (name, key), donating the table; a program that takes the
+        constraint tables once more per table bucket past the first (its key then ends with the bucket)."""
+        program_key = (name, key)
+        if any(isinstance(a, cd.AutomatonTables) for a in args):
+            shape = cd.table_shape(next(a for a in args if isinstance(a, cd.AutomatonTables)))
+            if shape != self._first_tables:
+                program_key, desc = (name, key, shape), f"{desc} tables {shape[0]}x{shape[1]}"
+        if program_key not in self._programs:
             compiled, seconds = self.engine.compile(fn, (self._weight_leaves, self.table, *args),
-                                                    ("serve", self._uid, name, key), desc=desc, donate=(1,))
+                                                    ("serve", self._uid, *program_key), desc=desc, donate=(1,))
             self.warmup_s[desc] = seconds
-            self._programs[(name, key)] = compiled
-        return self._programs[(name, key)]
+            self._programs[program_key] = compiled
+        return self._programs[program_key]
 
     def prefill_program(self, key: tuple[int, int]):
         """The chunk program for (bucket, rows)."""
@@ -150,7 +158,8 @@ class ModelRunner:
         """The compiled programs by their descriptions ("step ddtree-16 x4", "prefill 64 x2", "move", ...)."""
         descs = {("prefill", k): f"prefill {k[0]} x{k[1]}" for k in self.prefill_specs}
         descs |= {("step", k): f"step {k[0].name} x{k[1]}" for k in self.step_specs}
-        return {descs.get(key, key[0]): program for key, program in self._programs.items()}
+        return {descs.get(key, key[0]) + (f" tables {key[2][0]}x{key[2][1]}" if len(key) > 2 else ""): program
+                for key, program in self._programs.items()}
 
     # ---- running --------------------------------------------------------------------------------------------
     def prefill(self, batch: programs.PrefillBatch) -> list[programs.PrefillRow]:
