@@ -17,7 +17,7 @@ import pytest
 from jax._src import dispatch
 
 from kdtree_jax.decode.engine import Engine
-from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine, memory_plan
+from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine, memory_plan, xla_options
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdtree-mini")
 CHUNK = 32  # buckets 16 and 32: two rows of 16 fit a step's chunk, two rows of 32 do not
@@ -80,6 +80,15 @@ def _greedy_tokens(core: ServingEngine, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.timeout(600)
 def test_each_program_compiles_once_and_the_probe_s_are_the_engine_s(target, compiles, monkeypatch):
+    options = []
+    compile_ = target.compile
+
+    def recording(fn, args, key, **kw):
+        if key[0] == "serve":  # not the reference's own programs
+            options.append(kw.get("options"))
+        return compile_(fn, args, key, **kw)
+
+    monkeypatch.setattr(target, "compile", recording)
     cpu = ServingEngine(target, CONFIG)  # no memory figures: no probe
     assert compiles.take() == {} and cpu.pool_plan is None
     assert sorted(cpu.prefill_specs) == [(16, 1), (16, 2), (32, 1)]  # 2 x 32 rows exceed a step's 32 tokens
@@ -102,6 +111,15 @@ def test_each_program_compiles_once_and_the_probe_s_are_the_engine_s(target, com
     expected = target.generate([prompt], 6, mode="ar").token_ids[0]
     assert _greedy_tokens(core, prompt, 6) == expected  # the probe's programs serve like any other
     assert compiles.take() == {}
+    assert options == [{"xla_disable_hlo_passes": "rematerialization"}] * sum(PROGRAMS.values())
+
+
+@pytest.mark.timeout(10)
+def test_serving_programs_keep_the_passes_xla_flags_disable(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer= --xla_disable_hlo_passes=algsimp,cse")
+    assert xla_options.serving_compile_options() == {"xla_disable_hlo_passes": "algsimp,cse,rematerialization"}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=rematerialization")
+    assert xla_options.serving_compile_options() == {"xla_disable_hlo_passes": "rematerialization"}
 
 
 @pytest.mark.timeout(600)

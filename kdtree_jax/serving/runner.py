@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from kdtree_jax.constrain import device as cd
 from kdtree_jax.decode.speculative import DecodeSpec, RequestRows
 from kdtree_jax.parallel import sharding
-from kdtree_jax.serving import programs
+from kdtree_jax.serving import programs, xla_options
 from kdtree_jax.serving.plan import Chunk, Request
 from kdtree_jax.serving.request import RequestParams
 
@@ -111,7 +111,8 @@ class ModelRunner:
         if (name, key) not in self._programs:
             compiled, seconds = self.engine.compile(fn, (self._weight_leaves, self.table_spec, *args),
                                                     ("serve", self._uid, name, key), desc=desc, donate=(1,),
-                                                    progress=False if self._one_bar else None)
+                                                    progress=False if self._one_bar else None,
+                                                    options=xla_options.serving_compile_options())
             self.warmup_s[desc] = seconds
             self._programs[(name, key)] = compiled
         return self._programs[(name, key)]
