@@ -17,7 +17,7 @@ import pytest
 from jax._src import dispatch
 
 from kdtree_jax.decode.engine import Engine
-from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine, memory_plan, xla_options
+from kdtree_jax.serving import RequestParams, ServeConfig, ServingEngine, memory_plan, runner, xla_options
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdtree-mini")
 CHUNK = 32  # buckets 16 and 32: two rows of 16 fit a step's chunk, two rows of 32 do not
@@ -137,3 +137,15 @@ def test_a_peak_over_the_reserve_plans_the_pool_after_it(target, compiles, monke
     assert core.runner.programs_by_desc() == {}  # compiled for another pool: not kept
     core.warm_up()
     assert compiles.take() == PROGRAMS
+
+
+@pytest.mark.timeout(10)
+def test_compile_threads_follow_the_environment(monkeypatch):
+    monkeypatch.delenv(runner.COMPILE_THREADS_ENV, raising=False)
+    assert runner.compile_threads() == os.cpu_count()
+    for given, want in (("1", 1), ("3", 3), ("0", os.cpu_count())):
+        monkeypatch.setenv(runner.COMPILE_THREADS_ENV, given)
+        assert runner.compile_threads() == want
+    monkeypatch.setenv(runner.COMPILE_THREADS_ENV, "-2")
+    with pytest.raises(ValueError, match=runner.COMPILE_THREADS_ENV):
+        runner.compile_threads()

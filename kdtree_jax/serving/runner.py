@@ -30,6 +30,7 @@ from kdtree_jax.serving import programs, xla_options
 from kdtree_jax.serving.plan import Chunk, Request
 from kdtree_jax.serving.request import RequestParams
 
+COMPILE_THREADS_ENV = "KDTREE_COMPILE_THREADS"  # programs the warm-up compiles at once; unset or 0: one per CPU
 _TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 
 
@@ -154,8 +155,8 @@ class ModelRunner:
 
     def warm_up(self, on_program=None, only: Sequence | None = None) -> dict[str, float]:
         """Compile every program not compiled yet (or those of `only`, keys such as ("step", key)): one prefill per
-        (bucket, rows), one step per (kind, width), move and release, up to one per CPU at once (each thread traces
-        under the GIL, then XLA compiles without it). `on_program(desc, seconds)` is called after each. Returns the
+        (bucket, rows), one step per (kind, width), move and release, up to one per CPU at once (`compile_threads`;
+        each thread traces under the GIL, then XLA compiles without it). `on_program(desc, seconds)` is called after each. Returns the
         seconds each took (near zero where JAX's persistent compilation cache had it)."""
         builders = {**{("prefill", k): functools.partial(self.prefill_program, k) for k in self.prefill_specs},
                     **{("step", k): functools.partial(self.step_program, k) for k in self.step_specs},
@@ -168,7 +169,7 @@ class ModelRunner:
                    leave=False) if self.engine.progress else None
         self._one_bar = bar is not None
         try:
-            with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1),
+            with concurrent.futures.ThreadPoolExecutor(min(len(todo), compile_threads()),
                                                        thread_name_prefix="kdtree-compile") as pool:
                 futures = {pool.submit(build): key for key, build in todo.items()}
                 for future in concurrent.futures.as_completed(futures):
@@ -245,6 +246,14 @@ class ModelRunner:
     @property
     def overlap(self) -> bool:
         return self._device is not None
+
+
+def compile_threads() -> int:
+    """Programs compiled at once: $KDTREE_COMPILE_THREADS, else one per CPU."""
+    given = os.environ.get(COMPILE_THREADS_ENV, "")
+    if given and not given.isdigit():
+        raise ValueError(f"${COMPILE_THREADS_ENV} must be an integer >= 0, got {given!r}")
+    return int(given or 0) or os.cpu_count() or 1
 
 
 def prefill_desc(key: tuple[int, int]) -> str:
