@@ -64,6 +64,12 @@
 #                   how many run at once (serving_burst.json)
 #   multi-turn      the multi-turn trace (scripts/bench_serving.py --trace multi-turn): prefix hit rate and TTFT for
 #                   ar and ddtree, prefix caching off and on
+#   serving-gpu     the serving engine's GPU figures in one call (WHEELS=dir on a bare image): seconds from
+#                   `python -m kdtree_jax.serve` (no flags) to /health, cold (an empty compilation cache of its own)
+#                   then warm (benchmarks/serve_startup.py, serve_startup.json); the serving table ar / ddtree-16 /
+#                   auto at concurrency 1-16 (SERVING_TABLE), paged against the slot table in $BASE alternating
+#                   as serving-vs-base when BASE is given, else paged alone as serving; then serving-k26's step
+#                   times (K26_BUDGET_S seconds, default 120)
 #
 # Run from anywhere on the GPU machine; PYTHONPATH is set to the repository here.
 set -uo pipefail
@@ -114,7 +120,7 @@ k26_before_after() {
     for kind in ar verify; do
         for side in before after; do
             [ "$side" = before ] && dir=$base || dir=$PWD
-            (cd "$dir" && PYTHONPATH=$dir timeout 140 "$PY" benchmarks/bench_kimi_layer.py ${args[$kind]} \
+            (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH timeout 140 "$PY" benchmarks/bench_kimi_layer.py ${args[$kind]} \
                 --skip-prefill --as-is-max-tokens 0 --out "$out/k26_${kind}_$side.json") || rc=1
         done
     done
@@ -128,11 +134,12 @@ serving_vs_base() {
     after=$(cd "${AFTER:-.}" && pwd)
     out=$(cd "$OUT" && pwd)
     local args="$SERVING_TABLE --checkpoint $ck/target --drafter $ck/drafter --prompts $ck/heldout_prompts.jsonl"
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2  # four processes share the GPU while compiling
+    # every config's two sides share the GPU while compiling (0.2 each for two configs), and time with the same pool
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=${SERVING_MEM_FRACTION:-0.2}
     for cfg in ${SERVING_CONFIGS:-ar ddtree}; do  # compile (warm-up, one request, Engine.generate once) into the cache
         for side in before after; do
             [ "$side" = before ] && dir=$base || dir=$after
-            (cd "$dir" && PYTHONPATH=$dir KDTREE_COMPILATION_CACHE=/tmp/xla-cache-$side timeout 300 "$PY" \
+            (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH KDTREE_COMPILATION_CACHE=/tmp/xla-cache-$side timeout 300 "$PY" \
                 scripts/bench_serving.py --configs $cfg --concurrency 1 --num-requests 1 --repeats 1 $args \
                 >"$out/serving_compile_${cfg}_$side.log" 2>&1) &
             pids+=($!)
@@ -142,7 +149,7 @@ serving_vs_base() {
     for cfg in ${SERVING_CONFIGS:-ar ddtree}; do
         for side in before after; do
             [ "$side" = before ] && dir=$base || dir=$after
-            (cd "$dir" && PYTHONPATH=$dir KDTREE_COMPILATION_CACHE=/tmp/xla-cache-$side timeout 65 "$PY" \
+            (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH KDTREE_COMPILATION_CACHE=/tmp/xla-cache-$side timeout 65 "$PY" \
                 scripts/bench_serving.py --configs $cfg --concurrency 1,4,8,16 $args \
                 --out "$out/serving_${cfg}_$side.json") || rc=1
         done
@@ -195,9 +202,23 @@ PY
     return $rc
 }
 
+serving_gpu() {
+    local rc=0
+    timeout 420 "$PY" benchmarks/serve_startup.py --timeout 300 --out "$OUT/serve_startup.json" || rc=1
+    if [ -d "${BASE:-}" ]; then
+        SERVING_CONFIGS="ar ddtree auto" SERVING_MEM_FRACTION=0.13 serving_vs_base || rc=1
+    else
+        timeout 420 "$PY" scripts/bench_serving.py --concurrency 1,4,8,16 --configs ar,ddtree,auto $SERVING_TABLE \
+            --out "$OUT/serving.json" || rc=1
+    fi
+    "$PY" benchmarks/serving_k26.py --budget-s "${K26_BUDGET_S:-120}" --out "$OUT/serving_k26.json" || rc=1
+    return $rc
+}
+
 target() {
     case "$1" in
     serving-defaults) serving_defaults ;;
+    serving-gpu) serving_gpu ;;
     serving-burst) "$PY" scripts/bench_serving.py --trace mixed --trace-mode ddtree --budget 16 --trace-context 256 \
         --trace-page-size 16 --mixed-requests 10 --mixed-prompt-tokens 16,32 --mixed-new-tokens 24,24 --pool-slots 4 \
         --paged-slots 16 --out "$OUT/serving_burst.json" ;;

@@ -206,20 +206,24 @@ class Engine:
             return tuple(self.tokenizer.stop_token_ids)
         return tuple(self.target.cfg.eos_token_id)
 
-    def compile(self, fn: Callable, args: tuple, key, *, desc: str, donate: tuple[int, ...] = ()) -> tuple[Callable, float]:
+    def compile(self, fn: Callable, args: tuple, key, *, desc: str, donate: tuple[int, ...] = (),
+                progress: bool | None = None, options: dict[str, str] | None = None) -> tuple[Callable, float]:
         """AOT-compile `fn(*args)` once per `key` under the engine's matmul precision and mesh; returns it and the
-        seconds it took (0 when cached). The one place every program of the engine and the serving engine compiles."""
+        seconds it took (0 when cached). The one place every program of the engine and the serving engine compiles.
+        `args` may be arrays or `jax.ShapeDtypeStruct`s. `progress`: a bar for this program (None: `self.progress`);
+        a caller compiling several programs at once keeps one bar for all. `options`: XLA compile options. Safe to
+        call from several threads: XLA compiles without the GIL."""
         if key in self._compiled:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()
         bar = None
-        if self.progress:
+        if self.progress if progress is None else progress:
             bar = tqdm(total=2, desc=f"compiling {desc}", unit="stage", leave=False)
         with jax.default_matmul_precision(self.matmul_precision), _mesh_context(self.mesh):
             lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
             if bar is not None:
                 bar.update(1)
-            compiled = lowered.compile()
+            compiled = lowered.compile(options)
         if bar is not None:
             bar.update(1)
             bar.close()

@@ -46,8 +46,13 @@ def compact_latents(latent: tuple[jax.Array, ...], start: jax.Array, src_slot: j
 
     latent: one array per layer, [Bt, S, A] (or a page pool [n_pages, P, A] with page_table [Bt, W]: the accepted
     path moves within the request's own pages), start: [Bt], src_slot: [Bt, P] (identity past the accepted length).
-    Each layer is gathered before it is written, and no layer's write touches another's buffer.
+    Each layer is gathered before it is written, and no layer's write touches another's buffer. The root (j = 0,
+    src_slot 0) never moves, so an AR round (P = 1) leaves the cache as it is: its read and write of one row per
+    request would fuse with the attention's write of that row into a read of the layer's pool from before that
+    write, which XLA keeps alive with a copy of the whole pool.
     """
+    if src_slot.shape[1] == 1:
+        return tuple(latent)
     rows = start[:, None] + src_slot  # [Bt, P]
     dst = _rows_after(start, src_slot.shape[1])
     if page_table is None:

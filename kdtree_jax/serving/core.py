@@ -125,9 +125,12 @@ class ServingEngine:
         self.chunk_tokens = min(c.max_num_batched_tokens or engine.prefill_chunk, c.max_context)
         self.buckets = _buckets(c.min_prompt_bucket, self.chunk_tokens)
         self.prefill_sizes = _powers_of_two(min(c.prefill_batch, self.group_slots))  # chunks per group
+        # a program per bucket and rows a step's prefill can fill: n chunks of one bucket take n * bucket of a data
+        # group's chunk_tokens (the scheduler's rule), so e.g. a chunk-sized bucket runs one row at a time
         self.prefill_specs = {(b, self.groups * n): dataclasses.replace(self._spec(prefill_kind, prompt_len=b),
                                                                         batch=self.groups * n)
-                              for b in self.buckets for n in self.prefill_sizes}
+                              for b in self.buckets for n in self.prefill_sizes
+                              if n == 1 or n * b <= self.chunk_tokens}
         self.row_slack = max(s.slack for s in [*self.specs.values(), prefill_spec])
         self.capacity = aligned_rows(c.max_context + self.row_slack)
         self.pages_per_request = programs.pages_per_request(self.capacity, c.page_size)
@@ -139,9 +142,10 @@ class ServingEngine:
         self.automata = Automata(cfg.vocab_size, c.constraint_caps, engine.constraint_compiler)
         self.page_bytes = memory_plan.page_bytes(engine.target, engine.drafter if self.uses_drafter else None,
                                                  c.page_size)
+        self._probe: ModelRunner | None = None  # the probe's programs, kept where the plan's pool is theirs
         self.num_pages, self.pool_plan = memory_plan.pool_pages(
             c, groups=self.groups, pages_per_request=self.pages_per_request, row_slack=self.row_slack,
-            page_bytes=self.page_bytes, programs_peak=lambda: max(m.peak for m in self.probe_programs().values()))
+            page_bytes=self.page_bytes, programs_peak=self._probe_peak)
         self.cache = CacheManager(self.num_pages, c.page_size, self.pages_per_request, self.groups,
                                   prefix_caching=c.enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, max_slots=c.max_slots, chunk_tokens=self.chunk_tokens,
@@ -149,6 +153,9 @@ class ServingEngine:
                                    max_rows=self.capacity, rounds_per_step=c.rounds_per_step,
                                    round_tokens=self.depth + 1, kinds=kinds, widths=self.widths)
         self.runner = self._runner(self._new_table, self.prefill_specs, self.specs, c.overlap)
+        if self._probe is not None and self.runner.compiles_like(self._probe):
+            self.runner.adopt(self._probe)
+        self._probe = None
         self._rng = np.random.default_rng()
         self._next_id = 0
         self._in_flight: _InFlight | None = None
@@ -184,29 +191,30 @@ class ServingEngine:
                                     page_size=cfg.page_size, n_stop=cfg.max_stop_ids, depth=self.depth,
                                     draft_k=self.draft_k, rounds=cfg.rounds_per_step)
 
-    def _runner(self, new_table, prefill_specs: dict, step_specs: dict, overlap: bool) -> ModelRunner:
+    def _runner(self, new_table, prefill_specs: dict, step_specs: dict, overlap: bool,
+                allocate: bool = True) -> ModelRunner:
         c = self.config
         return ModelRunner(
             self.engine, uses_drafter=self.uses_drafter, new_table=new_table, prefill_specs=prefill_specs,
             step_specs=step_specs, rounds=c.rounds_per_step, page_table_width=self.pages_per_request,
             max_slots=c.max_slots, overlap=overlap, groups=self.groups,
             rows_for=lambda n: RequestRows.of([RequestParams()] * n, [self.stop_ids] * n, c.max_stop_ids),
-            constraint_tables=self.automata.layout.tables(), row_slack=self.row_slack)
+            constraint_tables=self.automata.layout.tables(), row_slack=self.row_slack, allocate=allocate)
 
-    def probe_programs(self) -> dict[str, memory_plan.ProgramMemory]:
-        """The widest step and the largest prefill chunk compiled over a probe pool of one request per data
-        group: their memory does not depend on the pool's size (`memory_plan`)."""
-        n = self.groups * self.pages_per_request
+    def probe_programs(self, n_pages: int | None = None) -> dict[str, memory_plan.ProgramMemory]:
+        """The widest step and the largest prefill chunk, compiled (both at once, allocating nothing) over a pool of
+        n_pages (default: one request per data group): their memory does not depend on the pool's size
+        (`memory_plan`). The compiled programs stay with the engine until its runner takes them."""
+        n = n_pages or self.groups * self.pages_per_request
         step = max(self.specs, key=lambda kw: (kw[1], kw[0]))
         prefill = max(self.prefill_specs)
-        probe = self._runner(lambda: self._new_table(n), {prefill: self.prefill_specs[prefill]},
-                             {step: self.specs[step]}, overlap=False)
-        try:
-            return {f"step {step[0].name} x{step[1]}": memory_plan.ProgramMemory.of(probe.step_program(step)),
-                    f"prefill {prefill[0]} x{prefill[1]}": memory_plan.ProgramMemory.of(
-                        probe.prefill_program(prefill))}
-        finally:
-            probe.shutdown()
+        self._probe = probe = self._runner(lambda: self._new_table(n), {prefill: self.prefill_specs[prefill]},
+                                           {step: self.specs[step]}, overlap=False, allocate=False)
+        probe.warm_up(only=[("step", step), ("prefill", prefill)])
+        return {desc: memory_plan.ProgramMemory.of(program) for desc, program in probe.programs_by_desc().items()}
+
+    def _probe_peak(self, n_pages: int) -> int:
+        return max(m.peak for m in self.probe_programs(n_pages).values())
 
     @property
     def pool_bytes(self) -> int:

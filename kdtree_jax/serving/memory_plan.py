@@ -2,12 +2,18 @@
 
 The programs' own memory (temporaries and outputs they do not write in place) does not grow with the pool, since
 every program updates the pools in place (tests/test_serving_memory.py). So it can be read once, from
-`compiled.memory_analysis()` of the widest step and the largest prefill chunk compiled against a small probe pool,
-and the pool sized after it (vLLM sizes its KV cache after a profiling run in the same way).
+`compiled.memory_analysis()` of the widest step and the largest prefill chunk, and the pool sized after it (vLLM
+sizes its KV cache after a profiling run in the same way).
+
+A program's shapes include the pool's, so the probe compiles over the pool that a reserve of `PROGRAMS_RESERVE`
+bytes for the programs leaves: where their peak fits that reserve (the shipped pair's is 0.05 GiB on an H100), the
+probe's programs are the engine's own and nothing compiles twice; otherwise the pool is planned again after the
+measured peak, and the engine compiles its programs over that pool.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -19,6 +25,8 @@ GIB = 2**30
 # beside the weights and the programs' peak: the constraint tables a request may add, a step's packed output in
 # flight while the host reads the one before, the runtime's own buffers
 MARGIN_BYTES = 512 * 2**20
+# what the pool leaves the programs at first: a peak above it costs one more compile of the probe's two programs
+PROGRAMS_RESERVE = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +57,16 @@ class PoolPlan:
     programs_peak: int
     margin: int
     page_bytes: int
+    reserve: int = 0  # bytes the pool leaves the programs (>= programs_peak); 0: programs_peak exactly
 
     @property
     def pool_bytes(self) -> int:
         return self.pages * self.page_bytes
 
     def summary(self, requests: int, max_context: int) -> str:
-        return (f"memory: weights {self.weights / GIB:.2f} GiB / programs' peak {self.programs_peak / GIB:.2f} GiB / "
-                f"pool {self.pool_bytes / GIB:.2f} GiB / {requests} requests of max_context {max_context}")
+        reserved = f" ({self.reserve / GIB:.2f} GiB reserved)" if self.reserve > self.programs_peak else ""
+        return (f"memory: weights {self.weights / GIB:.2f} GiB / programs' peak {self.programs_peak / GIB:.2f} GiB"
+                f"{reserved} / pool {self.pool_bytes / GIB:.2f} GiB / {requests} requests of max_context {max_context}")
 
 
 def plan_pool(*, bytes_limit: int, bytes_in_use: int, utilization: float, programs_peak: int, page_bytes: int,
@@ -101,18 +111,32 @@ def memory_stats() -> dict | None:
 
 
 def pool_pages(config: ServeConfig, *, groups: int, pages_per_request: int, row_slack: int, page_bytes: int,
-               programs_peak: Callable[[], int]) -> tuple[int, PoolPlan | None]:
+               programs_peak: Callable[[int], int]) -> tuple[int, PoolPlan | None]:
     """The pool's pages, and the plan behind them where the device reports its memory: `config.num_pages`, else
-    what `gpu_memory_utilization` of the device leaves after what is in use (weights), the programs' peak (read only
-    then) and a margin on each data shard (`plan_pool`), else (no memory figures, e.g. a CPU) max_slots requests of
-    max_context. A pool whose data group cannot hold one request of max_context is refused."""
+    what `gpu_memory_utilization` of the device leaves after what is in use (weights), the programs' peak and a
+    margin on each data shard (`plan_pool`), else (no memory figures, e.g. a CPU) max_slots requests of max_context.
+    A pool whose data group cannot hold one request of max_context is refused.
+
+    `programs_peak(n_pages)` compiles the probe's programs over a pool of n pages and returns their peak; it is
+    called once, and only where the device reports its memory: over the pool that a `PROGRAMS_RESERVE` for the
+    programs leaves (where that leaves no room for one request, over one request per data group). Where the peak
+    fits the reserve that pool is the plan's, and the caller keeps the probe's programs."""
     c, n, plan = config, config.num_pages, None
     if n is None:
         stats = memory_stats()
         if stats is not None:  # each data shard holds its group's pages, every head's rows of them
-            plan = plan_pool(bytes_limit=int(stats["bytes_limit"]), bytes_in_use=int(stats["bytes_in_use"]),
-                             utilization=c.gpu_memory_utilization, programs_peak=programs_peak(),
-                             page_bytes=page_bytes, groups=groups, pages_per_request=pages_per_request)
+            plan_for = functools.partial(plan_pool, bytes_limit=int(stats["bytes_limit"]),
+                                         bytes_in_use=int(stats["bytes_in_use"]), utilization=c.gpu_memory_utilization,
+                                         page_bytes=page_bytes, groups=groups, pages_per_request=pages_per_request)
+            try:
+                guess = plan_for(programs_peak=PROGRAMS_RESERVE)
+            except ValueError:  # no room for the reserve: plan after the peak itself
+                guess = None
+            peak = programs_peak(guess.pages if guess is not None else groups * pages_per_request)
+            if guess is not None and peak <= PROGRAMS_RESERVE:
+                plan = dataclasses.replace(guess, programs_peak=peak, reserve=PROGRAMS_RESERVE)
+            else:
+                plan = plan_for(programs_peak=peak)
             n = plan.pages
         else:
             n = c.max_slots * pages_per_request

@@ -4,29 +4,34 @@ It holds the table (`programs.empty_table`: slot rows over the page pools) and t
 automaton, `constrain_device.AutomatonTables`: an argument of every prefill and step program, replaced when the
 host lays out a new automaton), compiles each program once per shape
 key (prefill chunks per (bucket, rows), steps per (step kind, width), move, release; a prefill or step once more per
-larger constraint table bucket the live automata grow the tables to) and runs them. Every program
-donates the table; a step can run on a one-thread executor while the host reads the previous step's tokens
-(`overlap`), and `settle` takes the table back before anything else touches it. Nothing here decides what runs: the
-scheduler does (`kdtree_jax/serving/scheduler.py`).
+larger constraint table bucket the live automata grow the tables to) and runs them. Programs compile against the
+table's shapes, not its arrays, so a runner that only compiles (the memory planner's probe) allocates no pool, and the
+warm-up compiles its programs on a thread pool (XLA compiles without the GIL). Every program donates the table; a step
+can run on a one-thread executor while the host reads the previous step's tokens (`overlap`), and `settle` takes the
+table back before anything else touches it. Nothing here decides what runs: the scheduler does
+(`kdtree_jax/serving/scheduler.py`).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import functools
 import itertools
+import os
 from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from tqdm.auto import tqdm
 
 from kdtree_jax.constrain import device as cd
 from kdtree_jax.decode.speculative import DecodeSpec, RequestRows
 from kdtree_jax.parallel import sharding
-from kdtree_jax.serving import programs
+from kdtree_jax.serving import programs, xla_options
 from kdtree_jax.serving.plan import Chunk, Request
 from kdtree_jax.serving.request import RequestParams
 
+COMPILE_THREADS_ENV = "KDTREE_COMPILE_THREADS"  # programs the warm-up compiles at once; unset or 0: one per CPU
 _TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 
 
@@ -35,7 +40,7 @@ class ModelRunner:
 
     def __init__(self, engine, *, uses_drafter: bool, new_table, prefill_specs: dict, step_specs: dict,
                  rounds: int, page_table_width: int, max_slots: int, rows_for, overlap: bool, groups: int = 1,
-                 constraint_tables: cd.AutomatonTables, row_slack: int | None = None):
+                 constraint_tables: cd.AutomatonTables, row_slack: int | None = None, allocate: bool = True):
         self.engine = engine
         self.uses_drafter = uses_drafter
         self._new_table = new_table
@@ -52,7 +57,9 @@ class ModelRunner:
         self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdtree-step") if overlap else None
         self.mesh = engine.mesh
         self.shardings = None
-        self.table = self._placed(new_table())
+        # allocate=False: a runner that only compiles (and reads its programs' memory); it never runs
+        self.table = self._placed(new_table()) if allocate else None
+        self.table_spec = _spec_of(self.table) if allocate else self._abstract(jax.eval_shape(new_table))
         self.tables = self._placed_tables(constraint_tables)
         self._first_tables = cd.table_shape(self.tables)  # the programs warm-up compiles take tables of this bucket
         # the weights as one flat list: a plain list of arrays is the cheapest argument to pass on every call
@@ -68,6 +75,16 @@ class ModelRunner:
         if self.shardings is None:
             self.shardings = table_shardings(table, self.mesh)
         return jax.device_put(table, self.shardings)
+
+    def _abstract(self, shapes):
+        """The table's shapes in the layout `_placed` gives its arrays: what the programs compile against."""
+        if self.mesh is None:
+            layout = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), shapes)
+        else:
+            self.shardings = self.shardings or table_shardings(shapes, self.mesh)
+            layout = self.shardings
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+                            shapes, layout)
 
     def _placed_tables(self, tables: cd.AutomatonTables) -> cd.AutomatonTables:
         """Constraint tables on the device, replicated over the mesh (every row may read any automaton)."""
@@ -93,73 +110,114 @@ class ModelRunner:
 
     def _compile(self, name: str, key, fn, args: tuple, desc: str):
         """`fn(weights, table, *args)` compiled once for (name, key), donating the table; a program that takes the
-        constraint tables once more per table bucket past the first (its key then ends with the bucket)."""
+        constraint tables once more per table bucket past the first (its key then ends with the bucket). JAX names
+        the program after `fn` (serve_step, serve_prefill, ...) in its compile logs and events."""
         program_key = (name, key)
-        if any(isinstance(a, cd.AutomatonTables) for a in args):
-            shape = cd.table_shape(next(a for a in args if isinstance(a, cd.AutomatonTables)))
-            if shape != self._first_tables:
-                program_key, desc = (name, key, shape), f"{desc} tables {shape[0]}x{shape[1]}"
+        tables = next((a for a in args if isinstance(a, cd.AutomatonTables)), None)
+        if tables is not None and cd.table_shape(tables) != self._first_tables:
+            program_key = (name, key, cd.table_shape(tables))
+            desc = self.desc(program_key)
         if program_key not in self._programs:
-            compiled, seconds = self.engine.compile(fn, (self._weight_leaves, self.table, *args),
-                                                    ("serve", self._uid, *program_key), desc=desc, donate=(1,))
+            compiled, seconds = self.engine.compile(fn, (self._weight_leaves, self.table_spec, *args),
+                                                    ("serve", self._uid, *program_key), desc=desc, donate=(1,),
+                                                    progress=False if self._one_bar else None,
+                                                    options=xla_options.serving_compile_options())
             self.warmup_s[desc] = seconds
             self._programs[program_key] = compiled
         return self._programs[program_key]
+
+    _one_bar = False  # set while `warm_up` shows one bar for all its programs
 
     def prefill_program(self, key: tuple[int, int]):
         """The chunk program for (bucket, rows)."""
         spec, (bucket, n) = self.prefill_specs[key], key
 
-        def fn(w, table, tables, batch):
+        def serve_prefill(w, table, tables, batch):
             return self._pinned(programs.prefill_chunk(spec, *self._modules(w), table, tables, batch))
 
         example = programs.PrefillBatch.example(n, bucket, self.width_pages, self._rows_for(n))
-        return self._compile("prefill", key, fn, (self.tables, example), f"prefill {bucket} x{n}")
+        return self._compile("prefill", key, serve_prefill, (self.tables, example), prefill_desc(key))
 
     def step_program(self, key):
         """The step program for (StepKind, width): k rounds over the host's page table."""
         spec, rounds, groups, slack = self.step_specs[key], self.rounds, self.groups, self.row_slack
 
-        def fn(w, table, tables, page_table):
+        def serve_step(w, table, tables, page_table):
             return self._pinned(programs.step(spec, *self._modules(w), table, tables, page_table, rounds, groups,
                                               slack))
 
         pages = np.zeros((self.max_slots, self.width_pages), np.int32)
-        return self._compile("step", key, fn, (self.tables, pages), f"step {key[0].name} x{key[1]}")
+        return self._compile("step", key, serve_step, (self.tables, pages), step_desc(key))
 
     def move_program(self):
-        def fn(w, table, src, dst):
+        def serve_move(w, table, src, dst):
             return self._pinned(programs.move(table, src, dst))
 
-        return self._compile("move", None, fn, (np.int32(0), np.int32(0)), "move")
+        return self._compile("move", None, serve_move, (np.int32(0), np.int32(0)), "move")
 
     def release_program(self):
-        def fn(w, table, slot):
+        def serve_release(w, table, slot):
             return self._pinned(programs.release(table, slot))
 
-        return self._compile("release", None, fn, (np.int32(0),), "release")
+        return self._compile("release", None, serve_release, (np.int32(0),), "release")
 
-    def warm_up(self, on_program=None) -> dict[str, float]:
-        """Compile every program: one prefill per (bucket, rows), one step per (kind, width), move and release.
-        `on_program(desc, seconds)` is called after each. Returns the seconds each took (near zero where JAX's
-        persistent compilation cache had it)."""
-        builders = [*(functools.partial(self.prefill_program, k) for k in self.prefill_specs),
-                    *(functools.partial(self.step_program, k) for k in self.step_specs),
-                    self.move_program, self.release_program]
-        for build in builders:
-            before = set(self.warmup_s)
-            build()
-            if on_program is not None:
-                for desc in set(self.warmup_s) - before:
-                    on_program(desc, self.warmup_s[desc])
+    def warm_up(self, on_program=None, only: Sequence | None = None) -> dict[str, float]:
+        """Compile every program not compiled yet (or those of `only`, keys such as ("step", key)): one prefill per
+        (bucket, rows), one step per (kind, width), move and release, up to one per CPU at once (`compile_threads`;
+        each thread traces under the GIL, then XLA compiles without it). `on_program(desc, seconds)` is called after
+        each. Returns the seconds each took (near zero where JAX's persistent compilation cache had it)."""
+        builders = {**{("prefill", k): functools.partial(self.prefill_program, k) for k in self.prefill_specs},
+                    **{("step", k): functools.partial(self.step_program, k) for k in self.step_specs},
+                    ("move", None): self.move_program, ("release", None): self.release_program}
+        todo = {key: build for key, build in builders.items()
+                if key not in self._programs and (only is None or key in only)}
+        if not todo:
+            return dict(self.warmup_s)
+        bar = tqdm(total=len(todo), desc=f"compiling {len(todo)} serving programs", unit="program",
+                   leave=False) if self.engine.progress else None
+        self._one_bar = bar is not None
+        try:
+            with concurrent.futures.ThreadPoolExecutor(min(len(todo), compile_threads()),
+                                                       thread_name_prefix="kdtree-compile") as pool:
+                futures = {pool.submit(build): key for key, build in todo.items()}
+                for future in concurrent.futures.as_completed(futures):
+                    future.result()
+                    desc = self.desc(futures[future])
+                    if bar is not None:
+                        bar.update(1)
+                    if on_program is not None:
+                        on_program(desc, self.warmup_s[desc])
+        finally:
+            self._one_bar = False
+            if bar is not None:
+                bar.close()
         return dict(self.warmup_s)
+
+    def adopt(self, other: ModelRunner) -> None:
+        """Take the programs `other` compiled over a table of this one's shapes and layout (the memory planner's
+        probe, when the pool it was compiled for is the one planned), so they are not compiled again."""
+        if not self.compiles_like(other):
+            raise ValueError("the programs were compiled for another table")
+        for key, program in other._programs.items():
+            self._programs.setdefault(key, program)
+            self.warmup_s.setdefault(self.desc(key), other.warmup_s[self.desc(key)])
+
+    def compiles_like(self, other: ModelRunner) -> bool:
+        """Whether `other`'s programs take this runner's table: the same shapes, dtypes and layout."""
+        mine, theirs = (jax.tree.flatten(r.table_spec) for r in (self, other))
+        return mine[1] == theirs[1] and mine[0] == theirs[0]
+
+    @staticmethod
+    def desc(key) -> str:
+        """A program's description by its key: "step ddtree-16 x4", "prefill 64 x2", "move", "release"; a key that
+        ends with a constraint table bucket adds it ("step ddtree-16 x4 tables 2048x524288")."""
+        name, k, *bucket = key
+        desc = prefill_desc(k) if name == "prefill" else step_desc(k) if name == "step" else name
+        return desc + "".join(f" tables {s[0]}x{s[1]}" for s in bucket)
 
     def programs_by_desc(self) -> dict:
         """The compiled programs by their descriptions ("step ddtree-16 x4", "prefill 64 x2", "move", ...)."""
-        descs = {("prefill", k): f"prefill {k[0]} x{k[1]}" for k in self.prefill_specs}
-        descs |= {("step", k): f"step {k[0].name} x{k[1]}" for k in self.step_specs}
-        return {descs.get(key, key[0]) + (f" tables {key[2][0]}x{key[2][1]}" if len(key) > 2 else ""): program
-                for key, program in self._programs.items()}
+        return {self.desc(key): program for key, program in self._programs.items()}
 
     # ---- running --------------------------------------------------------------------------------------------
     def prefill(self, batch: programs.PrefillBatch) -> list[programs.PrefillRow]:
@@ -198,6 +256,28 @@ class ModelRunner:
     @property
     def overlap(self) -> bool:
         return self._device is not None
+
+
+def compile_threads() -> int:
+    """Programs compiled at once: $KDTREE_COMPILE_THREADS, else one per CPU."""
+    given = os.environ.get(COMPILE_THREADS_ENV, "")
+    if given and not given.isdigit():
+        raise ValueError(f"${COMPILE_THREADS_ENV} must be an integer >= 0, got {given!r}")
+    return int(given or 0) or os.cpu_count() or 1
+
+
+def prefill_desc(key: tuple[int, int]) -> str:
+    return f"prefill {key[0]} x{key[1]}"
+
+
+def step_desc(key) -> str:
+    return f"step {key[0].name} x{key[1]}"
+
+
+def _spec_of(tree):
+    """Each array's shape, dtype and layout."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type),
+                        tree)
 
 
 def prefill_batch(rows: Sequence[Chunk | None], bucket: int, page_rows: np.ndarray, max_slots: int, n_stop: int,
