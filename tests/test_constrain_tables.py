@@ -245,7 +245,7 @@ class _RecordingEngine:
     def __init__(self):
         self.keys: list = []
 
-    def compile(self, fn, args, key, *, desc, donate=()):
+    def compile(self, fn, args, key, *, desc, donate=(), progress=None, options=None):
         self.keys.append((key, desc, cd.table_shape(args[2])))
         return (lambda *a: a), 0.0
 
@@ -262,7 +262,7 @@ def test_serving_programs_compile_once_per_table_bucket():
     caps = cd.TableCaps(states=64, exceptions=4096, states_bucket=8, exceptions_bucket=4096)
     layout = cd.TableLayout(vocab.vocab_size, caps)
     engine = _RecordingEngine()
-    runner = ModelRunner(engine, uses_drafter=False, new_table=lambda: np.zeros(1), prefill_specs={},
+    runner = ModelRunner(engine, uses_drafter=False, new_table=lambda: jnp.zeros(1), prefill_specs={},
                          step_specs={(StepKind("ar"), 1): None}, rounds=1, page_table_width=1, max_slots=1,
                          rows_for=None, overlap=False, constraint_tables=layout.tables())
     runner.step_program((StepKind("ar"), 1))
