@@ -64,7 +64,7 @@ class RequestParams:
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
                 raise ParamError(name, f"must be None or an integer >= 0, got {k!r}")
             if max_logprobs is None:
-                raise ParamError(name, "needs an engine compiled with max_logprobs > 0 (serve --max-logprobs)")
+                raise ParamError(name, "needs an engine compiled with max_logprobs (serve --max-logprobs N)")
             if k > max_logprobs:
                 raise ParamError(name, f"must be <= {max_logprobs} (max_logprobs), got {k}")
 

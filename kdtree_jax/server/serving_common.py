@@ -21,6 +21,7 @@ from kdtree_jax.constrain import device as cd
 from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
 from kdtree_jax.server import constraints
 from kdtree_jax.server.chat_output import ChatOutputParser
+from kdtree_jax.server.logprobs import TokenTexts
 from kdtree_jax.server.metrics import ServerMetrics
 from kdtree_jax.server.protocol import DEFAULT_TEMPERATURE, ApiError, error_body
 from kdtree_jax.server.reasoning import THINK_BEGIN, THINK_END
@@ -101,6 +102,9 @@ class Job:
         self._server = server
         self.record = None  # the engine's RequestRecord once the request ended
         self._closed = False
+        self.logprobs: list = []  # the entries (`TokenLogprob`) of `text.token_ids`, where the request asked
+        self.prompt_logprobs: list | None = None  # one per prompt token (None first), where it asked
+        self.hide_output = False  # max_tokens 0: the one token the engine drew is not part of the response
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(text, token ids) as they become final. A stop string cancels the request; the record is then awaited,
@@ -111,6 +115,10 @@ class Job:
                 continue  # cancelled: only its record is still to come
             before = len(self.text.token_ids)
             piece = self.text.feed(delta.token_ids)
+            if delta.logprobs:
+                self.logprobs += delta.logprobs[: len(self.text.token_ids) - before]
+            if delta.prompt_logprobs is not None:
+                self.prompt_logprobs = delta.prompt_logprobs
             if self.text.stopped:
                 self.stream.cancel()
             yield piece, self.text.token_ids[before:]
@@ -154,7 +162,7 @@ class Job:
         return ids[-1] if self.record.finish_reason == "stop" and ids else None
 
     def usage(self) -> dict:
-        n = len(self.text.token_ids)
+        n = 0 if self.hide_output else len(self.text.token_ids)
         cached = self.record.cached_tokens if self.record is not None else 0
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
                 "total_tokens": len(self.prompt_ids) + n, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -199,6 +207,7 @@ class OpenAIServer:
         self._compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
         self.max_token_chars = _longest_token(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
         self.closing = False
         self._tasks: set[asyncio.Task] = set()
         self._drain: asyncio.Task | None = None
@@ -274,17 +283,23 @@ class OpenAIServer:
         if problem is not None:
             raise ApiError(400, f"{field}: {problem}", param=field)
 
-    def start(self, ids: list[int], body, endpoint: Endpoint, arrival: float, plan: ChatPlan = ChatPlan()) -> Job:
-        """Submit to the engine; refusals raise ApiError before any response has started."""
+    def start(self, ids: list[int], body, endpoint: Endpoint, arrival: float, plan: ChatPlan = ChatPlan(), *,
+              logprobs: tuple[int | None, int | None, str] = (None, None, "logprobs")) -> Job:
+        """Submit to the engine; refusals raise ApiError before any response has started. `logprobs`: (top-k of the
+        output's, of the prompt's, the request field that asked); max_tokens 0 submits one token and hides it."""
         limit, limit_field = body.token_limit
         self._check_length(len(ids), limit, limit_field, endpoint.prompt_field)
         rest = self.max_context - len(ids)
         max_new = limit if limit is not None else min(endpoint.default_limit or rest, rest)
+        output_k, prompt_k, logprobs_field = logprobs
         params = RequestParams(
-            max_new_tokens=max_new, temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            max_new_tokens=max(max_new, 1),
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=max(body.top_k, 0), top_p=body.top_p, seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, constraint=plan.constraint)
-        fields = {"prompt": endpoint.prompt_field, "max_new_tokens": limit_field, "constraint": plan.constraint_field}
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, constraint=plan.constraint,
+            logprobs=output_k, prompt_logprobs=prompt_k)
+        fields = {"prompt": endpoint.prompt_field, "max_new_tokens": limit_field, "constraint": plan.constraint_field,
+                  "logprobs": logprobs_field, "prompt_logprobs": logprobs_field}
         try:
             stream = self.front.submit(ids, params)
         except RequestError as e:
@@ -306,6 +321,7 @@ class OpenAIServer:
         text = TextStream(self.tokenizer, body.stop or (), hidden)
         job = Job(self, stream, text, ids, arrival, endpoint.id_prefix)
         job.plan = plan
+        job.hide_output = max_new == 0
         return job
 
     def _check_length(self, n: int, limit: int | None, limit_field: str, prompt_field: str) -> None:
