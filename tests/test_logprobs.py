@@ -138,7 +138,8 @@ def test_chat_logprobs_streamed_and_not_are_the_targets(served, pair, reference)
     tok = pair.tokenizer
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW_TOKENS, logprobs=True,
-                                       top_logprobs=5, extra_body={"return_token_ids": True, "ignore_eos": True}, **SAMPLED)
+                                       top_logprobs=5, extra_body={"return_token_ids": True, "ignore_eos": True},
+                                       **SAMPLED)
     c = r.choices[0]
     ids = c.model_extra["token_ids"]
     entries = _chat_entries(tok, c.logprobs.content)

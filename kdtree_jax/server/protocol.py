@@ -125,7 +125,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Any = None  # text or token ids; checked by `single_prompt`
     max_tokens: int | None = Field(None, ge=0)  # 0: no completion (with echo: the prompt's log-probabilities alone)
     best_of: Any = None
-    echo: bool | None = None  # the prompt's text (and with logprobs its tokens' log-probabilities) before the completion
+    echo: bool | None = None  # the prompt's text (with logprobs, its tokens' log-probabilities) before the completion
     logprobs: int | None = Field(None, ge=0)  # each token's log-probability and this many alternatives
     suffix: Any = None
 

@@ -118,7 +118,7 @@ class Scheduler:
         r = chunk.request
         ends = refused is not None or row.reason is not None
         self.prefilled(chunk, running=not ends)
-        k = r.params.prompt_logprobs
+        k = _prompt_logprobs(r)
         if k is not None:  # row t's entry is the context token at start + 1 + t; the prompt's are kept
             for p, entry in enumerate(row.logprobs, chunk.start + 1):
                 if p < len(r.prompt):
@@ -129,10 +129,10 @@ class Scheduler:
             return RequestUpdate(r, now, reason="error", error=f"constraint: {refused}")
         r.first_token_time = now if r.first_token_time is None else r.first_token_time
         prompt = None
-        if r.params.prompt_logprobs is not None and not r.tokens:  # its first token: the prompt's entries with it
+        if _prompt_logprobs(r) is not None and not r.tokens:  # its first token: the prompt's entries with it
             prompt = [None, *(r.prompt_logprobs.get(p) for p in range(1, len(r.prompt)))]
         r.tokens += row.tokens
-        logprobs = _asked(r.params.logprobs, row.logprobs[-1:] if row.tokens else ())
+        logprobs = _asked(getattr(r.params, "logprobs", None), row.logprobs[-1:] if row.tokens else ())
         return RequestUpdate(r, now, row.tokens, row.reason, started=not ends, logprobs=logprobs,
                              prompt_logprobs=prompt)
 
@@ -147,7 +147,8 @@ class Scheduler:
             self.committed(r)
         if row.reason is not None:
             self.finish(self.slots.index(r))  # its row is finished on the device already
-        return RequestUpdate(r, now, row.tokens, row.reason, logprobs=_asked(r.params.logprobs, row.logprobs))
+        logprobs = _asked(getattr(r.params, "logprobs", None), row.logprobs)
+        return RequestUpdate(r, now, row.tokens, row.reason, logprobs=logprobs)
 
     # ---- bookkeeping ------------------------------------------------------------------------------------------
     @property
@@ -370,7 +371,7 @@ class Scheduler:
     def _match(self, r: Request, group: int) -> list:
         """The cached pages a waiting request's context starts with in a group; none for a request that asks for
         its prompt's log-probabilities, which only a prefill of the whole prompt computes."""
-        if r.params.prompt_logprobs is not None:
+        if _prompt_logprobs(r) is not None:
             return []
         return self.cache.match(r.rid, r.context, group)
 
@@ -490,6 +491,11 @@ def step_width(widths: Sequence[int], groups: int, group_slots: int, active: int
     data groups (default: as many as one group holds)."""
     per_group = min(active, group_slots) if busiest is None else busiest
     return next(w for w in sorted(widths) if w // groups >= per_group)
+
+
+def _prompt_logprobs(r: Request) -> int | None:
+    """The top-k of its prompt's log-probabilities a request asks for; None: none."""
+    return getattr(r.params, "prompt_logprobs", None)
 
 
 def _asked(k: int | None, entries) -> tuple:
