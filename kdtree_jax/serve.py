@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{SERVE_DEFAULTS['rounds_per_step']}")
     d.add_argument("--max-logprobs", type=int, default=None,
                    help="the most top log-probabilities a request may ask for (chat top_logprobs, completions "
-                        "logprobs, echo's prompt logprobs), 0..20; every program then keeps each token's log-probability and "
-                        "this many alternatives; default: none (such requests are refused)")
+                        "logprobs, echo's prompt logprobs), 0..20; every program then keeps each token's "
+                        "log-probability and this many alternatives; default: none (such requests are refused)")
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-slots", "--max-num-seqs", "--max-running-requests", dest="max_slots", type=int,
                    default=None,
