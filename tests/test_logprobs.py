@@ -94,6 +94,33 @@ def test_logprobs_are_the_targets_in_every_mode_greedy_and_sampled(pair, referen
     assert outs[("ar", 0.0)].token_ids != outs[("ar", SAMPLED["temperature"])].token_ids
 
 
+def _serve_alone(core: ServingEngine, prompt: list[int], params: RequestParams):
+    """(record, entries) of one request stepped to its end on a core of its own."""
+    rid = core.submit(prompt, params)
+    entries, records = [], []
+    while not records:
+        report = core.step()
+        entries += [e for d in report.deltas if d.request_id == rid for e in d.logprobs or ()]
+        records += [r for r in report.records if r.request_id == rid]
+    return records[0], entries
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_serving_engine_logprobs_in_ar_and_chain_are_the_targets(pair, reference, mode):
+    """The serving engine's ar step (which keeps the drafter's context) and chain step hand out the float64
+    forward's values for the sampled tokens, with the top 20."""
+    core = ServingEngine(pair, ServeConfig(**{**SERVE, "mode": mode, "overlap": mode == "ar"}))
+    prompt = pair.tokenizer.encode(LONG)
+    record, entries = _serve_alone(core, prompt, RequestParams(max_new_tokens=NEW_TOKENS, logprobs=TOP,
+                                                               ignore_eos=True, **SAMPLED))
+    assert [e.token for e in entries] == record.token_ids and len(entries) == NEW_TOKENS
+    if mode == "chain":
+        assert record.mean_acceptance_length > 1.2
+    _check_against_reference(reference(prompt + record.token_ids), len(prompt) - 1, entries, TOP)
+
+
 @pytest.mark.timeout(60)
 def test_a_request_asking_for_logprobs_an_engine_was_not_compiled_for_is_refused():
     params = RequestParams(max_new_tokens=4, logprobs=3)
