@@ -2,7 +2,7 @@
 round already has, are the target's in every mode (ar, chain and ddtree agree, and equal a float64 numpy forward
 over the produced sequence), raw under a grammar, and reach the OpenAI server in its shapes: chat `logprobs.content`,
 the completions `logprobs` object, and `echo` with the prompt's log-probabilities (an lm-eval loglikelihood request),
-which a prefix-cache hit does not lose.
+which a prefix-cache hit does not lose, for every choice of a list of prompts and of `n`.
 
 The shipped pair (trained, float32) serves here, so DDTree rounds accept several tokens: the tests assert it.
 """
@@ -236,6 +236,46 @@ def test_lm_eval_loglikelihood_request_returns_the_prompts_logprobs(served, pair
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == LONG
     assert [x for ch in streamed if ch.choices and ch.choices[0].logprobs
             for x in ch.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+
+
+@pytest.mark.timeout(600)
+def test_every_choice_of_a_prompt_list_and_of_n_carries_its_own_logprobs(served, pair, reference):
+    """lm-eval batches loglikelihood requests as a list of prompts: each choice echoes its own prompt with that
+    prompt's values, usage counting each prompt once and no completion tokens; n sampled choices of one prompt each
+    carry their own tokens' values, streamed as whole."""
+    _, client = served
+    tok = pair.tokenizer
+    texts = [PROMPT, "class Stack:\n    def push(self, x):\n"]
+    n = 2
+    r = client.completions.create(model=MODEL, prompt=texts, n=n, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert [c.index for c in r.choices] == list(range(len(texts) * n))
+    prompts = [tok.encode(t) for t in texts]
+    assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 0
+    for c in r.choices:
+        text, prompt = texts[c.index // n], prompts[c.index // n]
+        assert c.text == text and c.finish_reason == "length"
+        values = c.logprobs.token_logprobs
+        assert values[0] is None and len(values) == len(prompt)
+        lsm = reference(prompt)
+        np.testing.assert_allclose(values[1:], [lsm[p - 1, t] for p, t in enumerate(prompt) if p], atol=REF_ATOL,
+                                   rtol=0)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, n=n, max_tokens=6, logprobs=2, **SAMPLED,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    prompt = tok.encode(PROMPT)
+    ids = [c.model_extra["token_ids"] for c in r.choices]
+    assert len(ids) == n and ids[0] != ids[1]  # their own seeds: different samples
+    for c, out in zip(r.choices, ids):
+        lsm = reference(prompt + out)
+        assert c.logprobs.tokens == [tok.token_bytes(t).decode("utf-8", "replace") for t in out]
+        np.testing.assert_allclose(c.logprobs.token_logprobs, [lsm[len(prompt) - 1 + i, t] for i, t in enumerate(out)],
+                                   atol=REF_ATOL, rtol=0)
+    streamed = {}
+    for ch in client.completions.create(model=MODEL, prompt=PROMPT, n=n, max_tokens=6, logprobs=2, stream=True,
+                                        extra_body={"ignore_eos": True}, **SAMPLED):
+        for c in ch.choices:
+            if c.logprobs:
+                streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    assert [streamed[i] for i in range(n)] == [c.logprobs.token_logprobs for c in r.choices]
 
 
 @pytest.mark.timeout(600)
