@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--rounds-per-step", type=int, default=None,
                    help="rounds per step: tokens reach the host (and clients) once per step; default: "
                         f"{SERVE_DEFAULTS['rounds_per_step']}")
+    d.add_argument("--max-logprobs", type=int, default=None,
+                   help="the most top log-probabilities a request may ask for (chat top_logprobs, completions "
+                        "logprobs, echo's prompt logprobs), 0..20; every program then keeps each token's "
+                        "log-probability and this many alternatives; default: none (such requests are refused)")
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-slots", "--max-num-seqs", "--max-running-requests", dest="max_slots", type=int,
                    default=None,
@@ -271,7 +275,7 @@ def load_core(args) -> ServingEngine:
     given = {k: getattr(args, k) for k in ("max_slots", "max_context", "rounds_per_step", "max_queue", "step_widths",
                                            "min_prompt_bucket", "prefill_batch", "page_size", "num_pages",
                                            "gpu_memory_utilization", "max_num_batched_tokens", "constraint_states",
-                                           "constraint_exceptions")
+                                           "constraint_exceptions", "max_logprobs")
              if getattr(args, k) is not None}
     budget = args.budget if args.budget is not None else default_budget(engine, args.mode)
     try:

@@ -6,7 +6,8 @@ excluded (each spec is compiled and run once before it is timed). Greedy outputs
     python scripts/bench_engine.py --out bench_engine.json --plot bench_engine.png
 
 `--json-schema` decodes every mode under a JSON schema (structured output; the speedup column is then constrained
-ddtree over constrained ar).
+ddtree over constrained ar). `--logprobs K` has every mode keep each token's log-probability and its top K (what
+that costs: run with and without).
 """
 from __future__ import annotations
 
@@ -43,16 +44,17 @@ def load_prompts(path: str, tokenizer, n: int, prompt_tokens: int) -> list[list[
     return out
 
 
-def run_mode(engine, prompts, batch, mode, budget, max_new, repeats, constraint=None):
+def run_mode(engine, prompts, batch, mode, budget, max_new, repeats, constraint=None, logprobs=None):
     """Compile + warm once, then time `repeats` passes over all prompts; returns stats and token ids."""
     batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    engine.generate(batches[0], max_new, mode=mode, budget=budget, constraint=constraint)  # compile + warm-up
+    engine.generate(batches[0], max_new, mode=mode, budget=budget, constraint=constraint,
+                    logprobs=logprobs)  # compile + warm-up
     walls, tokens, accept, ids = [], 0, [], []
     for rep in range(repeats):
         wall = 0.0
         for b in batches:
             t0 = time.perf_counter()
-            res = engine.generate(b, max_new, mode=mode, budget=budget, constraint=constraint)
+            res = engine.generate(b, max_new, mode=mode, budget=budget, constraint=constraint, logprobs=logprobs)
             wall += time.perf_counter() - t0
             if rep == 0:
                 tokens += res.stats.generated_tokens
@@ -104,6 +106,8 @@ def main() -> None:
     p.add_argument("--plot", default=None, help="PNG: acceptance length and speedup vs budget")
     p.add_argument("--json-schema", default=None,
                    help="constrain every mode to this JSON schema (its text, or a path to a .json file)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="keep each token's log-probability and its top K (0..20) in every mode")
     args = p.parse_args()
     constraint = None
     if args.json_schema is not None:
@@ -125,11 +129,13 @@ def main() -> None:
     device = jax.devices()[0].device_kind
     rows = []
     for batch in map(int, args.batches.split(",")):
-        ar_row, ar_ids = run_mode(engine, prompts, batch, "ar", 0, args.max_new_tokens, args.repeats, constraint)
+        ar_row, ar_ids = run_mode(engine, prompts, batch, "ar", 0, args.max_new_tokens, args.repeats, constraint,
+                                  args.logprobs)
         rows.append(ar_row)
         plan = [("chain", 0)] + [("ddtree", int(b)) for b in args.budgets.split(",")]
         for mode, budget in plan:
-            row, ids = run_mode(engine, prompts, batch, mode, budget, args.max_new_tokens, args.repeats, constraint)
+            row, ids = run_mode(engine, prompts, batch, mode, budget, args.max_new_tokens, args.repeats, constraint,
+                                args.logprobs)
             row["identical_to_ar"] = ids == ar_ids
             row.update(agreement(ids, ar_ids))
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar_row["tokens_per_s"]
@@ -139,7 +145,8 @@ def main() -> None:
                   f"({row['prompts_identical']}/{len(prompts)} prompts; others differ from token "
                   f"{row['first_difference_at']})", flush=True)
     print(f"\n### {device}, {args.dtype}, {args.n_prompts} prompts x {args.prompt_tokens} tokens, "
-          f"{args.max_new_tokens} new tokens, greedy{', JSON schema' if constraint else ''}\n")
+          f"{args.max_new_tokens} new tokens, greedy{', JSON schema' if constraint else ''}"
+          f"{'' if args.logprobs is None else f', logprobs {args.logprobs}'}\n")
     print("| batch | mode | B | tokens/s | mean acceptance | speedup vs ar | identical to ar | prompts identical |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

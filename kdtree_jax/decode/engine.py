@@ -24,6 +24,7 @@ from kdtree_jax.checkpoint.io import load_drafter_any, load_target_any, load_tok
 from kdtree_jax.constrain import device as cd
 from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary, TokenAutomaton
 from kdtree_jax.decode import budget as budget_mod
+from kdtree_jax.decode import logprobs as lp_mod
 from kdtree_jax.decode import sampling
 from kdtree_jax.decode.memory_fit import check_fits
 from kdtree_jax.decode.params import RequestParams
@@ -55,6 +56,8 @@ class RequestOutput:
     rounds: int
     mean_acceptance_length: float
     accept_lengths: list[int]
+    # with `logprobs=k`: each token's raw log-probability and the top k at its position (`decode/logprobs.py`)
+    logprobs: list[lp_mod.TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -89,10 +92,10 @@ class DecodeOptions:
 
     @classmethod
     def of(cls, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           **batch) -> DecodeOptions:
+           logprobs: int | None = None, **batch) -> DecodeOptions:
         """From the keyword arguments of `Engine.generate`; `batch` holds the fields other than `request`."""
-        return cls(RequestParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p),
-                   **batch)
+        return cls(RequestParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 logprobs=logprobs), **batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +183,7 @@ class Engine:
 
     # ---- compile ------------------------------------------------------------------------------------------
     def spec_for(self, *, mode: str, batch: int, prompt_len: int, max_new_tokens: int, budget: int,
-                 top_k_cap: int = sampling.TOP_K_CAP, draft_k: int = 0) -> DecodeSpec:
+                 top_k_cap: int = sampling.TOP_K_CAP, draft_k: int = 0, logprobs: int | None = None) -> DecodeSpec:
         cfg = self.target.cfg
         if mode != "ar" and self.drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter; load one or use mode='ar'")
@@ -191,7 +194,7 @@ class Engine:
             block=1 if dcfg is None else dcfg.block_size, vocab=cfg.vocab_size, top_k_cap=top_k_cap,
             prefill_chunk=chunk, use_pallas=self.use_pallas, attn_backend=self.attn_backend,
             taps=() if dcfg is None else tuple(dcfg.target_layer_ids),
-            mask_token_id=0 if dcfg is None else dcfg.mask_token_id, draft_k=draft_k,
+            mask_token_id=0 if dcfg is None else dcfg.mask_token_id, draft_k=draft_k, logprobs=logprobs,
         )
 
     def prompt_bucket(self, prompt_len: int) -> tuple[int, int]:
@@ -263,8 +266,9 @@ class Engine:
                  **options) -> GenerationResult:
         """Generate for a batch of prompts (text or token ids; a bare string is one prompt); one compiled computation
         for all rounds. `options` are the arguments of `DecodeOptions.of` (temperature, top_k, top_p, mode, budget,
-        seed, chat, constraint); budget "auto" is the measured best B for this device and batch size, or AR where the
-        profile measured AR faster (budget.py; `stats.mode` says what ran)."""
+        seed, chat, constraint, logprobs); budget "auto" is the measured best B for this device and batch size, or AR
+        where the profile measured AR faster (budget.py; `stats.mode` says what ran). `logprobs=k` (0..20) compiles a
+        program that also keeps each token's raw log-probability and the top k (`RequestOutput.logprobs`)."""
         run = self._prepare(prompts, DecodeOptions.of(max_new_tokens, **options))
         args = (*self.weights, *run.inputs)
         compiled, compile_s = self._compile(run.spec, "generate", *args)
@@ -354,8 +358,12 @@ class Engine:
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         request.check_sampling()
+        if request.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: only the serving engine computes prompt log-probabilities")
+        request.check_logprobs(lp_mod.MAX_LOGPROBS)
         spec = self.spec_for(mode=mode, batch=len(ids), prompt_len=max(map(len, ids)), max_new_tokens=max_new_tokens,
-                             budget=budget, top_k_cap=max(sampling.TOP_K_CAP, _pow2_at_least(request.top_k)))
+                             budget=budget, top_k_cap=max(sampling.TOP_K_CAP, _pow2_at_least(request.top_k)),
+                             logprobs=request.logprobs)
         self._check_fits(spec)
         arr = np.zeros((len(ids), spec.prompt_cap), np.int32)
         for i, p in enumerate(ids):
@@ -455,6 +463,7 @@ class Engine:
             outputs.append(RequestOutput(
                 token_ids=ids, text=text, finish_reason=FINISH_REASONS[int(finish[b])] or "length",
                 rounds=len(lens), mean_acceptance_length=float(np.mean(lens)) if lens else 0.0, accept_lengths=lens,
+                logprobs=None if state.logprobs is None else _logprobs(state.logprobs, b, ids),
             ))
         all_lens = acc[acc > 0]
         total = int(ngen.sum())
@@ -471,6 +480,13 @@ class Engine:
 def _mesh_context(mesh):
     """Trace under the engine's mesh, so expert-parallel MoE (shard_map) and sharding rules can see it."""
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _logprobs(rows: lp_mod.LogprobRows, b: int, ids: list[int]) -> list[lp_mod.TokenLogprob]:
+    """Request b's entries for its tokens `ids` (generated indices 0..)."""
+    token, top_ids, top = (np.asarray(x[b, : len(ids)]) for x in (rows.token, rows.top_ids, rows.top))
+    return [lp_mod.TokenLogprob(t, float(token[i]), tuple(zip(top_ids[i].tolist(), top[i].tolist())))
+            for i, t in enumerate(ids)]
 
 
 def _new_tokens(state: DecodeState, sent: np.ndarray) -> tuple[list[list[int]], np.ndarray]:

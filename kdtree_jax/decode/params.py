@@ -35,6 +35,10 @@ class RequestParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's stop ids
     ignore_eos: bool = False  # do not stop at the model's own stop ids
     constraint: ConstraintSpec | None = None  # the output must match it (structured output, forced tool calls)
+    # None: none; k: each generated token's raw log-probability (the target's log_softmax, before temperature, top-k,
+    # top-p and any constraint's mask) and the k most likely tokens at its position
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (serving engine only)
 
     def check_sampling(self, top_k_cap: int | None = None) -> None:
         """Raise ParamError naming the first sampling field out of range; `top_k_cap` (a compiled program's cap)
@@ -48,6 +52,21 @@ class RequestParams:
             raise ParamError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if top_k_cap is not None and self.top_k > top_k_cap:
             raise ParamError("top_k", f"must be <= {top_k_cap} (the compiled cap), got {self.top_k}")
+
+
+    def check_logprobs(self, max_logprobs: int | None) -> None:
+        """Raise ParamError naming `logprobs` or `prompt_logprobs` where it is not None or an integer in
+        [0, max_logprobs] (the top-k the programs were compiled for; None: programs without log-probabilities)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is None:
+                continue
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+                raise ParamError(name, f"must be None or an integer >= 0, got {k!r}")
+            if max_logprobs is None:
+                raise ParamError(name, "needs an engine compiled with max_logprobs (serve --max-logprobs N)")
+            if k > max_logprobs:
+                raise ParamError(name, f"must be <= {max_logprobs} (max_logprobs), got {k}")
 
 
 def _real(x) -> bool:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax.constrain import device as cd
+from kdtree_jax.decode import logprobs as lp_mod
 from kdtree_jax.decode import sampling
 from kdtree_jax.decode.speculative import (
     FINISH_NONFINITE,
@@ -102,7 +103,17 @@ def prefill(spec: DecodeSpec, target, drafter, prompts: jax.Array, prompt_len: j
         round=jnp.int32(0),
         accept_len=jnp.zeros((bt, spec.max_rounds), jnp.int32),
         constraint_state=state_after,
+        logprobs=None if spec.logprobs is None else first_logprobs(spec, last, first),
     )
+
+
+def first_logprobs(spec: DecodeSpec, last: jax.Array, first: jax.Array) -> lp_mod.LogprobRows:
+    """A batch generation's buffer (one entry per token it can write: its limit and one round past it) holding the
+    first token, drawn from the prompt's last logits [Bt, V]."""
+    bt = first.shape[0]
+    rows = lp_mod.LogprobRows.zeros(bt, spec.max_new_tokens + spec.depth + 1, spec.logprobs)
+    zero = jnp.zeros((bt, 1), jnp.int32)
+    return lp_mod.write(rows, last[:, None, :], first[:, None], zero, jnp.ones((bt, 1), bool))
 
 
 def decode_loop(spec: DecodeSpec, target, drafter, state: DecodeState, round_limit: jax.Array,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax.constrain import device as cd
+from kdtree_jax.decode import logprobs as lp_mod
 from kdtree_jax.decode import sampling
 from kdtree_jax.decode.params import RequestParams
 from kdtree_jax.model import cache_update
@@ -57,6 +58,9 @@ class DecodeSpec:
     mask_token_id: int = 0
     draft_k: int = 0  # top-K kept per drafted depth; 0: what this mode needs (`top_k`). A serving table that switches
     # budgets keeps its largest budget's K, so every budget's tree is built from the same state
+    # None: no log-probabilities; k: each emitted token's raw log-probability and the top k at its position, kept in
+    # the state's `logprobs` buffer (`kdtree_jax/decode/logprobs.py`)
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -67,6 +71,8 @@ class DecodeSpec:
             raise ValueError(f"mode {self.mode!r} needs a drafter block of >= 2 tokens, got {self.block}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= min(lp_mod.MAX_LOGPROBS, self.vocab or 1 << 30):
+            raise ValueError(f"logprobs must be None or in [0, {lp_mod.MAX_LOGPROBS}], got {self.logprobs}")
         if self.draft_k and self.draft_k < self.tree_k:
             raise ValueError(f"draft_k={self.draft_k} is below the {self.tree_k} candidates per depth mode "
                              f"{self.mode!r} with budget {self.budget} reads")
@@ -145,6 +151,7 @@ class DecodeState:
     # [Bt] int32 automaton state after the bonus (a global state of the round's `AutomatonTables`; FREE_STATE: no
     # constraint); None: a program without constraints
     constraint_state: jax.Array | None = None
+    logprobs: lp_mod.LogprobRows | None = None  # the emitted tokens' log-probabilities; None: a program without them
 
     @property
     def bonus(self) -> jax.Array:
@@ -301,11 +308,25 @@ def verify_and_commit(spec: DecodeSpec, target, state: DecodeState, tree: Tree,
                                                                       out.cache.page_table))
         emitted = cache_update.emitted_tokens(tree.tokens, acc.path, acc.n_accepted, acc.bonus)
         new = commit(state, emitted, acc.n_accepted, nonfinite_slots(out.logits, tree))
+        if spec.logprobs is not None:
+            new = new.replace(logprobs=record_logprobs(state, out.logits, emitted, acc))
         if tables is not None:
             last = jnp.take_along_axis(acc.path, (acc.n_accepted - 1)[:, None], axis=1)  # deepest accepted slot
             moved = cd.next_state(tables, jnp.take_along_axis(node_states, last, axis=1)[:, 0], acc.bonus)
             new = new.replace(constraint_state=jnp.where(state.done, state.constraint_state, moved))
     return new.replace(cache=cache), out, acc
+
+
+def record_logprobs(state: DecodeState, logits: jax.Array, emitted: jax.Array, acc) -> lp_mod.LogprobRows:
+    """The round's emitted tokens into the state's buffer: token j >= 1 of `emitted` was drawn from the logits of
+    path slot j - 1 (the root's for the first draft, the deepest accepted node's for the bonus), raw: before the
+    sampling rule and the constraint's mask."""
+    depth1 = acc.path.shape[1]
+    j = jnp.arange(1, depth1 + 1, dtype=jnp.int32)[None, :]
+    rows = cache_update.gather_slots(logits, acc.path)  # [Bt, D + 1, V]
+    keep = (j <= acc.n_accepted[:, None]) & ~state.done[:, None]
+    index = (state.length - state.prompt_len)[:, None] + j
+    return lp_mod.write(state.logprobs, rows, emitted[:, 1:], index, keep)
 
 
 def nonfinite_slots(logits: jax.Array, tree: Tree) -> jax.Array:

@@ -2,7 +2,7 @@
 
 Types are strict, as OpenAI's own API is: "max_tokens": "16" or "temperature": true is a 400, not a silent
 conversion. Fields this server does not know are ignored, as vLLM ignores them (clients send vendor extras); known
-OpenAI fields it does not implement (logprobs, penalties, ...) are accepted only at their "off" value, so a
+OpenAI fields it does not implement (best_of, penalties, ...) are accepted only at their "off" value, so a
 request is never answered as if they had been applied (README.md, "Request fields", lists every field). Tools, tool
 choice, response formats and vLLM's `structured_outputs` are checked in depth by the app (`server/constraints.py`),
 which names the field at fault.
@@ -123,14 +123,14 @@ def _same(value, off) -> bool:
 
 class CompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.UNSUPPORTED, "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
-        "suffix": (None, ""),
+        **_SamplingRequest.UNSUPPORTED, "best_of": (None, 1), "suffix": (None, ""),
     }
 
     prompt: Any = None  # text or token ids, or a list of either; read by `prompt_list`
+    max_tokens: int | None = Field(None, ge=0)  # 0: no completion (with echo: the prompt's log-probabilities alone)
     best_of: Any = None
-    echo: Any = None
-    logprobs: Any = None
+    echo: bool | None = None  # the prompt's text (with logprobs, its tokens' log-probabilities) before the completion
+    logprobs: int | None = Field(None, ge=0)  # each token's log-probability and this many alternatives
     suffix: Any = None
 
     @field_validator("prompt")
@@ -195,13 +195,13 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.UNSUPPORTED, "logprobs": (None, False), "top_logprobs": (None, 0),
+        **_SamplingRequest.UNSUPPORTED,
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None  # each output token's log-probability
+    top_logprobs: int | None = Field(None, ge=0)  # with logprobs: this many alternatives per token
     tools: list[Any] | None = None  # [{type: "function", function: {name, description?, parameters?}}]
     tool_choice: Any = None  # "none" | "auto" | "required" | {type: "function", function: {name}}; default auto
     parallel_tool_calls: bool = True  # a forced tool choice may make several calls

@@ -12,6 +12,7 @@ from jinja2.exceptions import TemplateError
 
 from kdtree_jax.server import constraints
 from kdtree_jax.server.chat_output import parse_chat_output
+from kdtree_jax.server.logprobs import chat_content
 from kdtree_jax.server.protocol import ApiError, ChatCompletionRequest
 from kdtree_jax.server.reasoning import THINK_BEGIN
 from kdtree_jax.server.serving_common import ChatPlan, Choices, Endpoint, Job, OpenAIServer
@@ -33,9 +34,21 @@ class ServingChat:
         """Check, render, tokenize and submit; refusals raise ApiError before any response has started."""
         server = self.server
         server.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
         ids, plan = await self.prompt(body)
         await server.check_constraint(plan.constraint, plan.constraint_field)
-        return await server.start([(ids, "messages")], body, CHAT, arrival, plan)
+        return await server.start([(ids, "messages")], body, CHAT, arrival, plan,
+                                  logprobs=(self._top(body), None, "top_logprobs" if body.top_logprobs else "logprobs"))
+
+    @staticmethod
+    def _top(body: ChatCompletionRequest) -> int | None:
+        """The alternatives per token asked for; None: no log-probabilities."""
+        return (body.top_logprobs or 0) if body.logprobs else None
+
+    def _logprobs(self, body: ChatCompletionRequest, entries) -> dict | None:
+        k = self._top(body)
+        return None if k is None else {"content": chat_content(self.server.token_texts, entries, k)}
 
     async def prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ChatPlan]:
         """The rendered prompt's ids and how the output is constrained and read."""
@@ -107,7 +120,8 @@ class ServingChat:
         out = []
         for job, text in zip(choices.jobs, texts):
             message, finish = self.message(job, text)
-            choice = {"index": job.index, "message": message, "logprobs": None, "finish_reason": finish,
+            choice = {"index": job.index, "message": message,
+                      "logprobs": self._logprobs(body, job.logprobs), "finish_reason": finish,
                       "stop_reason": job.stop_reason}
             if body.return_token_ids:
                 choice["token_ids"] = job.text.token_ids
@@ -123,8 +137,14 @@ class ServingChat:
 
     async def chunks(self, job: Job, body: ChatCompletionRequest) -> AsyncIterator[dict | Job]:
         """One choice's chunks: the role, its deltas (reasoning, content, tool calls), its finish chunk."""
+        sent = 0  # tokens whose entries went out
+        asked = self._top(body) is not None
+
         def chunk(delta: dict, ids: list[int], finish: str | None = None) -> dict:
-            choice = {"index": job.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            nonlocal sent
+            entries, sent = job.logprobs[sent: sent + len(ids)], sent + len(ids)
+            choice = {"index": job.index, "delta": delta, "logprobs": self._logprobs(body, entries) if ids else None,
+                      "finish_reason": finish}
             if body.return_token_ids:
                 choice["token_ids"] = ids
             return {**self.server.head(job, "chat.completion.chunk"), "choices": [choice]}
@@ -133,11 +153,11 @@ class ServingChat:
         parser = job.plan.parser() if job.plan.parses else None
         async for piece, ids in job.pieces():
             if parser is None:
-                if piece or (ids and body.return_token_ids):
+                if piece or (ids and (body.return_token_ids or asked)):
                     yield chunk({"content": piece}, ids)
                 continue
             deltas = parser.feed(piece) if piece else []
-            if not deltas and ids and body.return_token_ids:
+            if not deltas and ids and (body.return_token_ids or asked):
                 deltas = [{}]
             for i, d in enumerate(deltas):
                 yield chunk(d, ids if i == 0 else [])

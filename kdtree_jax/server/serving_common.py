@@ -29,6 +29,7 @@ from kdtree_jax.constrain import device as cd
 from kdtree_jax.constrain.automaton import ConstraintCompiler, ConstraintSpec, ConstraintVocabulary
 from kdtree_jax.server import constraints
 from kdtree_jax.server.chat_output import ChatOutputParser
+from kdtree_jax.server.logprobs import TokenTexts
 from kdtree_jax.server.metrics import ServerMetrics
 from kdtree_jax.server.protocol import DEFAULT_TEMPERATURE, ApiError, error_body
 from kdtree_jax.server.reasoning import THINK_BEGIN, THINK_END
@@ -116,6 +117,9 @@ class Job:
         self._server = server
         self.record = None  # the engine's RequestRecord once the request ended
         self._closed = False
+        self.logprobs: list = []  # the entries (`TokenLogprob`) of `text.token_ids`, where the request asked
+        self.prompt_logprobs: list | None = None  # one per prompt token (None first), where it asked
+        self.hide_output = False  # max_tokens 0: the one token the engine drew is not part of the response
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(text, token ids) as they become final. A stop string cancels the request; the record is then awaited,
@@ -126,6 +130,10 @@ class Job:
                 continue  # cancelled: only its record is still to come
             before = len(self.text.token_ids)
             piece = self.text.feed(delta.token_ids)
+            if delta.logprobs:
+                self.logprobs += delta.logprobs[: len(self.text.token_ids) - before]
+            if delta.prompt_logprobs is not None:
+                self.prompt_logprobs = delta.prompt_logprobs
             if self.text.stopped:
                 self.stream.cancel()
             yield piece, self.text.token_ids[before:]
@@ -162,11 +170,19 @@ class Job:
 
     @property
     def stop_reason(self) -> str | int | None:
-        """What stopped it (vLLM's field): the stop string, or the stop token id."""
+        """What stopped it (vLLM's field): the stop string, or the stop token id; None where max_tokens 0 hid the
+        output."""
+        if self.hide_output:
+            return None
         if self.text.stopped:
             return self.text.stop_string
         ids = self.record.token_ids
         return ids[-1] if self.record.finish_reason == "stop" and ids else None
+
+    @property
+    def completion_tokens(self) -> int:
+        """The completion's tokens in the response (none where max_tokens 0 hides the one the engine drew)."""
+        return 0 if self.hide_output else len(self.text.token_ids)
 
     def spec_decode(self) -> dict:
         return _spec_decode(self._server, [self.record])
@@ -218,7 +234,7 @@ class Choices:
         prompt's first sample found in the prefix cache."""
         firsts = self.jobs[::self.n]
         prompt = sum(len(j.prompt_ids) for j in firsts)
-        n = sum(len(j.text.token_ids) for j in self.jobs)
+        n = sum(j.completion_tokens for j in self.jobs)
         cached = sum(j.record.cached_tokens for j in firsts if j.record is not None)
         return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -258,6 +274,7 @@ class OpenAIServer:
         self._compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
         self.max_token_chars = _longest_token(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
         self.closing = False
         self._tasks: set[asyncio.Task] = set()
         self._drain: asyncio.Task | None = None
@@ -334,9 +351,11 @@ class OpenAIServer:
             raise ApiError(400, f"{field}: {problem}", param=field)
 
     async def start(self, prompts: list[tuple[list[int], str]], body, endpoint: Endpoint, arrival: float,
-                    plan: ChatPlan = ChatPlan()) -> Choices:
+                    plan: ChatPlan = ChatPlan(), *,
+                    logprobs: tuple[int | None, int | None, str] = (None, None, "logprobs")) -> Choices:
         """Submit n samples of each (prompt ids, its field) to the engine; refusals raise ApiError before any
-        response has started, and cancel what was submitted already."""
+        response has started, and cancel what was submitted already. `logprobs`: (top-k of the output's, of the
+        prompt's, the request field that asked), for every choice; max_tokens 0 submits one token and hides it."""
         n = getattr(body, "n", None) or 1
         total = len(prompts) * n
         limit, limit_field = body.token_limit
@@ -352,14 +371,14 @@ class OpenAIServer:
             raise _queue_full(f"{queued} requests are waiting and this one adds {total} (max_queue {max_queue})")
         choices = Choices(endpoint.id_prefix, n, plan)
         try:
-            firsts = [self._submit(choices, ids, field, i * n, body, endpoint, arrival, body.seed)
+            firsts = [self._submit(choices, ids, field, i * n, body, endpoint, arrival, body.seed, logprobs)
                       for i, (ids, field) in enumerate(prompts)]
             if n > 1:  # the siblings come once the first has prefilled: they share its pages
                 await asyncio.gather(*(job.stream.first_output() for job in firsts))
                 for i, (ids, field) in enumerate(prompts):
                     for j in range(1, n):
                         self._submit(choices, ids, field, i * n + j, body, endpoint, arrival,
-                                     choice_seed(body.seed, j))
+                                     choice_seed(body.seed, j), logprobs)
         except BaseException:
             choices.close()
             raise
@@ -367,17 +386,21 @@ class OpenAIServer:
         return choices
 
     def _submit(self, choices: Choices, ids: list[int], prompt_field: str, index: int, body, endpoint: Endpoint,
-                arrival: float, seed: int | None) -> Job:
+                arrival: float, seed: int | None, logprobs: tuple[int | None, int | None, str]) -> Job:
         """One choice to the engine; its Job joins `choices`."""
         plan = choices.plan
         limit, limit_field = body.token_limit
         rest = self.max_context - len(ids)
         max_new = limit if limit is not None else min(endpoint.default_limit or rest, rest)
+        output_k, prompt_k, logprobs_field = logprobs
         params = RequestParams(
-            max_new_tokens=max_new, temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            max_new_tokens=max(max_new, 1),
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, constraint=plan.constraint)
-        fields = {"prompt": prompt_field, "max_new_tokens": limit_field, "constraint": plan.constraint_field}
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, constraint=plan.constraint,
+            logprobs=output_k, prompt_logprobs=prompt_k)
+        fields = {"prompt": prompt_field, "max_new_tokens": limit_field, "constraint": plan.constraint_field,
+                  "logprobs": logprobs_field, "prompt_logprobs": logprobs_field}
         try:
             stream = self.front.submit(ids, params)
         except RequestError as e:
@@ -397,6 +420,7 @@ class OpenAIServer:
             hidden = hidden - self.think_ids
         text = TextStream(self.tokenizer, body.stop or (), hidden)
         job = Job(self, stream, text, ids, arrival, choices, index)
+        job.hide_output = max_new == 0
         choices.jobs.append(job)
         return job
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from kdtree_jax.constrain import device as cd
 from kdtree_jax.decode import sampling
+from kdtree_jax.decode.logprobs import MAX_LOGPROBS
 from kdtree_jax.decode.speculative import MODES
 from pallas_kernels.verify_attn import PAGE_SIZES
 
@@ -54,6 +55,10 @@ class ServeConfig:
     # and step programs once per bucket; a constraint past the budget is a 400 naming it
     constraint_states: int = cd.STATES_CAP
     constraint_exceptions: int = cd.EXCEPTIONS_CAP
+    # the most top log-probabilities a request may ask for (vLLM's max_logprobs); None: the programs compute none and
+    # a request asking for them is refused. Set, every program keeps each token's raw log-probability and this many
+    # alternatives, for every request (the host hands them only to the requests that asked)
+    max_logprobs: int | None = None
 
     @property
     def constraint_caps(self) -> cd.TableCaps:
@@ -81,6 +86,10 @@ class ServeConfig:
                                  f"{self.max_slots}, got {w!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.max_logprobs is not None and (isinstance(self.max_logprobs, bool) or not isinstance(
+                self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"max_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs!r}")
         if self.top_k_cap < 0 or self.max_queue < 0:
             raise ValueError(f"top_k_cap and max_queue must be >= 0, got {self.top_k_cap}, {self.max_queue}")
         self.constraint_caps  # noqa: B018  (TableCaps checks the caps)

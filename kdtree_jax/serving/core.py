@@ -138,7 +138,8 @@ class ServingEngine:
         self.stop_ids = tuple(engine.stop_ids)
         if len(self.stop_ids) > c.max_stop_ids:
             raise ValueError(f"max_stop_ids {c.max_stop_ids} is below the model's {len(self.stop_ids)} stop ids")
-        self.limits = RequestLimits(cfg.vocab_size, c.max_context, c.top_k_cap, c.max_stop_ids, self.stop_ids)
+        self.limits = RequestLimits(cfg.vocab_size, c.max_context, c.top_k_cap, c.max_stop_ids, self.stop_ids,
+                                    c.max_logprobs)
         self.automata = Automata(cfg.vocab_size, c.constraint_caps, engine.constraint_compiler)
         self.page_bytes = memory_plan.page_bytes(engine.target, engine.drafter if self.uses_drafter else None,
                                                  c.page_size)
@@ -178,7 +179,8 @@ class ServingEngine:
     def _spec(self, kind: StepKind, prompt_len: int = 1, batch: int | None = None):
         eng, cfg = self.engine, self.config
         spec = eng.spec_for(mode=kind.mode, batch=batch or cfg.max_slots, prompt_len=prompt_len, max_new_tokens=1,
-                            budget=kind.budget, top_k_cap=cfg.top_k_cap, draft_k=self._draft_k)
+                            budget=kind.budget, top_k_cap=cfg.top_k_cap, draft_k=self._draft_k,
+                            logprobs=cfg.max_logprobs)
         if kind.mode == "ar" and self.uses_drafter:  # keeps the drafter's state: needs the target's features
             d = eng.drafter.cfg
             spec = dataclasses.replace(spec, taps=tuple(d.target_layer_ids), mask_token_id=d.mask_token_id)
@@ -189,7 +191,7 @@ class ServingEngine:
         return programs.empty_table(self.engine.target, self.engine.drafter if self.uses_drafter else None,
                                     slots=cfg.max_slots, capacity=self.capacity, n_pages=n_pages or self.num_pages,
                                     page_size=cfg.page_size, n_stop=cfg.max_stop_ids, depth=self.depth,
-                                    draft_k=self.draft_k, rounds=cfg.rounds_per_step)
+                                    draft_k=self.draft_k, rounds=cfg.rounds_per_step, logprobs=cfg.max_logprobs)
 
     def _runner(self, new_table, prefill_specs: dict, step_specs: dict, overlap: bool,
                 allocate: bool = True) -> ModelRunner:
@@ -374,7 +376,8 @@ class ServingEngine:
         plan = self.scheduler.schedule(steps=2 if self._in_flight is not None else 1)
         output, failed = self._run(plan)
         updates = self.scheduler.update(output)
-        deltas = [TokenDelta(u.request.rid, list(u.tokens), u.time) for u in updates if u.tokens]
+        deltas = [TokenDelta(u.request.rid, list(u.tokens), u.time, list(u.logprobs) if u.logprobs else None,
+                             u.prompt_logprobs) for u in updates if u.tokens]
         records = [*faults, *failed, *(self._record(u.request, u.reason, u.error) for u in updates if u.reason)]
         prefill_tokens = sum(c.n_valid for c in plan.prefill.chunks) if plan.prefill is not None else 0
         return StepReport(deltas, records, plan.kind, plan.active, sum(u.started for u in updates), plan.width,
@@ -456,7 +459,8 @@ class ServingEngine:
             self._in_flight = None
             return (), 0, self._fail_all(e)
         n_draft = self.specs[(step.kind, len(step.owners))].n_slots - 1
-        return tuple(zip(step.owners, programs.unpack_step(packed, self.config.rounds_per_step))), n_draft, []
+        rows = programs.unpack_step(packed, self.config.rounds_per_step, self.config.max_logprobs)
+        return tuple(zip(step.owners, rows)), n_draft, []
 
     def _fail_all(self, error: Exception) -> list[RequestRecord]:
         """A program raised: its donated table is gone, and so is any step queued after it. Every prefilling and

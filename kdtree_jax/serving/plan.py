@@ -35,6 +35,8 @@ class Request:
     cached_tokens: int = 0  # context tokens its first admission found in the prefix cache
     epoch: int = 0  # bumped at each preemption: a step queued before it carries tokens that will be recomputed
     group: int | None = None  # the data group it was admitted to; None while it waits
+    # position -> the entry of that prompt token, as its chunks compute them (`RequestParams.prompt_logprobs`)
+    prompt_logprobs: dict = dataclasses.field(default_factory=dict)
 
     @property
     def known_len(self) -> int:
@@ -124,3 +126,5 @@ class RequestUpdate:
     reason: str | None = None  # its finish reason; None: it goes on
     error: str | None = None
     started: bool = False  # its prefill ended and it decodes from its slot
+    logprobs: tuple = ()  # the tokens' entries (`TokenLogprob`), where the request asked for them
+    prompt_logprobs: list | None = None  # with its first token, where it asked: one per prompt token (None first)

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax.constrain import device as cd
+from kdtree_jax.decode import logprobs as lp_mod
 from kdtree_jax.decode import sampling
 from kdtree_jax.decode.speculative import (
     FINISH_LENGTH,
@@ -61,9 +62,10 @@ from kdtree_jax.model.target import LatentCache, forward_verify
 
 
 def empty_table(target, drafter, *, slots: int, capacity: int, n_pages: int, page_size: int, n_stop: int,
-                depth: int, draft_k: int, rounds: int) -> DecodeState:
+                depth: int, draft_k: int, rounds: int, logprobs: int | None = None) -> DecodeState:
     """A table of free slots over an empty page pool. A free slot is a finished row: every round carries it
-    unchanged. The page table in it is a placeholder: every program takes the host's table as an argument."""
+    unchanged. The page table in it is a placeholder: every program takes the host's table as an argument. With
+    `logprobs` (the top-k of programs that keep log-probabilities) it holds one step's tokens' entries per slot."""
     cfg = target.cfg
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
     params = RequestRows(
@@ -87,6 +89,7 @@ def empty_table(target, drafter, *, slots: int, capacity: int, n_pages: int, pag
         round=jnp.int32(0),
         accept_len=zeros((slots, rounds)),
         constraint_state=jnp.full((slots,), cd.FREE_STATE, jnp.int32),
+        logprobs=None if logprobs is None else lp_mod.LogprobRows.zeros(slots, rounds * (depth + 1), logprobs),
     )
 
 
@@ -115,13 +118,14 @@ class PrefillBatch(NamedTuple):
     seeds: jax.Array  # [n] uint32
     params: RequestRows
     start_state: jax.Array  # [n] int32
+    next_token: jax.Array  # [n] int32: the context token after the chunk; -1 where the chunk ends the context
 
     @classmethod
     def example(cls, n: int, bucket: int, page_width: int, params: RequestRows) -> PrefillBatch:
         """A batch of n rows of `bucket` tokens to compile with (its values are never run)."""
         ints = np.zeros((n,), np.int32)
         return cls(np.zeros((n, page_width), np.int32), np.zeros((n, bucket), np.int32), ints, ints, ints + 1, ints,
-                   ints, np.zeros((n,), np.uint32), params, ints)
+                   ints, np.zeros((n,), np.uint32), params, ints, ints - 1)
 
 
 def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.AutomatonTables,
@@ -137,8 +141,11 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, tables:
     is), and row slots[i] starts running with it as its bonus. A chunk that does not end its context has no row
     (slots[i] out of range): its writes to the table's rows are dropped.
 
-    Returns (table, [n, 2] int32 of first token and finish code; meaningful where the context ended)."""
-    rows, tokens, slots, start, n_valid, prompt_len, n_prev, seeds, params, start_state = batch
+    Returns (table, [n, 2] int32 of first token and finish code; meaningful where the context ended). A program with
+    `spec.logprobs` appends each row's entries (`lp_mod.packed`) for the tokens its T rows predict: row t the
+    context token at start + t + 1, the last valid row `next_token`, or where the chunk ends the context the first
+    token (the entries past n_valid are padding)."""
+    rows, tokens, slots, start, n_valid, prompt_len, n_prev, seeds, params, start_state, next_token = batch
     n, t = tokens.shape
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < n_valid[:, None]
@@ -185,7 +192,13 @@ def prefill_chunk(spec: DecodeSpec, target, drafter, table: DecodeState, tables:
         accept_len=put(table.accept_len, jnp.zeros((n, table.accept_len.shape[1]), jnp.int32)),
         constraint_state=put(table.constraint_state, state_after),
     )
-    return table, jnp.stack([first, finish], axis=1)
+    head = jnp.stack([first, finish], axis=1)
+    if spec.logprobs is None:
+        return table, head
+    follow = jnp.where(next_token >= 0, next_token, first)
+    targets = jnp.where(jnp.arange(t)[None, :] == (n_valid - 1)[:, None], follow[:, None], token_rows[:, 1:])
+    entries = lp_mod.packed(*lp_mod.of_tokens(out.logits, targets, spec.logprobs))
+    return table, jnp.concatenate([head, entries], axis=1)
 
 
 NO_SLOTS = -1  # `slot_axes` of a leaf without a slot axis (the round counter)
@@ -274,7 +287,8 @@ def step(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.Autom
 
     Returns (table, packed) with packed [spec.batch, 2 + rounds + rounds * L] int32, one transfer for the host: per
     slot, group by group, the tokens committed this step, its finish code (`PAUSED` where it idled), each round's
-    acceptance length (0: did not run) and the tokens themselves (L = the most tokens one round commits)."""
+    acceptance length (0: did not run) and the tokens themselves (L = the most tokens one round commits); with
+    `spec.logprobs`, then the tokens' entries (`lp_mod.packed`)."""
     table = with_pages(table, page_table)
     slack = spec.slack if row_slack is None else row_slack
     part, packed = _rounds(spec, target, drafter, slice_rows(table, 0, spec.batch, groups), tables, rounds, slack)
@@ -312,9 +326,10 @@ def _rounds(spec: DecodeSpec, target, drafter, table: DecodeState, tables: cd.Au
     first = state.prompt_len + before  # the first token this step committed
     index = jnp.clip(first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], 0, state.tokens.shape[1] - 1)
     new_tokens = jnp.take_along_axis(state.tokens, index, axis=1)
-    packed = jnp.concatenate([(state.n_generated - before)[:, None], reported[:, None], state.accept_len,
-                              new_tokens], axis=1)
-    return state, packed
+    parts = [(state.n_generated - before)[:, None], reported[:, None], state.accept_len, new_tokens]
+    if spec.logprobs is not None:
+        parts.append(lp_mod.packed(*lp_mod.read(state.logprobs, before, width)))
+    return state, jnp.concatenate(parts, axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +339,7 @@ class StepRow:
     finish: int  # its finish code: RUNNING, PAUSED or why it ended
     accept: tuple[int, ...]  # each round's acceptance length, for the rounds that ran
     tokens: tuple[int, ...]  # the tokens it committed this step
+    logprobs: tuple[lp_mod.TokenLogprob, ...] = ()  # theirs, from a program with log-probabilities
 
     @property
     def paused(self) -> bool:
@@ -336,13 +352,18 @@ class StepRow:
         return None if self.finish in (RUNNING, PAUSED) else FINISH_REASONS[self.finish]
 
 
-def unpack_step(packed: np.ndarray, rounds: int) -> list[StepRow]:
-    """The rows of `step`'s packed output [rows, 2 + rounds + rounds * L], in order."""
+def unpack_step(packed: np.ndarray, rounds: int, logprobs: int | None = None) -> list[StepRow]:
+    """The rows of `step`'s packed output [rows, 2 + rounds + rounds * L (+ its entries)], in order; `logprobs`: the
+    top-k of a program with log-probabilities."""
+    packed = np.asarray(packed)
+    per_token = 1 if logprobs is None else 2 + 2 * logprobs
+    width = (packed.shape[1] - 2 - rounds) // per_token
     rows = []
-    for row in np.asarray(packed).tolist():
+    for raw, row in zip(packed, packed.tolist()):
         n_new, finish = row[0], row[1]
-        rows.append(StepRow(finish, tuple(a for a in row[2: 2 + rounds] if a > 0),
-                            tuple(row[2 + rounds: 2 + rounds + n_new])))
+        tokens = tuple(row[2 + rounds: 2 + rounds + n_new])
+        entries = () if logprobs is None else tuple(lp_mod.unpack(raw[2 + rounds + width:], tokens, logprobs))
+        rows.append(StepRow(finish, tuple(a for a in row[2: 2 + rounds] if a > 0), tokens, entries))
     return rows
 
 
@@ -353,6 +374,9 @@ class PrefillRow:
 
     first: int
     finish: int
+    # from a program with log-probabilities: the entries of the context tokens at start + 1 .. start + n_valid - 1,
+    # then of the token after the chunk (the first generated token where the chunk ends the context)
+    logprobs: tuple[lp_mod.TokenLogprob, ...] = ()
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -365,9 +389,21 @@ class PrefillRow:
         return None if self.finish == RUNNING else FINISH_REASONS[self.finish]
 
 
-def unpack_prefill(packed: np.ndarray) -> list[PrefillRow]:
-    """The rows of `prefill_chunk`'s packed output [rows, 2], in order."""
-    return [PrefillRow(first, finish) for first, finish in np.asarray(packed).tolist()]
+def unpack_prefill(packed: np.ndarray, batch: PrefillBatch | None = None, logprobs: int | None = None
+                   ) -> list[PrefillRow]:
+    """The rows of `prefill_chunk`'s packed output [rows, 2 (+ entries)], in order; `logprobs`: the top-k of a
+    program with log-probabilities, whose entries name the tokens of `batch`."""
+    packed = np.asarray(packed)
+    rows = []
+    for i, (first, finish) in enumerate(packed[:, :2].tolist()):
+        entries = ()
+        if logprobs is not None:
+            n = int(batch.n_valid[i])
+            follow = int(batch.next_token[i])
+            targets = [*np.asarray(batch.tokens[i, 1:n]).tolist(), first if follow < 0 else follow]
+            entries = tuple(lp_mod.unpack(packed[i, 2:], targets, logprobs))
+        rows.append(PrefillRow(first, finish, entries))
+    return rows
 
 
 def _ar_rounds_keeping_the_draft(spec, target, drafter, state: DecodeState, tables: cd.AutomatonTables, more,

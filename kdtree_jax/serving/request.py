@@ -14,6 +14,7 @@ import numpy as np
 
 from kdtree_jax.constrain.automaton import ConstraintSpec
 from kdtree_jax.decode.engine import ContextTooLongError
+from kdtree_jax.decode.logprobs import TokenLogprob
 from kdtree_jax.decode.params import ParamError, RequestParams
 
 SEED_LIMIT = 1 << 32  # seeds are 32-bit: the request key is jax.random.key(seed)
@@ -44,6 +45,10 @@ class TokenDelta:
     request_id: int
     token_ids: list[int]
     time: float  # perf_counter when the host received them
+    # where the request asked (`RequestParams.logprobs`): an entry per token, with its top `logprobs` alternatives
+    logprobs: list[TokenLogprob] | None = None
+    # on a request's first delta where it asked for `prompt_logprobs`: an entry per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -89,6 +94,7 @@ class RequestLimits:
     top_k_cap: int
     max_stop_ids: int
     stop_ids: tuple[int, ...]  # the model's own
+    max_logprobs: int | None = None  # the top-k the programs keep; None: no log-probabilities
 
 
 def _token_ids(values) -> bool:
@@ -118,6 +124,7 @@ def check_request(prompt: Sequence[int], params: RequestParams, limits: RequestL
             f"the prompt's {len(prompt)} tokens plus max_new_tokens {n} exceed max_context {limits.max_context}")
     try:
         params.check_sampling(limits.top_k_cap)
+        params.check_logprobs(limits.max_logprobs)
     except ParamError as e:
         raise RequestError(e.field, e.detail) from None
     extra = tuple(params.stop_token_ids)

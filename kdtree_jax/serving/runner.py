@@ -222,9 +222,10 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------------------------
     def prefill(self, batch: programs.PrefillBatch) -> list[programs.PrefillRow]:
         """One chunk program over the batch's rows; each row's first token and finish code, from the device."""
-        program = self.prefill_program((batch.tokens.shape[1], len(batch.slots)))
+        key = (batch.tokens.shape[1], len(batch.slots))
+        program = self.prefill_program(key)
         self.table, out = program(self._weight_leaves, self.table, self.tables, batch)
-        return programs.unpack_prefill(np.asarray(jax.device_get(out)))
+        return programs.unpack_prefill(np.asarray(jax.device_get(out)), batch, self.prefill_specs[key].logprobs)
 
     def queue_step(self, key, page_table: np.ndarray) -> concurrent.futures.Future:
         """Start a step (k rounds over the first width / groups slots of each data group); the table is the step's
@@ -295,7 +296,9 @@ def prefill_batch(rows: Sequence[Chunk | None], bucket: int, page_rows: np.ndarr
         np.array([len(r.prompt) for r in reqs], np.int32), np.array([len(r.tokens) for r in reqs], np.int32),
         np.array([r.seed for r in reqs], np.uint32),
         RequestRows.of([r.params for r in reqs], [r.stop_ids for r in reqs], n_stop),
-        np.asarray(start_state, np.int32))
+        np.asarray(start_state, np.int32),
+        np.array([-1 if ch.last or ch.start + ch.n_valid >= len(ch.request.context)
+                  else ch.request.context[ch.start + ch.n_valid] for ch in chunks], np.int32))
 
 
 def table_shardings(table, mesh):

@@ -118,13 +118,23 @@ class Scheduler:
         r = chunk.request
         ends = refused is not None or row.reason is not None
         self.prefilled(chunk, running=not ends)
+        k = _prompt_logprobs(r)
+        if k is not None:  # row t's entry is the context token at start + 1 + t; the prompt's are kept
+            for p, entry in enumerate(row.logprobs, chunk.start + 1):
+                if p < len(r.prompt):
+                    r.prompt_logprobs[p] = entry.limited(k)
         if not chunk.last:
             return None
         if refused is not None:
             return RequestUpdate(r, now, reason="error", error=f"constraint: {refused}")
         r.first_token_time = now if r.first_token_time is None else r.first_token_time
+        prompt = None
+        if _prompt_logprobs(r) is not None and not r.tokens:  # its first token: the prompt's entries with it
+            prompt = [None, *(r.prompt_logprobs.get(p) for p in range(1, len(r.prompt)))]
         r.tokens += row.tokens
-        return RequestUpdate(r, now, row.tokens, row.reason, started=not ends)
+        logprobs = _asked(getattr(r.params, "logprobs", None), row.logprobs[-1:] if row.tokens else ())
+        return RequestUpdate(r, now, row.tokens, row.reason, started=not ends, logprobs=logprobs,
+                             prompt_logprobs=prompt)
 
     def _decoded(self, r: Request, row, n_draft: int, now: float) -> RequestUpdate:
         accepted = _emitted_lengths(row.accept, len(row.tokens))
@@ -137,7 +147,8 @@ class Scheduler:
             self.committed(r)
         if row.reason is not None:
             self.finish(self.slots.index(r))  # its row is finished on the device already
-        return RequestUpdate(r, now, row.tokens, row.reason)
+        logprobs = _asked(getattr(r.params, "logprobs", None), row.logprobs)
+        return RequestUpdate(r, now, row.tokens, row.reason, logprobs=logprobs)
 
     # ---- bookkeeping ------------------------------------------------------------------------------------------
     @property
@@ -269,7 +280,7 @@ class Scheduler:
         def start_in(r: Request, g: int) -> tuple[list[int], int, int, bool] | None:
             """A request from the queue starting in group g: (its prefix hit there, first row, chunk tokens, whether
             the chunk ends its context), or None when g cannot take it now (slots, pages, this step's tokens)."""
-            hit = self.cache.match(r.rid, r.context, g)
+            hit = self._match(r, g)
             start = len(hit) * self.cache.page_size
             n = min(len(r.context) - start, bucket)
             last = start + n == len(r.context)
@@ -355,7 +366,14 @@ class Scheduler:
 
     def _hit_rows(self, r: Request, group: int) -> int:
         """Rows of a waiting request's context that the group's prefix cache holds now."""
-        return len(self.cache.match(r.rid, r.context, group)) * self.cache.page_size
+        return len(self._match(r, group)) * self.cache.page_size
+
+    def _match(self, r: Request, group: int) -> list:
+        """The cached pages a waiting request's context starts with in a group; none for a request that asks for
+        its prompt's log-probabilities, which only a prefill of the whole prompt computes."""
+        if _prompt_logprobs(r) is not None:
+            return []
+        return self.cache.match(r.rid, r.context, group)
 
     # ---- decode -----------------------------------------------------------------------------------------------
     def committed(self, r: Request) -> None:
@@ -473,6 +491,16 @@ def step_width(widths: Sequence[int], groups: int, group_slots: int, active: int
     data groups (default: as many as one group holds)."""
     per_group = min(active, group_slots) if busiest is None else busiest
     return next(w for w in sorted(widths) if w // groups >= per_group)
+
+
+def _prompt_logprobs(r: Request) -> int | None:
+    """The top-k of its prompt's log-probabilities a request asks for; None: none."""
+    return getattr(r.params, "prompt_logprobs", None)
+
+
+def _asked(k: int | None, entries) -> tuple:
+    """The entries with a request's k alternatives each; none where it did not ask (k None)."""
+    return () if k is None else tuple(e.limited(k) for e in entries)
 
 
 def _emitted_lengths(accept: Sequence[int], n_new: int) -> list[int]:
