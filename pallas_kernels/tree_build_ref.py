@@ -41,10 +41,10 @@ def build_one(lp: np.ndarray, ids: np.ndarray, root: int, budget: int):
         heap.append((-float(s0), (0,), 1, 0, 0, np.float32(0.0)))
     count = 0
     while heap and count < budget:
-        neg, path, depth, rank, parent, pscore, token = heapq.heappop(heap)
+        neg, path, depth, rank, parent, pscore = heapq.heappop(heap)
         score = np.float32(-neg)
         count += 1
-        tokens[count] = token
+        tokens[count] = ids[depth - 1, rank]
         parents[count] = parent
         depths[count] = depth
         if rank + 1 < k:
