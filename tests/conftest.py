@@ -10,11 +10,6 @@ _CHEAP_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensiv
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8"
                       + ("" if importlib.util.find_spec("jax_cuda13_plugin") else " " + _CHEAP_CODEGEN))
 
-# The CPU suite runs two xdist workers on two cores, each compiling most of the time: a serving engine's warm-up here
-# compiles its programs one at a time (the product compiles one per CPU at once), so the workers together never ask
-# for more compiles at once than there are cores.
-os.environ.setdefault("KDTREE_COMPILE_THREADS", "1")
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -31,7 +31,7 @@ from kdtree_jax.serving import programs, xla_options
 from kdtree_jax.serving.plan import Chunk, Request
 from kdtree_jax.serving.request import RequestParams
 
-COMPILE_THREADS_ENV = "KDTREE_COMPILE_THREADS"  # programs the warm-up compiles at once; unset or 0: one per CPU
+COMPILE_THREADS_ENV = "KDTREE_COMPILE_THREADS"  # programs the warm-up compiles at once; unset: 1, 0: one per CPU
 _TABLE_IDS = itertools.count()  # Engine.compile keys of a table's programs: id() recurs once a table is freed
 
 
@@ -163,9 +163,10 @@ class ModelRunner:
 
     def warm_up(self, on_program=None, only: Sequence | None = None) -> dict[str, float]:
         """Compile every program not compiled yet (or those of `only`, keys such as ("step", key)): one prefill per
-        (bucket, rows), one step per (kind, width), move and release, up to one per CPU at once (`compile_threads`;
-        each thread traces under the GIL, then XLA compiles without it). `on_program(desc, seconds)` is called after
-        each. Returns the seconds each took (near zero where JAX's persistent compilation cache had it)."""
+        (bucket, rows), one step per (kind, width), move and release: one at a time on the calling thread, or
+        `compile_threads()` at once on a thread pool (each thread traces under the GIL, then XLA compiles without
+        it). `on_program(desc, seconds)` is called after each. Returns the seconds each took (near zero where JAX's
+        persistent compilation cache had it)."""
         builders = {**{("prefill", k): functools.partial(self.prefill_program, k) for k in self.prefill_specs},
                     **{("step", k): functools.partial(self.step_program, k) for k in self.step_specs},
                     ("move", None): self.move_program, ("release", None): self.release_program}
@@ -176,22 +177,30 @@ class ModelRunner:
         bar = tqdm(total=len(todo), desc=f"compiling {len(todo)} serving programs", unit="program",
                    leave=False) if self.engine.progress else None
         self._one_bar = bar is not None
+        threads = min(len(todo), compile_threads())
         try:
-            with concurrent.futures.ThreadPoolExecutor(min(len(todo), compile_threads()),
-                                                       thread_name_prefix="kdtree-compile") as pool:
-                futures = {pool.submit(build): key for key, build in todo.items()}
-                for future in concurrent.futures.as_completed(futures):
-                    future.result()
-                    desc = self.desc(futures[future])
-                    if bar is not None:
-                        bar.update(1)
-                    if on_program is not None:
-                        on_program(desc, self.warmup_s[desc])
+            if threads == 1:
+                for key, build in todo.items():
+                    build()
+                    self._compiled(key, bar, on_program)
+            else:
+                with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kdtree-compile") as pool:
+                    futures = {pool.submit(build): key for key, build in todo.items()}
+                    for future in concurrent.futures.as_completed(futures):
+                        future.result()
+                        self._compiled(futures[future], bar, on_program)
         finally:
             self._one_bar = False
             if bar is not None:
                 bar.close()
         return dict(self.warmup_s)
+
+    def _compiled(self, key, bar, on_program) -> None:
+        desc = self.desc(key)
+        if bar is not None:
+            bar.update(1)
+        if on_program is not None:
+            on_program(desc, self.warmup_s[desc])
 
     def adopt(self, other: ModelRunner) -> None:
         """Take the programs `other` compiled over a table of this one's shapes and layout (the memory planner's
@@ -260,11 +269,15 @@ class ModelRunner:
 
 
 def compile_threads() -> int:
-    """Programs compiled at once: $KDTREE_COMPILE_THREADS, else one per CPU."""
+    """Programs the warm-up compiles at once: $KDTREE_COMPILE_THREADS (0: one per CPU), else one, on the calling
+    thread. A warm start on a thread pool loaded programs from JAX's persistent cache off the main thread, and such a
+    load crashed the process (a segmentation fault in `deserialize_executable`) in the CPU suite."""
     given = os.environ.get(COMPILE_THREADS_ENV, "")
     if given and not given.isdigit():
         raise ValueError(f"${COMPILE_THREADS_ENV} must be an integer >= 0, got {given!r}")
-    return int(given or 0) or os.cpu_count() or 1
+    if not given:
+        return 1
+    return int(given) or os.cpu_count() or 1
 
 
 def prefill_desc(key: tuple[int, int]) -> str:
