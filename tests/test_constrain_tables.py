@@ -16,13 +16,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from test_agent_api import MODEL, USER, ScriptedFront
-from test_constrain_schema import _walk
+from test_constrain_schema import _walk, compiler, tokenizer  # noqa: F401  (module fixtures)
 from test_constrained_decoding import host_next
 
-from kdtree_jax.checkpoint.tokenizer import KimiTokenizer
 from kdtree_jax.constrain import device as cd
-from kdtree_jax.constrain.automaton import (ConstraintCompiler, ConstraintSpec, ConstraintTooLarge,
-                                            ConstraintVocabulary, compile_constraint)
+from kdtree_jax.constrain.automaton import ConstraintSpec, ConstraintTooLarge, ConstraintVocabulary, compile_constraint
 from kdtree_jax.decode.engine import Engine
 from kdtree_jax.server import ServerSettings, build_app
 from kdtree_jax.server import constraints as agent_constraints
@@ -92,16 +90,6 @@ TOOL_SCHEMAS = {
         limit=_int(1, 1000)),
 }
 REAL_SIZE = {"array_of_8": ARRAY_OF_8, **TOOL_SCHEMAS}
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> KimiTokenizer:
-    return KimiTokenizer.from_dir(os.path.join(SHIPPED, "tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer) -> ConstraintCompiler:
-    return ConstraintCompiler(ConstraintVocabulary.from_tokenizer(tokenizer))
 
 
 # ---- buckets and the budget ------------------------------------------------------------------------------------

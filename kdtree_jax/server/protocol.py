@@ -52,7 +52,21 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Strict):
+class _Refusing(_Strict):
+    """A request whose UNSUPPORTED fields (name -> the values that mean "off") are a 400 at any other value."""
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    @field_validator("*")
+    @classmethod
+    def _off_unless_supported(cls, v, info):
+        off = cls.UNSUPPORTED.get(info.field_name)
+        if off is not None and not any(_same(v, o) for o in off):
+            raise ValueError(f"not supported by this server (only {off[-1]!r})")
+        return v
+
+
+class _SamplingRequest(_Refusing):
     """The fields completions and chat completions share."""
 
     # field -> the values that mean "off"; anything else is refused as not supported
@@ -98,13 +112,6 @@ class _SamplingRequest(_Strict):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @field_validator("*")
-    @classmethod
-    def _off_unless_supported(cls, v, info):
-        off = cls.UNSUPPORTED.get(info.field_name)
-        if off is not None and not any(_same(v, o) for o in off):
-            raise ValueError(f"not supported by this server (only {off[-1]!r})")
-        return v
 
     @property
     def include_usage(self) -> bool:
@@ -215,7 +222,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_tokens, "max_tokens"
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Refusing):
     """POST /v1/responses: OpenAI's Responses API over the chat path (serving_responses.py reads `input`, `tools`,
     `tool_choice` and `text` into a chat request and names the field at fault)."""
 
@@ -250,10 +257,3 @@ class ResponsesRequest(_Strict):
     truncation: Any = None
     stream_options: Any = None
 
-    @field_validator("*")
-    @classmethod
-    def _off_unless_supported(cls, v, info):
-        off = cls.UNSUPPORTED.get(info.field_name)
-        if off is not None and not any(_same(v, o) for o in off):
-            raise ValueError(f"not supported by this server (only {off[-1]!r})")
-        return v
